@@ -1,0 +1,165 @@
+"""Triton tree attention vs. the torch reference vs. a float64 computation written here.
+
+Runs under TRITON_INTERPRET=1 (tests/kernels/conftest.py). The cases cover
+T in {1, 3, 17}, prefix in {0, 1, 127, 1000}, B in {1, 3}, Hq/Hkv group sizes
+{1, 4, 8}, D in {64, 80, 96, 128}, block sizes 16 and 32 without the full cross
+product, to keep the interpreter under budget.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import kernels
+from kernels import ref
+from kernels import tree_attention as ta
+
+
+def random_tree_mask(T: int, gen: torch.Generator) -> torch.Tensor:  # [T, T] bool
+    """A random valid tree: node i's parent is -1 or an earlier node."""
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    for i in range(T):
+        parent = int(torch.randint(-1, i, (1,), generator=gen)) if i > 0 else -1
+        if parent >= 0:
+            mask[i] = mask[parent]
+        mask[i, i] = True
+    return mask
+
+
+def make_inputs(B, T, Hq, Hkv, D, page, prefix, dtype, seed=0):
+    """Random paged inputs with a scattered, over-wide block table."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [(p + T + page - 1) // page for p in prefix]
+    width = max(need) + 2
+    n_blocks = sum(need) + 5
+    k_cache = torch.randn(n_blocks, page, Hkv, D, generator=gen).to(dtype)
+    v_cache = torch.randn(n_blocks, page, Hkv, D, generator=gen).to(dtype)
+    perm = torch.randperm(n_blocks, generator=gen)  # pages scattered over the pool
+    block_tables = torch.empty(B, width, dtype=torch.int32)
+    used = 0
+    for b in range(B):
+        block_tables[b, : need[b]] = perm[used: used + need[b]].to(torch.int32)
+        # entries past the sequence's end point at pages of other rows: must be ignored
+        block_tables[b, need[b]:] = perm[: width - need[b]].to(torch.int32)
+        used += need[b]
+    q = torch.randn(B, T, Hq, D, generator=gen).to(dtype)
+    prefix_lens = torch.tensor(prefix, dtype=torch.int32)
+    tree_mask = torch.stack([random_tree_mask(T, gen) for _ in range(B)])
+    return q, k_cache, v_cache, block_tables, prefix_lens, tree_mask
+
+
+def attention_f64(q, k_cache, v_cache, block_tables, prefix_lens, tree_mask, scale):
+    """Independent float64 computation: token-by-token page lookup, repeated KV heads."""
+    B, T, Hq, D = q.shape
+    page, Hkv = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(B, T, Hq, D, dtype=torch.float64)
+    for b in range(B):
+        P = int(prefix_lens[b])
+        pos = torch.arange(P + T)
+        pages = block_tables[b].long()[pos // page]
+        k = k_cache[pages, pos % page].double().repeat_interleave(Hq // Hkv, dim=1)
+        v = v_cache[pages, pos % page].double().repeat_interleave(Hq // Hkv, dim=1)
+        for t in range(T):
+            visible = torch.cat([torch.ones(P, dtype=torch.bool), tree_mask[b, t]])
+            kk, vv = k[visible], v[visible]                          # [n, Hq, D]
+            s = (q[b, t].double()[None] * kk).sum(-1) * scale         # [n, Hq]
+            w = torch.exp(s - s.max(0).values)
+            out[b, t] = (w[..., None] * vv).sum(0) / w.sum(0)[:, None]
+    return out
+
+
+def rel_err(x, y):
+    return float((x.double() - y.double()).norm() / y.double().norm())
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Output and scratch start as NaN, so a row the kernel fails to write shows up."""
+    monkeypatch.setattr(ta, "_new_output", lambda q: torch.full_like(q, float("nan")))
+    monkeypatch.setattr(ta, "_new_scratch", lambda *s, device: torch.full(
+        s, float("nan"), device=device, dtype=torch.float32))
+
+
+CASES = [  # B, T, Hq, Hkv, D, page, prefix per row, dtype
+    (1, 1, 1, 1, 64, 16, [0], torch.float32),              # plain decoding, nothing before
+    (1, 1, 8, 1, 128, 16, [1000], torch.float32),          # one query, long prefix, group 8
+    (3, 3, 8, 2, 80, 32, [1, 127, 0], torch.float32),      # odd D, group 4
+    (3, 17, 4, 4, 64, 16, [127, 1000, 1], torch.float32),  # no GQA, T over a tile
+    (1, 17, 8, 1, 80, 32, [127], torch.float32),           # T*group = 136: several row tiles
+    (3, 3, 4, 1, 96, 16, [1000, 0, 1], torch.bfloat16),
+    (1, 17, 8, 2, 128, 32, [1], torch.bfloat16),
+    (3, 1, 4, 4, 64, 32, [127, 1, 0], torch.float16),
+]
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,page,prefix,dtype", CASES)
+def test_matches_reference_and_float64(poisoned, B, T, Hq, Hkv, D, page, prefix, dtype):
+    inputs = make_inputs(B, T, Hq, Hkv, D, page, prefix, dtype, seed=B * 1000 + T * 10 + D)
+    scale = 1.0 / math.sqrt(D)
+    out = kernels.tree_decode_attention(*inputs)
+    assert out.dtype == dtype and out.shape == (B, T, Hq, D)
+    assert not out.isnan().any(), "kernel left output elements unwritten"
+    expect = attention_f64(*inputs, scale)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert rel_err(out, expect) < tol
+    reference = ref.tree_decode_attention(*inputs)
+    assert rel_err(reference, expect) < tol
+    # per row, so a single wrong query (a wrong mask row) cannot hide in the norm
+    for b in range(B):
+        for t in range(T):
+            assert rel_err(out[b, t], expect[b, t]) < 3 * tol, (b, t)
+
+
+def test_num_splits_agree(poisoned):
+    inputs = make_inputs(3, 3, 8, 2, 64, 16, [1000, 127, 0], torch.float32, seed=7)
+    expect = attention_f64(*inputs, 1.0 / math.sqrt(64))
+    outs = {s: kernels.tree_decode_attention(*inputs, num_splits=s) for s in (1, 2, 7, None)}
+    for s, out in outs.items():
+        assert not out.isnan().any(), s
+        assert rel_err(out, expect) < 1e-4, s
+        assert rel_err(out, outs[1]) < 1e-5, s
+
+
+def test_sm_scale_is_honoured():
+    inputs = make_inputs(1, 3, 4, 2, 64, 16, [40], torch.float32, seed=3)
+    out = kernels.tree_decode_attention(*inputs, sm_scale=0.5)
+    assert rel_err(out, attention_f64(*inputs, 0.5)) < 1e-4
+    assert rel_err(out, attention_f64(*inputs, 1.0 / 8)) > 1e-2
+
+
+def test_tree_mask_changes_output():
+    """A node must not see its siblings: compare a chain mask with a star mask."""
+    q, k, v, bt, pl, _ = make_inputs(1, 3, 4, 4, 64, 16, [5], torch.float32, seed=5)
+    chain = torch.tril(torch.ones(1, 3, 3, dtype=torch.bool))
+    star = torch.eye(3, dtype=torch.bool)[None].clone()
+    out_chain = kernels.tree_decode_attention(q, k, v, bt, pl, chain)
+    out_star = kernels.tree_decode_attention(q, k, v, bt, pl, star)
+    assert rel_err(out_chain, attention_f64(q, k, v, bt, pl, chain, 1 / 8)) < 1e-4
+    assert rel_err(out_star, attention_f64(q, k, v, bt, pl, star, 1 / 8)) < 1e-4
+    assert torch.allclose(out_chain[:, 0], out_star[:, 0], rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(out_chain[:, 2], out_star[:, 2], rtol=1e-3, atol=1e-3)
+
+
+def test_num_splits_heuristic():
+    assert ta.choose_num_splits(1, 8, 1, 200, 132) == 1         # short prefix: no split
+    assert ta.choose_num_splits(1, 8, 1, 32768, 132) == 33      # ~2 programs per SM
+    assert ta.choose_num_splits(32, 8, 1, 32768, 132) == 2      # batch already fills it
+    assert ta.choose_num_splits(64, 8, 1, 131072, 132) == 1
+    assert ta.choose_num_splits(1, 1, 1, 10 ** 7, 132) == 64    # capped
+
+
+@pytest.mark.parametrize("bad", ["dtype", "int64_lens", "noncontig", "group"])
+def test_launcher_rejects_bad_inputs(bad):
+    q, k, v, bt, pl, m = make_inputs(1, 3, 4, 2, 64, 16, [10], torch.float32)
+    if bad == "dtype":
+        k = k.half()
+    elif bad == "int64_lens":
+        pl = pl.long()
+    elif bad == "noncontig":
+        q = q.transpose(1, 2).contiguous().transpose(1, 2)
+    elif bad == "group":
+        q = torch.randn(1, 3, 3, 64)
+    with pytest.raises(AssertionError):
+        kernels.tree_decode_attention(q, k, v, bt, pl, m)
