@@ -1,0 +1,200 @@
+"""Llama-family decoder (Llama, Qwen2, Mistral shapes) over a paged KV cache.
+
+Pre-norm blocks: RMSNorm (Zhang & Sennrich 2019) → grouped-query attention
+(Ainslie et al. 2023) with RoPE → RMSNorm → SwiGLU MLP (Shazeer 2020). The
+q/k/v projections are one fused matmul, as are gate/up (the loader
+concatenates the checkpoint's weights once).
+
+One `forward` serves prefill, plain decoding and tree verification: the new
+tokens of each sequence are appended to its cache slots and attend to the
+whole cached prefix plus the new tokens that `tree_mask` allows (a prompt is a
+chain, so prefill passes a causal mask). Contract: docs/internals.md, `models`.
+
+Weights are created with `requires_grad=False`: this is an inference engine.
+Run it under `torch.no_grad()` / `torch.inference_mode()` all the same.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.attention import tree_attention
+from models.config import ModelConfig, rope_inv_freq
+from models.kv_cache import OutOfBlocks, PagedKVCache
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., H]; normalised in float32, scaled in the weight's dtype (as the checkpoints were trained)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [B, T, H, D]; cos, sin: [B, T, 1, D/2] → [B, T, H, D]."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.c = c
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.attn_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.qkv_proj = nn.Linear(c.hidden_size, q_dim + 2 * kv_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=c.attention_out_bias)
+        self.mlp_norm = nn.Parameter(torch.ones(c.hidden_size))
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+
+    def forward(
+        self,
+        h: torch.Tensor,           # [B, T, hidden]
+        rope: tuple[torch.Tensor, torch.Tensor],   # cos, sin: [B, T, 1, D/2]
+        k_cache: torch.Tensor,     # [N_blocks, block_size, Hkv, D]  this layer's pages
+        v_cache: torch.Tensor,     # [N_blocks, block_size, Hkv, D]
+        attn_meta: tuple[torch.Tensor, ...],   # slots [B*T], block_tables [B, W], prefix_lens [B], tree_mask
+    ) -> torch.Tensor:             # [B, T, hidden]
+        c = self.c
+        B, T, _ = h.shape
+        Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        slots, block_tables, prefix_lens, tree_mask = attn_meta
+
+        qkv = self.qkv_proj(rms_norm(h, self.attn_norm, c.rms_norm_eps))   # [B, T, (Hq+2Hkv)*D]
+        qk = apply_rope(qkv[..., : (Hq + Hkv) * D].view(B, T, Hq + Hkv, D), *rope)
+        q, k = qk[:, :, :Hq], qk[:, :, Hq:]                                   # [B, T, Hq|Hkv, D]
+        v = qkv[..., (Hq + Hkv) * D :].reshape(B * T, Hkv, D)
+        k_cache.view(-1, Hkv, D).index_copy_(0, slots, k.reshape(B * T, Hkv, D))
+        v_cache.view(-1, Hkv, D).index_copy_(0, slots, v)
+        attn = tree_attention(q, k_cache, v_cache, block_tables, prefix_lens, tree_mask)
+        h = h + self.o_proj(attn.reshape(B, T, Hq * D))
+
+        gate_up = self.gate_up_proj(rms_norm(h, self.mlp_norm, c.rms_norm_eps))   # [B, T, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = nn.Parameter(torch.ones(config.hidden_size))
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.requires_grad_(False)
+        rope_type = (config.rope_scaling or {}).get("rope_type", "default")
+        self._dynamic_rope = rope_type == "dynamic"
+        inv_freq, self._rope_scale = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)   # [D/2] float32
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:   # [V, hidden]
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def new_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+        """A cache shaped for this model, on its device and in its dtype."""
+        c, w = self.config, self.embed_tokens.weight
+        return PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, w.dtype, w.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] int64 → cos, sin [B, T, 1, D/2] in the model dtype."""
+        inv_freq = self.inv_freq
+        if self._dynamic_rope:
+            seq_len = int(positions.max()) + 1 if positions.numel() else 0
+            inv_freq = rope_inv_freq(self.config, seq_len)[0].to(positions.device)
+        angles = positions[..., None].float() * inv_freq                # [B, T, D/2]
+        dtype = self.embed_tokens.weight.dtype
+        cos = (angles.cos() * self._rope_scale).to(dtype).unsqueeze(2)
+        sin = (angles.sin() * self._rope_scale).to(dtype).unsqueeze(2)
+        return cos, sin
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,     # [B, T] int64
+        positions: torch.Tensor,     # [B, T] int64 RoPE positions
+        cache: PagedKVCache,
+        seq_ids: Sequence[Hashable],
+        tree_mask: torch.Tensor,     # [B, T, T] bool: node j is node i or its ancestor
+        logit_rows: torch.Tensor | None = None,       # [V'] int64 rows of the LM head
+        return_hidden: bool = False,
+        logit_positions: torch.Tensor | None = None,  # [T'] or [B, T'] int64 indices into T
+    ):
+        """Append T tokens per sequence to the cache and return their logits.
+
+        Returns logits `[B, T, V] float32` (`T'` for `logit_positions`, `V'` for
+        `logit_rows`), or `(logits, hidden [B, T, hidden])` with `return_hidden`;
+        hidden is the final-norm output that the LM head reads. Each sequence is
+        T longer afterwards; on any error the cache is left as it was.
+        """
+        B, T = input_ids.shape
+        prefix = [cache.seq_len(s) for s in seq_ids]
+        _reserve_all(cache, seq_ids, T)
+        try:
+            hidden = self._hidden(input_ids, positions, cache, seq_ids, tree_mask, prefix)
+        except BaseException:
+            for s, p in zip(seq_ids, prefix):
+                cache.truncate(s, p)
+            raise
+        logits = self.logits(hidden, logit_rows, logit_positions)
+        return (logits, hidden) if return_hidden else logits
+
+    def _hidden(self, input_ids, positions, cache, seq_ids, tree_mask, prefix) -> torch.Tensor:
+        """Run the layers; returns the final-norm hidden states [B, T, hidden]."""
+        B, T = input_ids.shape
+        device = input_ids.device
+        block_tables = cache.block_table(seq_ids)                              # [B, W] int32
+        prefix_lens = torch.tensor(prefix, dtype=torch.int32, device=device)   # [B]
+        pos = prefix_lens[:, None].long() + torch.arange(T, device=device)     # [B, T] cache positions
+        bs = cache.block_size
+        slots = (block_tables.long().gather(1, pos // bs) * bs + pos % bs).reshape(B * T)
+        attn_meta = (slots, block_tables, prefix_lens, tree_mask)
+        rope = self.rope(positions)
+        h = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, rope, cache.k[i], cache.v[i], attn_meta)
+        return rms_norm(h, self.norm, self.config.rms_norm_eps)
+
+    def logits(
+        self,
+        hidden: torch.Tensor,                         # [B, T, hidden]
+        logit_rows: torch.Tensor | None = None,       # [V'] int64
+        logit_positions: torch.Tensor | None = None,  # [T'] or [B, T'] int64
+    ) -> torch.Tensor:                                # [B, T' or T, V' or V] float32
+        if logit_positions is not None:
+            if logit_positions.dim() == 1:
+                hidden = hidden[:, logit_positions]
+            else:
+                index = logit_positions[..., None].expand(-1, -1, hidden.shape[-1])
+                hidden = hidden.gather(1, index)
+        weight = self.lm_head_weight
+        if logit_rows is not None:
+            weight = weight.index_select(0, logit_rows)
+        return F.linear(hidden, weight).float()
+
+
+def _reserve_all(cache: PagedKVCache, seq_ids: Sequence[Hashable], n: int) -> None:
+    """Reserve n slots in every sequence, or in none (OutOfBlocks re-raised)."""
+    done: list[tuple[Hashable, int]] = []
+    try:
+        for s in seq_ids:
+            length = cache.seq_len(s)
+            cache.reserve(s, n)
+            done.append((s, length))
+    except (OutOfBlocks, KeyError):
+        for s, length in done:
+            cache.truncate(s, length)
+        raise
+
+
+def causal_mask(batch: int, length: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Tree mask of a chain (prefill or a draft chain): [batch, length, length] bool."""
+    mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+    return mask.expand(batch, length, length)
