@@ -20,6 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 K8S_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
+# Names of the Serve deployments the app builds (`cluster.serve_app:build_app`); the Serve config's
+# per-deployment settings (autoscaling_config, ray_actor_options) are addressed by these names.
+INGRESS_DEPLOYMENT = "SpecflashIngress"
+VERIFIER_DEPLOYMENT = "Verifier"
+DRAFTER_DEPLOYMENT = "Drafter"
 # Ray's built-in resources are requested through num_cpus / num_gpus, never as custom names.
 RAY_BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 
@@ -190,7 +195,7 @@ class Toleration(_Model):
 
 class NodeType(_Model):
     name: str = Field(description="Node type / KubeRay group name (DNS-1035 label).")
-    cpus: float = Field(gt=0, description="CPUs of one node (pod request and limit; Ray's num-cpus on workers).")
+    cpus: int = Field(gt=0, description="CPUs of one node (pod request and limit; Ray's num-cpus on workers).")
     memory: str = Field(description="Memory of one node as a Kubernetes quantity, e.g. 32Gi.")
     gpus: int = Field(0, ge=0, description="GPUs of one node (a `gpu_resource` limit on Kubernetes).")
     gpu_resource: str = Field("nvidia.com/gpu", description="Kubernetes extended resource name of the GPUs.")
@@ -256,7 +261,14 @@ class ServingConfig(_Model):
     max_queue: int = Field(256, ge=1, description="Requests waiting per ingress replica before 429/503.")
     request_timeout_s: float = Field(600.0, gt=0, description="A request running longer is aborted.")
     api_key_env: str | None = Field(
-        None, description="Environment variable holding the API key clients must send; None = no key."
+        None,
+        description="Environment variable holding the API key clients must send; None = no key. "
+        "On Kubernetes it is read from the Secret `<name>-api-key`, key `api-key`.",
+    )
+    grpc_servicer_functions: list[str] = Field(
+        default_factory=list,
+        description="Import paths of the `add_*Servicer_to_server` functions Serve's gRPC proxy serves; "
+        "empty = no gRPC proxy.",
     )
 
     @model_validator(mode="after")
@@ -288,19 +300,52 @@ class BenchmarkJob(_Model):
     ttl_seconds_after_finished: int = Field(600, ge=0, description="Delete the job's cluster this long after.")
 
 
-class ClusterConfig(_Model):
-    name: str = Field("specflash", max_length=40, description="Name of the RayService / cluster (DNS-1035).")
-    image: str = Field(description="Container image with specflash installed (same Ray version).")
-    ray_version: str = Field(description="Ray version of the image, e.g. 2.60.0.")
-    import_path: str = Field("cluster.serve_app:build_app", description="The Serve app builder.")
+class AppArgs(_Model):
+    """The `args` of `cluster.serve_app:build_app`: the part of ClusterConfig the running app reads.
+
+    `AppArgs.model_validate(args)` in the builder; `{}` gives the local defaults.
+    """
+
     models: ModelPairConfig = Field(default_factory=ModelPairConfig, description="The model pair.")
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Actor resources.")
     speculation: SpeculationDefaults = Field(default_factory=SpeculationDefaults, description="Server defaults.")
     drafters_per_verifier: int = Field(1, ge=1, le=8, description="Drafter actors feeding one verifier.")
     verifier_scaling: ReplicaScaling = Field(default_factory=ReplicaScaling, description="Verifier replicas.")
     drafter_scaling: ReplicaScaling = Field(default_factory=ReplicaScaling, description="Drafter replicas.")
-    ingress_scaling: ReplicaScaling = Field(default_factory=ReplicaScaling, description="Ingress replicas.")
     serving: ServingConfig = Field(default_factory=ServingConfig, description="HTTP / gRPC front.")
+
+    @model_validator(mode="after")
+    def _app_consistent(self) -> AppArgs:
+        if self.models.target is not None and self.models.draft is None:
+            if self.speculation.proposer == "model" and self.speculation.mode != "off":
+                raise ValueError("a target without a draft model needs speculation proposer 'ngram' or mode 'off'")
+        if self.verifier_scaling.min_replicas < 1:
+            raise ValueError("verifier_scaling.min_replicas must be >= 1: nothing serves without a verifier")
+        self._check_ratio()
+        return self
+
+    def _check_ratio(self) -> None:
+        n, v, d = self.drafters_per_verifier, self.verifier_scaling, self.drafter_scaling
+        if d.max_replicas < n * v.min_replicas:
+            raise ValueError(
+                f"drafter_scaling.max_replicas={d.max_replicas} cannot feed verifier_scaling.min_replicas="
+                f"{v.min_replicas} x drafters_per_verifier={n}"
+            )
+        if d.max_replicas > n * v.max_replicas or d.min_replicas > n * v.min_replicas:
+            raise ValueError(
+                f"drafter replicas [{d.min_replicas}, {d.max_replicas}] exceed drafters_per_verifier={n} x "
+                f"verifier replicas [{v.min_replicas}, {v.max_replicas}]: the extra drafters would feed no verifier"
+            )
+
+
+class ClusterConfig(AppArgs):
+    """AppArgs plus what only deployment needs: names, image, node types, autoscaler, jobs."""
+
+    name: str = Field("specflash", max_length=40, description="Name of the RayService / cluster (DNS-1035).")
+    image: str = Field(description="Container image with specflash installed (same Ray version).")
+    ray_version: str = Field(description="Ray version of the image, e.g. 2.60.0.")
+    import_path: str = Field("cluster.serve_app:build_app", description="The Serve app builder.")
+    ingress_scaling: ReplicaScaling = Field(default_factory=ReplicaScaling, description="Ingress replicas.")
     head: NodeType = Field(
         description="The head node: GCS, Serve controller and proxy; runs no model in a cluster "
         "(its worker counts are ignored)."
@@ -321,29 +366,11 @@ class ClusterConfig(_Model):
         names = [self.head.name, self.drafter_nodes.name, self.verifier_nodes.name]
         if len(set(names)) != 3:
             raise ValueError(f"head, drafter_nodes and verifier_nodes need distinct names, got {names}")
-        if self.models.target is not None and self.models.draft is None:
-            if self.speculation.proposer == "model" and self.speculation.mode != "off":
-                raise ValueError("a target without a draft model needs speculation proposer 'ngram' or mode 'off'")
-        for side in ("verifier", "ingress"):
-            if getattr(self, f"{side}_scaling").min_replicas < 1:
-                raise ValueError(f"{side}_scaling.min_replicas must be >= 1: nothing serves without a {side}")
-        self._check_ratio()
+        if self.ingress_scaling.min_replicas < 1:
+            raise ValueError("ingress_scaling.min_replicas must be >= 1: nothing serves without an ingress")
         for side in ("drafter", "verifier"):
             self._check_fit(side)
         return self
-
-    def _check_ratio(self) -> None:
-        n, v, d = self.drafters_per_verifier, self.verifier_scaling, self.drafter_scaling
-        if d.max_replicas < n * v.min_replicas:
-            raise ValueError(
-                f"drafter_scaling.max_replicas={d.max_replicas} cannot feed verifier_scaling.min_replicas="
-                f"{v.min_replicas} x drafters_per_verifier={n}"
-            )
-        if d.max_replicas > n * v.max_replicas or d.min_replicas > n * v.min_replicas:
-            raise ValueError(
-                f"drafter replicas [{d.min_replicas}, {d.max_replicas}] exceed drafters_per_verifier={n} x "
-                f"verifier replicas [{v.min_replicas}, {v.max_replicas}]: the extra drafters would feed no verifier"
-            )
 
     def host_of(self, side: Literal["drafter", "verifier"]) -> NodeType:
         """The node type an actor of `side` runs on: its worker type, or the head when that has no workers."""
@@ -369,6 +396,10 @@ class ClusterConfig(_Model):
                 f"{host.name!r} nodes hold ({capacity})"
             )
 
+    def app_args(self) -> dict[str, Any]:
+        """The Serve app's `args` (an `AppArgs` as JSON-compatible data)."""
+        return self.model_dump(mode="json", include=set(AppArgs.model_fields))
+
     # ---- YAML ------------------------------------------------------------------------------
     @classmethod
     def from_yaml(cls, path: str | Path) -> ClusterConfig:
@@ -380,7 +411,10 @@ class ClusterConfig(_Model):
 
     def to_yaml(self, path: str | Path | None = None) -> str:
         """The config as YAML (every field, defaults included); written to `path` when given."""
-        text = yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+        data = self.model_dump(mode="json")
+        first = ["name", "image", "ray_version", "import_path"]  # identity first, as in the example file
+        data = {k: data[k] for k in first} | {k: v for k, v in data.items() if k not in first}
+        text = yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
         if path is not None:
             Path(path).write_text(text, encoding="utf-8")
         return text

@@ -8,7 +8,7 @@ import pydantic
 import pytest
 import yaml
 
-from cluster.config import ActorPlacement, ClusterConfig, NodeType, ReplicaScaling
+from cluster.config import ActorPlacement, AppArgs, ClusterConfig, NodeType, ReplicaScaling
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "manifests" / "cluster.example.yaml"
@@ -130,3 +130,18 @@ def test_from_yaml_rejects_a_non_mapping(tmp_path):
     path.write_text("- just\n- a list\n")
     with pytest.raises(ValueError, match="mapping"):
         ClusterConfig.from_yaml(path)
+
+
+def test_app_args_are_the_serve_app_part_of_the_config():
+    cfg = ClusterConfig.from_yaml(EXAMPLE)
+    args = AppArgs.model_validate(cfg.app_args())
+    assert args.placement == cfg.placement and args.models == cfg.models
+    assert "head" not in cfg.app_args() and "image" not in cfg.app_args()
+    assert AppArgs.model_validate({}) == AppArgs()  # `serve run cluster.serve_app:build_app` with no args
+    with pytest.raises(pydantic.ValidationError, match="nothing serves without a verifier"):
+        AppArgs.model_validate({"verifier_scaling": {"min_replicas": 0}})
+
+
+def test_ingress_must_keep_one_replica(example):
+    with pytest.raises(pydantic.ValidationError, match="without an ingress"):
+        ClusterConfig.model_validate(_set(example, "ingress_scaling.min_replicas", 0))
