@@ -6,6 +6,7 @@ Triton (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1);
 Importing this package needs no GPU.
 """
 from kernels import ref
+from kernels.rejection import rejection_sample
 from kernels.tree_attention import tree_decode_attention
 
-__all__ = ["ref", "tree_decode_attention"]
+__all__ = ["ref", "rejection_sample", "tree_decode_attention"]
