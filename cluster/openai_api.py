@@ -1,0 +1,511 @@
+"""The OpenAI-compatible HTTP API over any `Engine` (docs/internals.md, "cluster").
+
+`OpenAIServer` is a plain class (no Ray): it validates requests, tokenizes,
+admits them against a bounded queue, runs each choice through the engine with an
+incremental detokenizer and stop strings, and shapes OpenAI responses, whole or
+as server-sent events ending in `data: [DONE]`. `build_fastapi_app(server)` is
+the route table. The Ray Serve ingress (`cluster.serve_app`) and the gRPC
+service (`cluster.grpc_service`) both drive the same `OpenAIServer`, and the
+tests drive it in-process with FastAPI's TestClient and a fake engine.
+
+Every generation that ends before the engine finishes it (stop string, client
+gone, timeout, error) is aborted in the engine, which frees its KV blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from cluster.detokenizer import IncrementalDetokenizer, StopStrings
+from cluster.openai_models import (APIError, ChatCompletionRequest, CompletionRequest,
+                                   SamplingFields, validation_error)
+from cluster.prom import CONTENT_TYPE, PrometheusExporter, ServingStats
+from cluster.protocol import Engine, GenerationRequest, SpeculationOptions
+from models.sampling import SamplingParams
+
+# Used when the tokenizer has no chat template of its own (ChatML, as documented
+# in docs/serving.md); its end-of-turn marker is then also a stop string.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+DEFAULT_TEMPLATE_STOP = "<|im_end|>"
+Disconnected = Callable[[], Awaitable[bool]]
+
+
+@dataclass
+class ServerSettings:
+    model_name: str = "specflash"
+    max_context: int = 2048            # prompt + completion tokens
+    max_queue: int = 64                # generations admitted at once (running + waiting)
+    request_timeout_s: float = 600.0
+    retry_after_s: int = 1
+    default_max_tokens: int = 16       # /v1/completions without max_tokens (OpenAI's default)
+    disconnect_poll_s: float = 1.0     # non-streamed requests: how often to check the client
+
+
+@dataclass
+class Delta:
+    """New text of one choice; the last one of a choice carries `finish_reason`."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the engine: one entry per choice."""
+
+    prompts: list[list[int]]           # token ids per prompt
+    sampling: list[SamplingParams]     # per choice (prompt-major, n per prompt)
+    prompt_of: list[int]               # choice index -> prompt index
+    speculation: SpeculationOptions
+    stops: list[str]
+
+
+class EngineError(Exception):
+    def __init__(self, message: str, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class OpenAIServer:
+    """Request handling for /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+
+    def __init__(self, engine: Engine, tokenizer, settings: ServerSettings | None = None,
+                 stats: ServingStats | None = None) -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+        self.settings = settings or ServerSettings()
+        self.stats = stats or ServingStats()
+        self.exporter = PrometheusExporter(self.stats)
+        self.chat_template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
+        self.outstanding = 0           # admitted generations not yet finished
+        self.vocab_size = len(tokenizer)
+        self.created = int(time.time())
+
+    # -- request preparation -----------------------------------------------------------
+    def _check_model(self, req: SamplingFields) -> None:
+        if req.model is not None and req.model != self.settings.model_name:
+            raise APIError(404, f"The model {req.model!r} does not exist; this server serves "
+                           f"{self.settings.model_name!r}", code="model_not_found", param="model")
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}",
+                           code="invalid_value", param="prompt")
+        return list(prompt)
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, chat_template=self.chat_template, tokenize=False,
+                add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # a template that rejects the conversation (roles, order)
+            raise APIError(400, f"chat template: {e}", code="invalid_value", param="messages") from e
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prepare(self, req: SamplingFields, prompts: list[list[int]], default_max: int | None,
+                max_tokens: int | None) -> Prepared:
+        ctx = self.settings.max_context
+        for ids in prompts:
+            if not ids:
+                raise APIError(400, "prompt is empty", code="invalid_value", param="prompt")
+            if len(ids) >= ctx:
+                raise APIError(400, f"This model's maximum context length is {ctx} tokens; the "
+                               f"prompt has {len(ids)}", code="context_length_exceeded",
+                               param="prompt")
+        sampling, prompt_of = [], []
+        for p, ids in enumerate(prompts):
+            room = ctx - len(ids)
+            budget = max_tokens if max_tokens is not None else (default_max or room)
+            if max_tokens is None:
+                budget = min(budget, room)
+            if budget > room:
+                raise APIError(400, f"This model's maximum context length is {ctx} tokens; the "
+                               f"prompt ({len(ids)}) plus max_tokens ({budget}) exceeds it",
+                               code="context_length_exceeded", param="max_tokens")
+            for j in range(req.n):
+                seed = None if req.seed is None else req.seed + j
+                try:
+                    sampling.append(SamplingParams(
+                        temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
+                        seed=seed, max_tokens=budget, ignore_eos=req.ignore_eos,
+                        stop_token_ids=list(req.stop_token_ids or [])))
+                except ValueError as e:
+                    raise APIError(400, str(e), code="invalid_value") from e
+                prompt_of.append(p)
+        spec = req.speculation.to_options() if req.speculation else SpeculationOptions()
+        return Prepared(prompts, sampling, prompt_of, spec, list(req.stop or []))
+
+    # -- admission and generation --------------------------------------------------------
+    def admit(self, n: int) -> None:
+        if self.outstanding + n > self.settings.max_queue:
+            self.stats.observe_rejected("queue_full")
+            raise APIError(429, f"The server is busy ({self.outstanding} generations queued, the "
+                           f"limit is {self.settings.max_queue}); retry later",
+                           type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        self.outstanding += n
+
+    def release(self, n: int) -> None:
+        self.outstanding -= n
+
+    async def generate_choice(self, index: int, request_id: str, prompt_ids: list[int],
+                              sampling: SamplingParams, spec: SpeculationOptions,
+                              stops: list[str], deadline: float) -> AsyncIterator[Delta]:
+        """Runs one choice; aborts it in the engine unless the engine finished it."""
+        detok, stopper = IncrementalDetokenizer(self.tokenizer), StopStrings(stops)
+        start = last = time.monotonic()
+        n_tokens = drafted = accepted = 0
+        finished, queued, abort_reason = False, True, "client"
+        self.stats.observe_queued(+1)
+        stream = self.engine.generate(GenerationRequest(request_id, prompt_ids, sampling, spec))
+        try:
+            if inspect.isawaitable(stream):
+                stream = await stream
+            iterator = stream.__aiter__()
+            while True:
+                remaining = deadline - time.monotonic()
+                try:
+                    if remaining <= 0:
+                        raise asyncio.TimeoutError
+                    chunk = await asyncio.wait_for(iterator.__anext__(), remaining)
+                except StopAsyncIteration:
+                    raise EngineError("the engine ended the request without finishing it", False)
+                except asyncio.TimeoutError:
+                    abort_reason = "timeout"
+                    raise APIError(408, f"request timed out after {self.settings.request_timeout_s}"
+                                   " s", type="timeout_error", code="request_timeout") from None
+                if chunk.finish_reason == "error":
+                    finished = True
+                    msg = chunk.error or "engine error"
+                    raise EngineError(msg, retryable="retryable" in msg.lower())
+                now = time.monotonic()
+                if chunk.token_ids:
+                    if queued:
+                        queued = False
+                        self.stats.observe_queued(-1)
+                        self.stats.observe_running(+1)
+                        self.stats.observe_first_token(now - start)
+                    else:
+                        self.stats.observe_tokens(len(chunk.token_ids), now - last)
+                    last = now
+                n_tokens += len(chunk.token_ids)
+                drafted, accepted = chunk.num_drafted, chunk.num_accepted
+                text = stopper.feed(detok.add(chunk.token_ids))
+                if stopper.stopped:  # a stop string: cut there, the engine need not go on
+                    abort_reason = "stop_string"
+                    yield Delta(index, text, "stop", n_tokens, drafted, accepted)
+                    return
+                if chunk.finished:
+                    finished = True
+                    text += stopper.feed(detok.flush())
+                    text += stopper.flush()
+                    yield Delta(index, text, "stop" if stopper.stopped else chunk.finish_reason,
+                                n_tokens, drafted, accepted)
+                    return
+                if text:
+                    yield Delta(index, text, None, n_tokens, drafted, accepted)
+        finally:
+            if queued:
+                self.stats.observe_queued(-1)
+            else:
+                self.stats.observe_running(-1)
+            self.stats.observe_finished(n_tokens, drafted, accepted)
+            if not finished:
+                self.stats.observe_aborted(abort_reason)
+                await asyncio.shield(self._abort(request_id))
+
+    async def _abort(self, request_id: str) -> None:
+        try:
+            await self.engine.abort(request_id)
+        except Exception:  # the request may already be gone; nothing else to free
+            pass
+
+    async def run(self, prep: Prepared, is_disconnected: Disconnected | None = None
+                  ) -> AsyncIterator[Delta]:
+        """All choices of a request, interleaved; admission held for the whole request."""
+        n = len(prep.sampling)
+        self.admit(n)
+        deadline = time.monotonic() + self.settings.request_timeout_s
+        base = uuid.uuid4().hex
+        gens = [self.generate_choice(i, f"{base}-{i}", prep.prompts[prep.prompt_of[i]],
+                                     prep.sampling[i], prep.speculation, prep.stops, deadline)
+                for i in range(n)]
+        try:
+            self.stats.observe_prompt(sum(len(p) for p in prep.prompts))
+            merged = gens[0] if n == 1 else merge(gens)
+            watch = _DisconnectWatch(is_disconnected, self.settings.disconnect_poll_s)
+            try:
+                async for delta in merged:
+                    if await watch.gone():
+                        return
+                    yield delta
+            finally:
+                await merged.aclose()
+        finally:
+            self.release(n)
+
+    async def collect(self, prep: Prepared, is_disconnected: Disconnected | None = None
+                      ) -> list[Delta]:
+        """The whole answer: one Delta per choice with its full text."""
+        out = [Delta(i, "") for i in range(len(prep.sampling))]
+        try:
+            async for d in self.run(prep, is_disconnected):
+                o = out[d.index]
+                o.text += d.text
+                o.finish_reason = d.finish_reason or o.finish_reason
+                o.completion_tokens, o.drafted, o.accepted = d.completion_tokens, d.drafted, d.accepted
+        except EngineError as e:
+            raise engine_api_error(e, self.settings.retry_after_s) from e
+        return out
+
+    # -- endpoints ---------------------------------------------------------------------
+    def parse(self, raw: bytes, model: type[SamplingFields]) -> SamplingFields:
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from e
+        if not isinstance(body, dict):
+            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        try:
+            req = model.model_validate(body, strict=True)
+        except ValidationError as e:
+            raise validation_error(e) from e
+        self._check_model(req)
+        return req
+
+    def prepare_completion(self, req: CompletionRequest) -> Prepared:
+        prompts = [self._tokenize(p) for p in req.prompts()]
+        return self.prepare(req, prompts, self.settings.default_max_tokens, req.max_tokens)
+
+    def prepare_chat(self, req: ChatCompletionRequest) -> Prepared:
+        prep = self.prepare(req, [self._chat_prompt(req)], None, req.token_budget)
+        if self.chat_template is DEFAULT_CHAT_TEMPLATE:
+            prep.stops.append(DEFAULT_TEMPLATE_STOP)
+        return prep
+
+    def usage(self, prep: Prepared, deltas: list[Delta]) -> dict:
+        prompt = sum(len(p) for p in prep.prompts)
+        completion = sum(d.completion_tokens for d in deltas)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "drafted_tokens": sum(d.drafted for d in deltas),
+                "accepted_tokens": sum(d.accepted for d in deltas)}
+
+    async def completions(self, req: CompletionRequest, is_disconnected: Disconnected | None = None):
+        prep = self.prepare_completion(req)
+        rid, model = f"cmpl-{uuid.uuid4().hex}", self.settings.model_name
+        head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
+
+        def choice(d: Delta) -> dict:
+            return {"index": d.index, "text": d.text, "logprobs": None,
+                    "finish_reason": d.finish_reason}
+        if req.stream:
+            return await self._sse(prep, head, choice, req.include_usage, is_disconnected, None)
+        deltas = await self.collect(prep, is_disconnected)
+        return {**head, "choices": [choice(d) for d in deltas], "usage": self.usage(prep, deltas)}
+
+    async def chat(self, req: ChatCompletionRequest, is_disconnected: Disconnected | None = None):
+        prep = self.prepare_chat(req)
+        rid, model = f"chatcmpl-{uuid.uuid4().hex}", self.settings.model_name
+        head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
+        if req.stream:
+            def choice(d: Delta) -> dict:
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                return {"index": d.index, "delta": delta, "logprobs": None,
+                        "finish_reason": d.finish_reason}
+            first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for i in range(len(prep.sampling))]
+            head = {**head, "object": "chat.completion.chunk"}
+            return await self._sse(prep, head, choice, req.include_usage, is_disconnected, first)
+        deltas = await self.collect(prep, is_disconnected)
+        choices = [{"index": d.index, "message": {"role": "assistant", "content": d.text},
+                    "logprobs": None, "finish_reason": d.finish_reason} for d in deltas]
+        return {**head, "choices": choices, "usage": self.usage(prep, deltas)}
+
+    async def _sse(self, prep: Prepared, head: dict, choice, include_usage: bool,
+                   is_disconnected: Disconnected | None, first: list[dict] | None
+                   ) -> AsyncIterator[str]:
+        """Server-sent events: one event per delta, then usage if asked, then [DONE].
+
+        Admission happens before the first byte, so a full queue is still a 429."""
+        gen = self.run(prep, is_disconnected)
+        finals: dict[int, Delta] = {}
+        try:
+            first_delta = await gen.__anext__()
+        except StopAsyncIteration:
+            first_delta = None
+        except EngineError as e:
+            raise engine_api_error(e, self.settings.retry_after_s) from e
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                if first:
+                    yield _event({**head, "choices": first})
+                delta = first_delta
+                while delta is not None:
+                    if delta.text or delta.finish_reason:
+                        yield _event({**head, "choices": [choice(delta)]})
+                    if delta.finish_reason:
+                        finals[delta.index] = delta
+                    delta = await gen.__anext__()
+            except StopAsyncIteration:
+                pass
+            except (APIError, EngineError) as e:
+                err = e if isinstance(e, APIError) else engine_api_error(
+                    e, self.settings.retry_after_s)
+                yield _event(err.body())
+            finally:
+                await gen.aclose()
+            if include_usage:
+                yield _event({**head, "choices": [], "usage": self.usage(prep, list(finals.values()))})
+            yield "data: [DONE]\n\n"
+        return events()
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.settings.model_name, "object": "model", "created": self.created,
+            "owned_by": "specflash", "max_model_len": self.settings.max_context}]}
+
+    async def health(self) -> tuple[int, dict]:
+        try:
+            h = dict(await self.engine.health())
+        except Exception as e:
+            h = {"ok": False, "error": repr(e)}
+        ok = bool(h.get("ok"))
+        body = {"status": "ok" if ok else "unavailable", "model": self.settings.model_name,
+                "speculation": bool(h.get("speculation")), "outstanding": self.outstanding,
+                "engine": h}
+        return (200 if ok else 503), body
+
+    async def metrics(self) -> bytes:
+        try:
+            engine_stats = await self.engine.stats()
+        except Exception:
+            engine_stats = {}
+        return self.exporter.render(engine_stats)
+
+
+def engine_api_error(e: EngineError, retry_after_s: int) -> APIError:
+    if e.retryable:
+        return APIError(503, str(e), type="server_error", code="engine_overloaded",
+                        headers={"Retry-After": str(retry_after_s)})
+    return APIError(500, str(e), type="server_error", code="engine_error")
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class _DisconnectWatch:
+    """Polls `is_disconnected` at most every `period_s` seconds."""
+
+    def __init__(self, is_disconnected: Disconnected | None, period_s: float) -> None:
+        self.check, self.period_s, self.next = is_disconnected, period_s, 0.0
+
+    async def gone(self) -> bool:
+        if self.check is None or time.monotonic() < self.next:
+            return False
+        self.next = time.monotonic() + self.period_s
+        return bool(await self.check())
+
+
+async def merge(gens: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
+    """Interleave several choice streams as their deltas come; cancels the rest on exit."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(g):
+        try:
+            async for d in g:
+                await queue.put(d)
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            await queue.put(e)
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.ensure_future(pump(g)) for g in gens]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def build_fastapi_app(server: OpenAIServer) -> FastAPI:
+    """The route table: each route parses, hands off to `server`, and shapes the response."""
+    app = FastAPI(title="specflash", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        server.stats.observe_request(request.url.path, exc.status, 0.0)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def _generate(request: Request, model, handler):
+        t0 = time.monotonic()
+        req = server.parse(await request.body(), model)
+        result = await handler(req, request.is_disconnected)
+        if isinstance(result, dict):
+            server.stats.observe_request(request.url.path, 200, time.monotonic() - t0)
+            return JSONResponse(result)
+
+        async def body():
+            try:
+                async for event in result:
+                    yield event
+            finally:
+                server.stats.observe_request(request.url.path, 200, time.monotonic() - t0)
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(request, CompletionRequest, server.completions)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(request, ChatCompletionRequest, server.chat)
+
+    @app.get("/v1/models")
+    async def models():
+        return server.models()
+
+    @app.get("/health")
+    async def health():
+        status, body = await server.health()
+        return JSONResponse(body, status_code=status,
+                            headers={} if status == 200 else {"Retry-After": "1"})
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(await server.metrics(), media_type=CONTENT_TYPE)
+
+    return app

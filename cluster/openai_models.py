@@ -1,0 +1,152 @@
+"""Pydantic models of the OpenAI-compatible request bodies, and the API error type.
+
+Requests are validated in strict mode (`"max_tokens": "5"` is a type error, as in
+OpenAI's API); unknown top-level fields are ignored, the way clients that send
+newer OpenAI fields expect. Range checks that depend on the model (context
+length, vocabulary) happen in `cluster.openai_api`, which knows the model.
+"""
+from __future__ import annotations
+
+import re
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from cluster.protocol import SpeculationOptions
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body `{"error": {message, type, code, param}}`."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.code, self.param, self.headers = code, param, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code,
+                          "param": self.param}}
+
+
+# Parts of a pydantic error location that name a union member or validator, not a field.
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|function-.*|.*\[.*\]|[A-Z]\w*)$")
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """The first pydantic error as a 400, naming the offending field."""
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()) if not _TYPE_TAG.match(str(p)))
+    kind = err.get("type", "")
+    code = "invalid_type" if ("type" in kind or kind.endswith("_parsing")) else "invalid_value"
+    if kind == "missing":
+        code = "missing_required_parameter"
+    return APIError(400, f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")),
+                    code=code, param=loc or None)
+
+
+class SpeculationModel(BaseModel):
+    """Per-request speculation: the `speculation` extension field (docs/serving.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    mode: Literal["off", "chain", "tree", "auto"] = Field(
+        "auto", description="off: plain decoding; chain / tree: speculate that shape; auto: adaptive")
+    spec_len: int | None = Field(None, ge=1, le=16, description="chain length K / tree depth")
+    tree_width: int | None = Field(None, ge=1, le=8, description="children per tree node")
+    proposer: Literal["model", "ngram"] = Field("model", description="draft model or prompt lookup")
+
+    def to_options(self) -> SpeculationOptions:
+        return SpeculationOptions(mode=self.mode, spec_len=self.spec_len,
+                                  tree_width=self.tree_width, proposer=self.proposer)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    max_tokens: int | None = Field(None, description="default: 16 (completions), rest of context (chat)")
+    temperature: float = Field(1.0, ge=0.0, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, description="0 or -1 = off")
+    seed: int | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(1, ge=1, le=16)
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    speculation: SpeculationModel | None = None
+    user: str | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _positive(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError("max_tokens must be at least 1")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, v: str | list[str] | None) -> list[str]:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop strings")
+        return [s for s in stops if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+PromptType = Union[str, list[str], list[int], list[list[int]]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptType
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _non_empty(cls, v: PromptType) -> PromptType:
+        if isinstance(v, list) and not v:
+            raise ValueError("prompt must not be empty")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: text or token ids, one entry per prompt."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Union[str, list[TextPart], None] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, description="newer name of max_tokens")
+    add_generation_prompt: bool = True
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,126 @@
+"""Serving metrics: a stats object the ingress feeds, and its Prometheus exporter.
+
+`ServingStats` has `observe_*` methods and knows nothing of Prometheus
+(the vLLM split between stats and loggers); `PrometheusExporter` renders it,
+plus the engine's speculative metrics, in the Prometheus text format for
+`/metrics`. Each exporter owns its registry, so several servers (or tests) in
+one process never collide on metric names.
+
+Conventions: latencies in seconds; inter-token latency is per token — a chunk of
+k tokens that arrives d seconds after the previous one counts as k gaps of d/k
+(a speculative step commits several tokens at once); mean accepted length
+includes the bonus token (the engine's number, passed through).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                   1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+               0.5, 0.75, 1.0, 2.0, 5.0)
+# Engine stats exported by name; other numeric keys of `engine.stats()` go out as
+# `specflash_engine_<key>` gauges.
+SPEC_GAUGES = {
+    "acceptance_rate": "Share of drafted tokens the verifier accepted",
+    "mean_accepted_length": "Tokens committed per verification step, bonus token included",
+    "verifier_idle_fraction": "Share of time the verifier waited for a draft tree",
+}
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServingStats:
+    """What the ingress observes about requests; rendered by `PrometheusExporter`."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("specflash_requests", "Finished HTTP/gRPC requests",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("specflash_request_latency_seconds", "End-to-end request latency",
+                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("specflash_time_to_first_token_seconds",
+                              "Time from admission to the first committed token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("specflash_inter_token_latency_seconds",
+                             "Time between consecutive output tokens (per token)",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.queue_depth = Gauge("specflash_queue_depth",
+                                 "Admitted generations still waiting for their first token",
+                                 registry=r)
+        self.running = Gauge("specflash_requests_running", "Generations producing tokens",
+                             registry=r)
+        self.rejected = Counter("specflash_requests_rejected", "Requests refused by admission",
+                                ["reason"], registry=r)
+        self.prompt_tokens = Counter("specflash_prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter("specflash_generation_tokens", "Generated tokens",
+                                         registry=r)
+        self.drafted_tokens = Counter("specflash_spec_drafted_tokens",
+                                      "Draft tokens proposed for served requests", registry=r)
+        self.accepted_tokens = Counter("specflash_spec_accepted_tokens",
+                                       "Draft tokens accepted for served requests", registry=r)
+        self.aborted = Counter("specflash_generations_aborted",
+                               "Generations aborted (client gone, timeout, stop string)",
+                               ["reason"], registry=r)
+        self.engine = {k: Gauge(f"specflash_spec_{k}", doc, registry=r)
+                       for k, doc in SPEC_GAUGES.items()}
+        self._extra: dict[str, Gauge] = {}
+
+    # -- observations -------------------------------------------------------------------
+    def observe_request(self, endpoint: str, status: int, latency_s: float) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+        self.latency.labels(endpoint).observe(latency_s)
+
+    def observe_rejected(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+
+    def observe_queued(self, delta: int) -> None:
+        self.queue_depth.inc(delta)
+
+    def observe_running(self, delta: int) -> None:
+        self.running.inc(delta)
+
+    def observe_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def observe_tokens(self, num_tokens: int, gap_s: float) -> None:
+        """A chunk of `num_tokens` arrived `gap_s` after the previous one."""
+        for _ in range(num_tokens):
+            self.itl.observe(gap_s / num_tokens)
+
+    def observe_prompt(self, prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def observe_finished(self, completion_tokens: int, drafted: int, accepted: int) -> None:
+        """A generation (one choice) ended, however it ended."""
+        self.generation_tokens.inc(completion_tokens)
+        self.drafted_tokens.inc(drafted)
+        self.accepted_tokens.inc(accepted)
+
+    def observe_aborted(self, reason: str) -> None:
+        self.aborted.labels(reason).inc()
+
+    def observe_engine(self, stats: dict) -> None:
+        """The engine's own numbers (`Engine.stats()`), as gauges."""
+        for key, value in stats.items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            gauge = self.engine.get(key) or self._extra.get(key)
+            if gauge is None:
+                name = "specflash_engine_" + "".join(c if c.isalnum() else "_" for c in key)
+                gauge = self._extra[key] = Gauge(name, f"Engine stat {key!r}",
+                                                 registry=self.registry)
+            gauge.set(float(value))
+
+
+class PrometheusExporter:
+    """Renders `ServingStats` in the Prometheus text exposition format."""
+
+    def __init__(self, stats: ServingStats) -> None:
+        self.stats = stats
+
+    def render(self, engine_stats: dict | None = None) -> bytes:
+        if engine_stats:
+            self.stats.observe_engine(engine_stats)
+        return generate_latest(self.stats.registry)
