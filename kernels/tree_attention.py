@@ -234,7 +234,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, num_m_blocks: int,
 def _block_sizes(T: int, group: int, D: int, dtype: torch.dtype) -> tuple[int, int, int]:
     block_m = min(_MAX_BLOCK_M, max(16, triton.next_power_of_2(T * group)))
     block_d = max(16, triton.next_power_of_2(D))
-    block_n = 64 if (dtype != torch.float32 and block_m <= 32) else 32
+    block_n = 32 if dtype == torch.float32 else 64  # 16 KB of K+V per tile at D = 128
     return block_m, block_n, block_d
 
 

@@ -12,13 +12,9 @@ import torch
 
 import kernels
 from kernels import ref
+from kernels.testing import random_parents
 
 CHI2_DF4_P1E4 = 23.51  # chi-square critical value, 4 degrees of freedom, p = 1e-4
-
-
-def random_parents(T: int, gen: torch.Generator) -> list[int]:
-    """A random topologically ordered tree: node i's parent is -1 or an earlier node."""
-    return [int(torch.randint(-1, i, (1,), generator=gen)) if i else -1 for i in range(T)]
 
 
 def random_batch(B, T, V, chain, greedy, gen):

@@ -15,39 +15,12 @@ import torch
 import kernels
 from kernels import ref
 from kernels import tree_attention as ta
-
-
-def random_tree_mask(T: int, gen: torch.Generator) -> torch.Tensor:  # [T, T] bool
-    """A random valid tree: node i's parent is -1 or an earlier node."""
-    mask = torch.zeros(T, T, dtype=torch.bool)
-    for i in range(T):
-        parent = int(torch.randint(-1, i, (1,), generator=gen)) if i > 0 else -1
-        if parent >= 0:
-            mask[i] = mask[parent]
-        mask[i, i] = True
-    return mask
+from kernels.testing import make_paged_inputs
 
 
 def make_inputs(B, T, Hq, Hkv, D, page, prefix, dtype, seed=0):
-    """Random paged inputs with a scattered, over-wide block table."""
-    gen = torch.Generator().manual_seed(seed)
-    need = [(p + T + page - 1) // page for p in prefix]
-    width = max(need) + 2
-    n_blocks = sum(need) + 5
-    k_cache = torch.randn(n_blocks, page, Hkv, D, generator=gen).to(dtype)
-    v_cache = torch.randn(n_blocks, page, Hkv, D, generator=gen).to(dtype)
-    perm = torch.randperm(n_blocks, generator=gen)  # pages scattered over the pool
-    block_tables = torch.empty(B, width, dtype=torch.int32)
-    used = 0
-    for b in range(B):
-        block_tables[b, : need[b]] = perm[used: used + need[b]].to(torch.int32)
-        # entries past the sequence's end point at pages of other rows: must be ignored
-        block_tables[b, need[b]:] = perm[: width - need[b]].to(torch.int32)
-        used += need[b]
-    q = torch.randn(B, T, Hq, D, generator=gen).to(dtype)
-    prefix_lens = torch.tensor(prefix, dtype=torch.int32)
-    tree_mask = torch.stack([random_tree_mask(T, gen) for _ in range(B)])
-    return q, k_cache, v_cache, block_tables, prefix_lens, tree_mask
+    """Scattered pages, an over-wide block table with a junk tail, random valid trees."""
+    return make_paged_inputs(B, T, Hq, Hkv, D, page, prefix, dtype, seed=seed)
 
 
 def attention_f64(q, k_cache, v_cache, block_tables, prefix_lens, tree_mask, scale):
