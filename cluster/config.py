@@ -306,6 +306,11 @@ class AppArgs(_Model):
     `AppArgs.model_validate(args)` in the builder; `{}` gives the local defaults.
     """
 
+    engine: Literal["pipeline", "sync", "fake"] = Field(
+        "pipeline",
+        description="What runs behind the ingress: the Ray pipeline of drafter and verifier actors, the "
+        "in-process sync engine, or `cluster.testing.FakeEngine` (no model; for trying the API).",
+    )
     models: ModelPairConfig = Field(default_factory=ModelPairConfig, description="The model pair.")
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Actor resources.")
     speculation: SpeculationDefaults = Field(default_factory=SpeculationDefaults, description="Server defaults.")

@@ -1,0 +1,395 @@
+"""The rendered deployment files: KubeRay CRD schemas, operator rules, Serve schema, drift, resources.
+
+KubeRay objects are validated as the API server would with strict field validation: nulls dropped,
+schema defaults filled, then the v1.7.0 `openAPIV3Schema` with `additionalProperties: false` added
+wherever properties are listed (plain jsonschema would let a typo through). The schemas are vendored
+in data/kuberay-v1.7.0/ (see SOURCE.md there).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+import types
+import typing
+from pathlib import Path
+
+import jsonschema
+import pydantic
+import pytest
+import yaml
+
+from cluster import manifests
+from cluster.config import DRAFTER_DEPLOYMENT, VERIFIER_DEPLOYMENT, AppArgs, ClusterConfig
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "manifests" / "cluster.example.yaml"
+SCHEMAS = Path(__file__).parent / "data" / "kuberay-v1.7.0"
+SHARED_CRDS = REPO.parent / "shared" / "kuberay-crds"
+KINDS = {"RayCluster": "rayclusters", "RayJob": "rayjobs", "RayService": "rayservices"}
+KUBE_FILES = ["rayservice.yaml", "raycluster.yaml", "rayjob-benchmark.yaml"]
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+# ---- the API server's view of a custom resource -------------------------------------------------
+def _strict(schema):
+    """Copy of `schema` with additionalProperties: false wherever properties are listed."""
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) if k in ("items", "additionalProperties", "not") else v for k, v in schema.items()}
+    for key in ("anyOf", "allOf", "oneOf"):
+        if key in schema:
+            out[key] = [_strict(s) for s in schema[key]]
+    if "properties" in schema:
+        out["properties"] = {name: _strict(s) for name, s in schema["properties"].items()}
+        out.setdefault("additionalProperties", False)
+    return out
+
+
+def _drop_nulls(obj):
+    if isinstance(obj, dict):
+        return {k: _drop_nulls(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_drop_nulls(v) for v in obj]
+    return obj
+
+
+def _fill_defaults(schema: dict, obj) -> None:
+    """Structural-schema defaulting: a missing property with a default gets it, recursively."""
+    if isinstance(obj, dict):
+        props = schema.get("properties", {})
+        for name, sub in props.items():
+            if name not in obj and "default" in sub:
+                obj[name] = copy.deepcopy(sub["default"])
+        extra = schema.get("additionalProperties")
+        for name, value in obj.items():
+            sub = props.get(name, extra if isinstance(extra, dict) else None)
+            if sub:
+                _fill_defaults(sub, value)
+    elif isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        for item in obj:
+            _fill_defaults(schema["items"], item)
+
+
+_FORMATS = jsonschema.FormatChecker()
+
+
+@_FORMATS.checks("int32")
+def _int32(value) -> bool:
+    return not isinstance(value, int) or -(2**31) <= value < 2**31
+
+
+@pytest.fixture(scope="module")
+def crd_schemas() -> dict[str, dict]:
+    return {kind: json.loads((SCHEMAS / f"{f}.v1.openapi.json").read_text()) for kind, f in KINDS.items()}
+
+
+def api_server_errors(obj: dict, schemas: dict[str, dict]) -> list[str]:
+    schema = schemas[obj["kind"]]
+    obj = _drop_nulls(copy.deepcopy(obj))
+    _fill_defaults(schema, obj)
+    validator = jsonschema.Draft7Validator(_strict(schema), format_checker=_FORMATS)
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
+
+
+# ---- what the KubeRay operator checks beyond the schema -----------------------------------------
+def _cluster_spec(obj: dict) -> dict:
+    return {"RayCluster": lambda s: s, "RayService": lambda s: s["rayClusterConfig"],
+            "RayJob": lambda s: s["rayClusterSpec"]}[obj["kind"]](obj["spec"])
+
+
+def _group_errors(where: str, group: dict) -> list[str]:
+    errors = []
+    params = group.get("rayStartParams", {})
+    errors += [f"{where}: rayStartParams[{k}] is not a string" for k, v in params.items() if not isinstance(v, str)]
+    limits = group["template"]["spec"]["containers"][0].get("resources", {}).get("limits", {})
+    if any(key.endswith("/gpu") for key in limits) and "num-gpus" in params:
+        errors.append(f"{where}: num-gpus in rayStartParams beside a GPU limit")
+    if "resources" in params and group.get("resources"):
+        errors.append(f"{where}: custom resources both in rayStartParams and in the resources field")
+    if isinstance(params.get("resources"), str):
+        try:
+            parsed = _parse_ray_resources(params["resources"])
+            assert isinstance(parsed, dict) and all(isinstance(v, (int, float)) for v in parsed.values())
+        except (ValueError, AssertionError):
+            errors.append(f"{where}: rayStartParams resources is not a JSON object of numbers")
+    return errors
+
+
+def kuberay_rule_errors(obj: dict) -> list[str]:
+    name = obj["metadata"]["name"]
+    errors = [] if DNS_1035.match(name) and len(name) <= 63 else [f"metadata.name {name!r} is not DNS-1035"]
+    spec = _cluster_spec(obj)
+    errors += _group_errors("head", spec["headGroupSpec"])
+    groups = spec.get("workerGroupSpecs", [])
+    if len({g["groupName"] for g in groups}) != len(groups):
+        errors.append("worker group names are not unique")
+    for g in groups:
+        where = f"group {g['groupName']}"
+        if not DNS_1035.match(g["groupName"]):
+            errors.append(f"{where}: groupName is not DNS-1035")
+        lo, n, hi = g.get("minReplicas", 0), g.get("replicas", 0), g.get("maxReplicas", 2**31 - 1)
+        if not lo <= n <= hi:
+            errors.append(f"{where}: need minReplicas <= replicas <= maxReplicas, got {lo}, {n}, {hi}")
+        errors += _group_errors(where, g)
+    if obj["kind"] == "RayService":
+        if obj["spec"].get("upgradeStrategy", {}).get("type") not in (None, "NewCluster",
+                                                                      "NewClusterWithIncrementalUpgrade", "None"):
+            errors.append("unknown upgradeStrategy.type")
+        if not isinstance(yaml.safe_load(obj["spec"].get("serveConfigV2", "")), dict):
+            errors.append("serveConfigV2 is not a YAML mapping")
+    if obj["kind"] == "RayJob":
+        if obj["spec"].get("submissionMode", "K8sJobMode") not in ("K8sJobMode", "HTTPMode", "InteractiveMode",
+                                                                    "SidecarMode"):
+            errors.append("unknown submissionMode")
+        if obj["spec"].get("shutdownAfterJobFinishes") and "clusterSelector" in obj["spec"]:
+            errors.append("shutdownAfterJobFinishes needs a rayClusterSpec, not a clusterSelector")
+    return errors
+
+
+def _parse_ray_resources(text: str) -> dict:
+    value = json.loads(text)
+    return json.loads(value) if isinstance(value, str) else value  # '"{\"a\": 1}"' or '{"a": 1}'
+
+
+# ---- Serve config: unknown keys at any depth --------------------------------------------------
+def _models_in(annotation) -> list[type[pydantic.BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return [annotation]
+    return [m for arg in typing.get_args(annotation) for m in _models_in(arg)]
+
+
+def unknown_serve_keys(data, model: type[pydantic.BaseModel], path: str = "") -> list[str]:
+    """Keys of `data` that no field of `model` (or of the models nested in its fields) knows."""
+    errors = []
+    fields = {f.alias or n: f for n, f in model.model_fields.items()} | dict(model.model_fields)
+    for key, value in data.items():
+        field = fields.get(key)
+        if field is None:
+            errors.append(f"{path}{key} (not a field of {model.__name__})")
+            continue
+        nested = _models_in(field.annotation)
+        if not nested:
+            continue
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, dict):
+                where = f"{path}{key}[{i}]." if isinstance(value, list) else f"{path}{key}."
+                errors += unknown_serve_keys(item, nested[0], where)
+    return errors
+
+
+def serve_config_errors(data: dict) -> list[str]:
+    from ray.serve.schema import ServeDeploySchema
+
+    try:
+        ServeDeploySchema.model_validate(data)
+    except pydantic.ValidationError as e:
+        return [str(e)]
+    errors = unknown_serve_keys(data, ServeDeploySchema)
+    for app in data["applications"]:
+        try:
+            AppArgs.model_validate(app.get("args", {}))
+        except pydantic.ValidationError as e:
+            errors.append(f"application {app['name']} args: {e}")
+    return errors
+
+
+# ---- fixtures --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cfg() -> ClusterConfig:
+    return ClusterConfig.from_yaml(EXAMPLE)
+
+
+@pytest.fixture(scope="module")
+def committed() -> dict[str, dict]:
+    return {name: yaml.safe_load((REPO / "manifests" / name).read_text()) for name in manifests.FILES}
+
+
+def _groups(obj: dict) -> dict[str, dict]:
+    return {g["groupName"]: g for g in _cluster_spec(obj)["workerGroupSpecs"]}
+
+
+# ---- tests -------------------------------------------------------------------------------------
+def test_vendored_schemas_equal_the_shared_crds():
+    if not SHARED_CRDS.is_dir():
+        pytest.skip(f"{SHARED_CRDS} not present; the vendored copies are used as they are")
+    for plural in KINDS.values():
+        loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml: 3 MB of CRDs in seconds
+        crd = yaml.load((SHARED_CRDS / f"ray.io_{plural}.yaml").read_text(), Loader=loader)
+        (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+        vendored = json.loads((SCHEMAS / f"{plural}.v1.openapi.json").read_text())
+        assert vendored == v1["schema"]["openAPIV3Schema"], plural
+
+
+def test_rendered_manifests_equal_the_committed_ones(cfg):
+    for name, text in manifests.render(cfg).items():
+        assert (REPO / "manifests" / name).read_text() == text, f"manifests/{name} drifted: re-render it"
+
+
+@pytest.mark.parametrize("name", KUBE_FILES)
+def test_kuberay_objects_pass_the_crd_schema_and_operator_rules(name, committed, crd_schemas):
+    obj = committed[name]
+    assert api_server_errors(obj, crd_schemas) == []
+    assert kuberay_rule_errors(obj) == []
+
+
+def test_schema_check_rejects_typos_and_wrong_types_but_fills_defaults(committed, crd_schemas):
+    svc = committed["rayservice.yaml"]
+    typo = copy.deepcopy(svc)
+    typo["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["minReplica"] = 1
+    assert any("minReplica" in e for e in api_server_errors(typo, crd_schemas))
+    nested = copy.deepcopy(svc)
+    nested["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "x"
+    assert any("imagePullPolicyy" in e for e in api_server_errors(nested, crd_schemas))
+    wrong_type = copy.deepcopy(svc)
+    wrong_type["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 0
+    assert any("num-cpus" in e for e in api_server_errors(wrong_type, crd_schemas))
+    overflow = copy.deepcopy(svc)
+    overflow["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplicas"] = 2**31
+    assert api_server_errors(overflow, crd_schemas)
+    # required-but-defaulted fields and nulls pass, as at the API server
+    lenient = copy.deepcopy(svc)
+    del lenient["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["minReplicas"]
+    lenient["spec"]["suspend"] = None
+    assert api_server_errors(lenient, crd_schemas) == []
+    missing = copy.deepcopy(svc)
+    del missing["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert any("headGroupSpec" in e for e in api_server_errors(missing, crd_schemas))
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda g, h: g.update(replicas=9), "minReplicas <= replicas <= maxReplicas"),
+        (lambda g, h: g.update(minReplicas=5, replicas=5), "minReplicas <= replicas <= maxReplicas"),
+        (lambda g, h: g["rayStartParams"].update({"num-gpus": "1"}), "num-gpus in rayStartParams beside a GPU"),
+        (lambda g, h: g["rayStartParams"].update({"num-cpus": 8}), "is not a string"),
+        (lambda g, h: g["rayStartParams"].update(resources="{specflash_drafter: 1}"), "not a JSON object"),
+        (lambda g, h: g.update(resources={"specflash_drafter": "1"}), "both in rayStartParams"),
+        (lambda g, h: g.update(groupName="Drafter_GPU"), "not DNS-1035"),
+        (lambda g, h: g.update(groupName=h["groupName"]), "not unique"),
+    ],
+)
+def test_operator_rules_catch_what_the_schema_cannot(committed, mutate, message):
+    svc = copy.deepcopy(committed["rayservice.yaml"])
+    drafter, verifier = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    mutate(drafter, verifier)
+    assert any(message in e for e in kuberay_rule_errors(svc)), kuberay_rule_errors(svc)
+
+
+def test_object_names_must_be_dns_1035(committed):
+    job = copy.deepcopy(committed["rayjob-benchmark.yaml"])
+    job["metadata"]["name"] = "specflash.benchmark"
+    assert any("DNS-1035" in e for e in kuberay_rule_errors(job))
+
+
+def test_head_runs_no_model_and_groups_offer_what_the_actors_ask(committed, cfg):
+    for name in KUBE_FILES:
+        spec = _cluster_spec(committed[name])
+        head = spec["headGroupSpec"]
+        assert head["rayStartParams"]["num-cpus"] == "0" and head["rayStartParams"]["num-gpus"] == "0"
+        assert "resources" not in head["rayStartParams"]
+        assert spec["enableInTreeAutoscaling"] is True and spec["autoscalerOptions"]["idleTimeoutSeconds"] > 0
+        groups = _groups(committed[name])
+        for side in ("drafter", "verifier"):
+            actor, group = getattr(cfg.placement, side), groups[getattr(cfg, f"{side}_nodes").name]
+            offered = _parse_ray_resources(group["rayStartParams"]["resources"])
+            container = group["template"]["spec"]["containers"][0]
+            assert all(offered.get(k, 0) >= v for k, v in actor.resources.items()), (name, side)
+            assert int(container["resources"]["limits"].get("nvidia.com/gpu", 0)) >= actor.num_gpus
+            assert float(group["rayStartParams"]["num-cpus"]) >= actor.num_cpus
+            assert group["template"]["spec"]["nodeSelector"] and group["template"]["spec"]["tolerations"]
+        # each actor's custom resource is offered by its own group only: drafter and verifier never share a node
+        drafter_res = set(cfg.placement.drafter.resources)
+        verifier_offers = _parse_ray_resources(groups[cfg.verifier_nodes.name]["rayStartParams"]["resources"])
+        assert drafter_res and not drafter_res & set(verifier_offers)
+
+
+def test_dev_cluster_scales_to_zero_and_service_keeps_its_minimum(committed, cfg):
+    dev = _groups(committed["raycluster.yaml"])
+    svc = _groups(committed["rayservice.yaml"])
+    assert all(g["minReplicas"] == 0 and g["replicas"] == 0 for g in dev.values())
+    assert svc[cfg.verifier_nodes.name]["minReplicas"] == cfg.verifier_nodes.min_workers
+    assert svc[cfg.verifier_nodes.name]["maxReplicas"] == cfg.verifier_nodes.max_workers
+    assert committed["rayservice.yaml"]["spec"]["upgradeStrategy"] == {"type": "NewCluster"}
+
+
+def test_serve_config_and_serve_config_v2_pass_serve_schema(committed):
+    file_cfg = {k: v for k, v in committed["serve-config.yaml"].items()}
+    v2 = yaml.safe_load(committed["rayservice.yaml"]["spec"]["serveConfigV2"])
+    assert v2 == file_cfg  # one Serve config, two places
+    assert serve_config_errors(file_cfg) == []
+
+
+def test_serve_check_rejects_unknown_keys_at_any_depth(committed):
+    base = committed["serve-config.yaml"]
+    for path in [("applications", 0, "deployments", 0, "autoscaling_config", "max_replica"),
+                 ("applications", 0, "deployments", 1, "ray_actor_options", "num_gpu"),
+                 ("applications", 0, "route_prefx"), ("http_options", "prot")]:
+        bad = copy.deepcopy(base)
+        cur = bad
+        for key in path[:-1]:
+            cur = cur[key]
+        cur[path[-1]] = 1
+        assert any(str(path[-1]) in e for e in serve_config_errors(bad)), path
+    bad_args = copy.deepcopy(base)
+    bad_args["applications"][0]["args"]["speculation"]["spec_length"] = 4
+    assert any("spec_length" in e for e in serve_config_errors(bad_args))
+
+
+def test_serve_deployments_ask_for_the_configured_resources(committed, cfg):
+    (app,) = committed["serve-config.yaml"]["applications"]
+    deployments = {d["name"]: d for d in app["deployments"]}
+    for name, side in ((DRAFTER_DEPLOYMENT, "drafter"), (VERIFIER_DEPLOYMENT, "verifier")):
+        assert deployments[name]["ray_actor_options"] == getattr(cfg.placement, side).ray_options()
+        scaling = deployments[name]["autoscaling_config"]
+        assert scaling["min_replicas"] <= scaling["initial_replicas"] <= scaling["max_replicas"]
+    assert app["import_path"] == "cluster.serve_app:build_app"
+    assert AppArgs.model_validate(app["args"]).placement == cfg.placement
+
+
+def test_launcher_config_passes_rays_schema_with_the_same_node_types(committed):
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    launcher = committed["ray-cluster-launcher.yaml"]
+    validate_config(prepare_config(copy.deepcopy(launcher)))
+    types_ = launcher["available_node_types"]
+    svc_groups = _groups(committed["rayservice.yaml"])
+    assert types_[launcher["head_node_type"]]["resources"] == {"CPU": 0, "GPU": 0}
+    for name, group in svc_groups.items():
+        res = dict(types_[name]["resources"])
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert res.pop("CPU") == int(group["rayStartParams"]["num-cpus"])
+        assert res.pop("GPU") == int(limits.get("nvidia.com/gpu", 0))
+        assert res == _parse_ray_resources(group["rayStartParams"]["resources"])
+        assert (types_[name]["min_workers"], types_[name]["max_workers"]) == (group["minReplicas"], group["maxReplicas"])
+    typo = copy.deepcopy(launcher)
+    typo["available_node_types"]["drafter"]["min_worker"] = 1
+    with pytest.raises(jsonschema.ValidationError, match="min_worker"):
+        validate_config(prepare_config(typo))
+
+
+def test_local_configs_are_refused_for_cluster_manifests():
+    with pytest.raises(ValueError, match="head runs no model"):
+        manifests.render(ClusterConfig.local_default())
+
+
+def test_cli_renders_checks_and_reports_bad_configs(tmp_path, capsys):
+    from cluster import manifests_cli
+
+    def run(*argv):
+        return manifests_cli.run(types.SimpleNamespace(**dict(zip(("config", "out", "check"), argv))))
+
+    assert run(str(EXAMPLE), str(tmp_path), False) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(manifests.FILES)
+    assert run(str(EXAMPLE), str(REPO / "manifests"), True) == 0  # the committed files are current
+    (tmp_path / "rayservice.yaml").write_text("stale\n")
+    assert run(str(EXAMPLE), str(tmp_path), True) == 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(EXAMPLE.read_text().replace("max_workers: 4", "max_workers: 0", 1))
+    assert run(str(bad), str(tmp_path / "out"), False) == 2
+    assert "not a valid cluster config" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
