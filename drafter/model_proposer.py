@@ -1,0 +1,153 @@
+"""A draft model proposing chains (Leviathan et al. 2023; Chen et al. 2023) and
+EAGLE-2 style trees (Li et al. 2024), with its own paged KV cache.
+
+Cache layout of one sequence: the committed tokens the draft has seen (root
+included), then the tree nodes of the current proposal (`_layout`). A forward
+appends to the cache, and every cached token is visible to every new query, so
+only nodes that are ancestors of the whole frontier may stay cached between
+levels: a chain just appends, a branching tree re-feeds its frontier's
+ancestors under the tree mask. After verification the accepted nodes that are
+cached are compacted behind the prefix and the rest rolled back; whatever was
+not cached is fed at the next proposal ("catch-up"), with the new root.
+
+A draft may carry a reduced LM head (`specflash_draft.json`: `logit_rows`):
+logits are computed for those rows only and q is scattered into the full
+vocabulary, zero elsewhere.
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from drafter.base import DraftRequest
+from drafter.tree_search import ROOT, TreeBuilder
+from models.tree import TokenTree, ragged_tree_forward
+
+
+class ModelProposer:
+    def __init__(self, model, cache, spec_len: int, tree_width: int = 1, max_nodes: int | None = None,
+                 logit_rows: Sequence[int] | None = None, vocab_size: int | None = None) -> None:
+        self.model = model              # models.Transformer (the draft)
+        self.cache = cache              # models.PagedKVCache sized for it
+        self.spec_len, self.tree_width = spec_len, tree_width
+        self.max_nodes = max_nodes      # None = depth * width
+        self.vocab_size = vocab_size or model.config.vocab_size
+        device = model.embed_tokens.weight.device
+        self.logit_rows = None if logit_rows is None else torch.tensor(list(logit_rows), device=device)
+        self._committed: dict[Hashable, int] = {}   # committed tokens whose K/V the draft cache holds
+        self._layout: dict[Hashable, list[int]] = {}   # builder node ids cached after them, in order
+        self._node_ids: dict[Hashable, list[int]] = {}   # tree node index -> builder node id
+
+    @torch.inference_mode()
+    def propose(self, batch: Sequence[DraftRequest]) -> list[TokenTree]:
+        depth = [min(self.spec_len, r.max_depth) for r in batch]
+        live = [b for b, r in enumerate(batch) if depth[b] > 0]
+        builders = {b: self._builder(batch[b], depth[b]) for b in live}
+        if live:
+            root_logits = self._catch_up([batch[b] for b in live])            # n x [1, V]
+            for b, logits in zip(live, root_logits):
+                builders[b].expand([ROOT], logits)
+        for level in range(1, max(depth, default=0)):
+            frontier = {b: builders[b].frontier(level) for b in live if level < depth[b]}
+            frontier = {b: f for b, f in frontier.items() if f}
+            if not frontier:
+                break
+            logits = self._forward_frontier({batch[b].seq_id: (builders[b], f) for b, f in frontier.items()})
+            for b, node_logits in zip(frontier, logits):
+                builders[b].expand(frontier[b], node_logits)
+        trees = []
+        for b, r in enumerate(batch):
+            if b not in builders:
+                trees.append(TokenTree.empty(len(r.token_ids), r.epoch))
+                continue
+            tree, node_ids = builders[b].finish(len(r.token_ids), r.epoch)
+            self._node_ids[r.seq_id] = node_ids
+            trees.append(tree)
+        return trees
+
+    def _builder(self, r: DraftRequest, depth: int) -> TreeBuilder:
+        width = r.tree_width or self.tree_width
+        max_nodes = self.max_nodes or depth * width
+        return TreeBuilder(r.params, r.generator, width, max_nodes, self.vocab_size)
+
+    def on_verified(self, seq_id: Hashable, tree: TokenTree, accepted_nodes: Sequence[int]) -> None:
+        """Compact the cached part of the accepted path behind the prefix; drop the rest."""
+        if seq_id not in self._committed:
+            return
+        base, layout = self._committed[seq_id], self._layout[seq_id]
+        node_ids = self._node_ids.get(seq_id, [])
+        offsets = []
+        for node in accepted_nodes:
+            builder_id = node_ids[node]
+            if builder_id not in layout:
+                break
+            offsets.append(layout.index(builder_id))
+        self.cache.compact(seq_id, base, offsets)
+        self._committed[seq_id] = base + len(offsets)
+        self._layout[seq_id] = []
+
+    def rollback(self, seq_id: Hashable, prefix_len: int) -> None:
+        """Forget everything past the first `prefix_len` committed tokens (epoch change)."""
+        if seq_id in self._committed:
+            keep = min(self._committed[seq_id], prefix_len)
+            self.cache.truncate(seq_id, keep)
+            self._committed[seq_id], self._layout[seq_id] = keep, []
+
+    def release(self, seq_id: Hashable) -> None:
+        self.cache.free(seq_id)
+        for state in (self._committed, self._layout, self._node_ids):
+            state.pop(seq_id, None)
+
+    def _catch_up(self, batch: Sequence[DraftRequest]) -> list[torch.Tensor]:   # n x [1, V]
+        """Feed the committed tokens the draft has not seen (root last); q after the root."""
+        ids, positions, masks = [], [], []
+        for r in batch:
+            if r.seq_id not in self._committed:
+                self.cache.add_sequence(r.seq_id)
+                self._committed[r.seq_id] = 0
+            seen = self._committed[r.seq_id]
+            self.cache.truncate(r.seq_id, seen)                 # a stale layout, if any
+            n = len(r.token_ids) - seen
+            ids.append(torch.tensor(list(r.token_ids[seen:]), dtype=torch.long))
+            positions.append(torch.arange(seen, seen + n))
+            masks.append(torch.ones(n, n, dtype=torch.bool).tril())
+            self._committed[r.seq_id], self._layout[r.seq_id] = len(r.token_ids), []
+        last = [torch.tensor([m.shape[0] - 1]) for m in masks]
+        return self._forward([r.seq_id for r in batch], ids, positions, masks, last)
+
+    def _forward_frontier(self, work: dict[Hashable, tuple[TreeBuilder, list[int]]]) -> list[torch.Tensor]:
+        """One draft forward over the frontier of every tree (plus uncached ancestors)."""
+        seq_ids, ids, positions, masks, picks = [], [], [], [], []
+        for seq_id, (builder, frontier) in work.items():
+            lineage = [set(builder.ancestors(f)) for f in frontier]
+            common = set.intersection(*lineage)
+            layout = self._layout[seq_id]
+            keep = 0
+            while keep < len(layout) and layout[keep] in common:
+                keep += 1
+            base = self._committed[seq_id]
+            self.cache.truncate(seq_id, base + keep)
+            new = sorted((set.union(*lineage) | set(frontier)) - set(layout[:keep]))
+            self._layout[seq_id] = layout[:keep] + new
+            seq_ids.append(seq_id)
+            ids.append(torch.tensor([builder.token_ids[i] for i in new], dtype=torch.long))
+            positions.append(torch.tensor([base - 1 + builder.depths[i] for i in new], dtype=torch.long))
+            masks.append(torch.tensor([[j == i or j in builder.ancestors(i) for j in new] for i in new],
+                                      dtype=torch.bool).reshape(len(new), len(new)))
+            picks.append(torch.tensor([new.index(f) for f in frontier], dtype=torch.long))
+        return self._forward(seq_ids, ids, positions, masks, picks)
+
+    def _forward(self, seq_ids, ids, positions, masks, picks) -> list[torch.Tensor]:
+        """Draft logits at the picked positions, scattered into the full vocabulary."""
+        logits = ragged_tree_forward(self.model, self.cache, seq_ids, ids, positions, masks, picks,
+                                     logit_rows=self.logit_rows)                  # B x [L, V']
+        if self.logit_rows is None:
+            return [x.cpu() for x in logits]
+        rows = self.logit_rows.cpu()
+        out = []
+        for x in logits:
+            full = torch.full((x.shape[0], self.vocab_size), float("-inf"))
+            full[:, rows] = x.cpu()
+            out.append(full)
+        return out

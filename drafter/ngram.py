@@ -1,0 +1,55 @@
+"""N-gram proposer: prompt lookup decoding (Saxena 2023), no model needed.
+
+Find the most recent earlier occurrence of the last n tokens of prompt + output
+(n from `max_ngram` down to `min_ngram`, the longest match wins) and propose
+the tokens that followed it as a chain. Its q is a point mass on each proposed
+token, so stochastic verification (Leviathan et al. 2023) accepts token x with
+probability p(x) and otherwise samples from p with x removed: still exact.
+Strong where the output copies its input (code edits, summaries, extraction).
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+from drafter.base import DraftRequest, point_mass_rows
+from models.tree import TokenTree
+
+
+class NgramProposer:
+    def __init__(self, vocab_size: int, spec_len: int, max_ngram: int = 3, min_ngram: int = 2) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
+        self.vocab_size, self.spec_len = vocab_size, spec_len
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, batch: Sequence[DraftRequest]) -> list[TokenTree]:
+        trees = []
+        for r in batch:
+            k = min(self.spec_len, r.max_depth)
+            draft_token_ids = lookup(r.token_ids, k, self.max_ngram, self.min_ngram) if k > 0 else []
+            draft_probs = None
+            if draft_token_ids and not r.params.greedy:
+                draft_probs = point_mass_rows(draft_token_ids, self.vocab_size)     # [K+1, V]
+            if draft_token_ids:
+                trees.append(TokenTree.chain(draft_token_ids, draft_probs, len(r.token_ids), r.epoch))
+            else:
+                trees.append(TokenTree.empty(len(r.token_ids), r.epoch))
+        return trees
+
+    def on_verified(self, seq_id: Hashable, tree: TokenTree, accepted_nodes: Sequence[int]) -> None:
+        pass   # stateless: the committed tokens are the whole state
+
+    def release(self, seq_id: Hashable) -> None:
+        pass
+
+
+def lookup(token_ids: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier match of the longest suffix n-gram."""
+    tokens = list(token_ids)
+    L = len(tokens)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        suffix = tokens[L - n:]
+        for start in range(L - n - 1, -1, -1):          # latest match first; it must end before L
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + k]
+    return []

@@ -1,0 +1,105 @@
+"""Growing one draft token tree level by level, EAGLE-2 style (Li et al. 2024).
+
+Each node is scored by its draft confidence, the cumulative log-probability of
+its path. At each depth the `width` best-scoring nodes are expanded (one draft
+forward per level over all of them, done by the caller), each into `width`
+children:
+
+- greedy: the top-`width` tokens of the draft's q;
+- sampling: `width` tokens drawn from q *without replacement* (Gumbel-top-k,
+  Kool et al. 2019), kept in draw order, so that multi-step speculative
+  sampling (SpecInfer; Sequoia, Chen et al. 2024) stays exact.
+
+Greedy trees are reranked at the end: the `max_nodes` best-scoring nodes are
+kept (a child never outscores its parent, so the kept set is a tree).
+Sampled trees are never pruned by value, which would bias the children a
+verifier sees; their node budget is spent in expansion order instead, with
+each node's number of children fixed before its children are drawn.
+"""
+from __future__ import annotations
+
+import torch
+
+from models.sampling import SamplingParams, logits_to_probs
+from models.tree import TokenTree
+
+ROOT = -1
+
+
+class TreeBuilder:
+    def __init__(self, params: SamplingParams, generator: torch.Generator, width: int,
+                 max_nodes: int, vocab_size: int) -> None:
+        self.params, self.generator = params, generator
+        self.width, self.max_nodes, self.vocab_size = width, max_nodes, vocab_size
+        self.token_ids: list[int] = []
+        self.parent_ids: list[int] = []
+        self.depths: list[int] = []
+        self.scores: list[float] = []                    # cumulative draft log-probability
+        self.q_rows: dict[int, torch.Tensor] = {}        # node (ROOT = -1) -> [V] q its children came from
+
+    def depth_of(self, node: int) -> int:
+        return 0 if node == ROOT else self.depths[node]
+
+    def score_of(self, node: int) -> float:
+        return 0.0 if node == ROOT else self.scores[node]
+
+    def ancestors(self, node: int) -> list[int]:
+        """Proper ancestors of `node`, excluding the root, nearest first."""
+        out, node = [], self.parent_ids[node]
+        while node != ROOT:
+            out.append(node)
+            node = self.parent_ids[node]
+        return out
+
+    def expand(self, nodes: list[int], draft_logits: torch.Tensor) -> None:   # [n, V] full vocabulary
+        """Give each node its children, drawn from the draft distribution after it."""
+        for node, logits in zip(nodes, draft_logits):
+            if self.params.greedy:
+                log_q = torch.log_softmax(logits.float(), -1)                     # [V]
+                children = log_q.topk(self.width).indices
+            else:
+                q = logits_to_probs(logits, self.params)                          # [V], as p will be
+                self.q_rows[node] = q
+                budget = self.max_nodes - len(self.token_ids)
+                k = min(self.width, int((q > 0).sum()), budget)                   # fixed before the draw
+                if k <= 0:
+                    continue
+                log_q = q.log()
+                gumbel = -torch.empty_like(q).exponential_(generator=self.generator).log()
+                children = (log_q + gumbel).topk(k).indices                       # draw order
+            for token in children.tolist():
+                self.token_ids.append(token)
+                self.parent_ids.append(node)
+                self.depths.append(self.depth_of(node) + 1)
+                self.scores.append(self.score_of(node) + float(log_q[token]))
+
+    def frontier(self, depth: int) -> list[int]:
+        """The nodes at `depth` to expand next: the `width` most confident ones."""
+        if not self.params.greedy and len(self.token_ids) >= self.max_nodes:
+            return []
+        level = [i for i, d in enumerate(self.depths) if d == depth]
+        level.sort(key=lambda i: -self.scores[i])
+        return sorted(level[: self.width])
+
+    def finish(self, prefix_len: int, epoch: int) -> tuple[TokenTree, list[int]]:
+        """The tree, and for each of its nodes the builder's node id."""
+        kept = list(range(len(self.token_ids)))
+        if self.params.greedy and len(kept) > self.max_nodes:
+            # EAGLE-2 rerank: keep the most confident nodes; ties go to the shallower node
+            kept.sort(key=lambda i: (-self.scores[i], self.depths[i], i))
+            kept = sorted(kept[: self.max_nodes], key=lambda i: (self.depths[i], i))
+        new_index = {old: new for new, old in enumerate(kept)}
+        new_index[ROOT] = ROOT
+        draft_probs = None
+        if not self.params.greedy:
+            draft_probs = torch.zeros(len(kept) + 1, self.vocab_size)            # [T+1, V]
+            for node, q in self.q_rows.items():
+                if node in new_index:
+                    draft_probs[new_index[node] + 1] = q
+        tree = TokenTree(
+            torch.tensor([self.token_ids[i] for i in kept], dtype=torch.long),
+            torch.tensor([new_index[self.parent_ids[i]] for i in kept], dtype=torch.long),
+            torch.tensor([self.depths[i] for i in kept], dtype=torch.long),
+            draft_probs, prefix_len, epoch,
+        )
+        return tree, kept

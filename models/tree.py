@@ -1,0 +1,133 @@
+"""Token trees: the unit a drafter proposes and a verifier checks (DESIGN.md §2).
+
+A token tree holds candidate continuations of a committed prefix. Node i has a
+token, a parent (-1 = child of the root, the last committed token), a depth (1
+for the root's children) and, for stochastic verification, the draft
+distribution its children were sampled from. A chain (Leviathan et al. 2023;
+Chen et al. 2023) is a tree of width 1; trees follow SpecInfer (Miao et al.
+2023), Sequoia (Chen et al. 2024) and EAGLE-2 (Li et al. 2024). T = 0 nodes is
+plain decoding.
+
+Also here, because drafter/ and verifier/ both need it and may not import each
+other: `ragged_tree_forward`, one model forward over a batch of trees of
+different sizes (padded, then the padding rolled back out of the cache).
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class TokenTree:
+    token_ids: torch.Tensor            # [T] int64   token of node i
+    parent_ids: torch.Tensor           # [T] int64   parent node of i; -1 = child of the root
+    depths: torch.Tensor               # [T] int64   1 for children of the root
+    draft_probs: torch.Tensor | None   # [T+1, V] float32: q the root's (row 0) / node i's (row i+1)
+                                       #   children were sampled from; None = greedy drafting
+    prefix_len: int                    # committed tokens (root included) the tree was drafted for
+    epoch: int = 0                     # bumped on every rollback; stale trees are dropped
+
+    def __post_init__(self) -> None:
+        T = self.token_ids.shape[0]
+        if self.parent_ids.shape != (T,) or self.depths.shape != (T,):
+            raise ValueError(f"token_ids, parent_ids, depths must all be [T={T}]")
+        if self.draft_probs is not None and self.draft_probs.shape[0] != T + 1:
+            raise ValueError(f"draft_probs must be [T+1={T + 1}, V], got {tuple(self.draft_probs.shape)}")
+        if T and bool((self.parent_ids >= torch.arange(T)).any()):
+            raise ValueError("nodes must be topologically ordered (parent index < node index)")
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @classmethod
+    def empty(cls, prefix_len: int, epoch: int = 0) -> "TokenTree":
+        """T = 0: the verifier decodes one token on its own."""
+        none = torch.zeros(0, dtype=torch.long)
+        return cls(none, none.clone(), none.clone(), None, prefix_len, epoch)
+
+    @classmethod
+    def chain(
+        cls,
+        token_ids: Sequence[int] | torch.Tensor,   # [K]
+        draft_probs: torch.Tensor | None,          # [K+1, V] or None
+        prefix_len: int,
+        epoch: int = 0,
+    ) -> "TokenTree":
+        """A chain of K drafted tokens: node i's parent is node i-1."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+        K = ids.shape[0]
+        return cls(ids, torch.arange(K) - 1, torch.arange(1, K + 1), draft_probs, prefix_len, epoch)
+
+    def tree_mask(self) -> torch.Tensor:
+        """[T, T] bool: mask[i, j] is True when node j is node i or one of its ancestors."""
+        return ancestor_mask(self.parent_ids)
+
+    def verification_mask(self) -> torch.Tensor:
+        """[T+1, T+1] bool over [root] + nodes: the root sees itself, every node sees the root."""
+        T = self.num_nodes
+        mask = torch.zeros(T + 1, T + 1, dtype=torch.bool)
+        mask[:, 0] = True
+        mask[1:, 1:] = self.tree_mask()
+        return mask
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root's child down to `node` (inclusive)."""
+        path, parents = [], self.parent_ids.tolist()
+        while node >= 0:
+            path.append(node)
+            node = parents[node]
+        return path[::-1]
+
+
+def ancestor_mask(parent_ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, T] bool
+    """mask[i, j] = node j is node i or its ancestor; parents precede children."""
+    T = parent_ids.shape[0]
+    mask = torch.eye(T, dtype=torch.bool)
+    for i, parent in enumerate(parent_ids.tolist()):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask
+
+
+def ragged_tree_forward(
+    model,                                   # models.Transformer
+    cache,                                   # models.PagedKVCache
+    seq_ids: Sequence[Hashable],
+    input_ids: Sequence[torch.Tensor],       # B x [T_b] int64
+    positions: Sequence[torch.Tensor],       # B x [T_b] int64 RoPE positions
+    tree_masks: Sequence[torch.Tensor],      # B x [T_b, T_b] bool
+    logit_positions: Sequence[torch.Tensor], # B x [L_b] int64 indices into T_b
+    logit_rows: torch.Tensor | None = None,  # [V'] int64 rows of the LM head
+) -> list[torch.Tensor]:                     # B x [L_b, V or V'] float32
+    """One forward over B trees of different sizes; each sequence grows by exactly T_b.
+
+    Rows are padded to the longest; a padding token sees only the prefix and
+    itself, no real token sees it, and its K/V slots are truncated away after.
+    """
+    B = len(seq_ids)
+    T = max(int(x.shape[0]) for x in input_ids)
+    L = max(max((int(x.shape[0]) for x in logit_positions), default=0), 1)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    pos = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)                 # [B, T, T]
+    rows = torch.zeros(B, L, dtype=torch.long)
+    for b in range(B):
+        n, m = int(input_ids[b].shape[0]), int(logit_positions[b].shape[0])
+        ids[b, :n], pos[b, :n] = input_ids[b], positions[b]
+        pos[b, n:] = positions[b][-1] if n else 0
+        mask[b, :n, :n] = tree_masks[b]
+        rows[b, :m] = logit_positions[b]
+    device = model.embed_tokens.weight.device
+    before = [cache.seq_len(s) for s in seq_ids]
+    logits = model(ids.to(device), pos.to(device), cache, seq_ids, mask.to(device),
+                   logit_rows=logit_rows, logit_positions=rows.to(device))   # [B, L, V']
+    out = []
+    for b, s in enumerate(seq_ids):
+        if T > input_ids[b].shape[0]:
+            cache.truncate(s, before[b] + int(input_ids[b].shape[0]))
+        out.append(logits[b, : int(logit_positions[b].shape[0])])
+    return out

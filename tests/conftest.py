@@ -1,0 +1,127 @@
+"""Shared fixtures: tiny random Llama checkpoints saved the way Hugging Face saves them.
+
+- `tiny_target`: a 2-layer Llama with a byte-level tokenizer (260 tokens, chat template).
+- `close_draft`: the target's weights, slightly perturbed (high acceptance).
+- `far_draft`: other random weights, one layer (low acceptance).
+- `small_vocab_pair`: a 16-token target and a far draft, for statistical sampling tests.
+
+Each is a directory made with `save_pretrained`, loaded back through `models.load_model`
+by the tests, so the loader is part of every path under test.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+BYTE_VOCAB = 256
+BOS, EOS, PAD = 256, 257, 258
+TINY_VOCAB = 260
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's printable stand-in character for every byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def byte_tokenizer():
+    """A byte-level BPE with no merges: one token per byte, plus <s>, </s>, <pad>."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
+    vocab.update({"<s>": BOS, "</s>": EOS, "<pad>": PAD})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def llama_config(vocab_size: int = TINY_VOCAB, layers: int = 2, hidden: int = 64, **overrides):
+    from transformers import LlamaConfig
+
+    kwargs = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  tie_word_embeddings=False, initializer_range=0.2,
+                  bos_token_id=BOS if vocab_size > BOS else None,
+                  eos_token_id=EOS if vocab_size > EOS else None)
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def save_llama(path, config, seed: int, tokenizer=None, perturb_from=None, noise: float = 0.0):
+    """Random weights (or `perturb_from`'s plus Gaussian noise) saved as an HF checkpoint."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    if perturb_from is not None:
+        model.load_state_dict(perturb_from.state_dict())
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(noise * p.std() * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_target")
+    save_llama(path, llama_config(), seed=0, tokenizer=byte_tokenizer())
+    return path
+
+
+@pytest.fixture(scope="session")
+def hf_target(tiny_target):
+    """The target through transformers itself: the reference every exactness test compares with."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(tiny_target).eval()
+
+
+@pytest.fixture(scope="session")
+def close_draft(tmp_path_factory, hf_target):
+    path = tmp_path_factory.mktemp("close_draft")
+    save_llama(path, llama_config(), seed=1, tokenizer=byte_tokenizer(), perturb_from=hf_target, noise=0.02)
+    return path
+
+
+@pytest.fixture(scope="session")
+def far_draft(tmp_path_factory):
+    path = tmp_path_factory.mktemp("far_draft")
+    save_llama(path, llama_config(layers=1), seed=2, tokenizer=byte_tokenizer())
+    return path
+
+
+@pytest.fixture(scope="session")
+def other_vocab_draft(tmp_path_factory):
+    """A draft whose vocabulary (300 tokens) is not the target's."""
+    path = tmp_path_factory.mktemp("other_vocab_draft")
+    save_llama(path, llama_config(vocab_size=300, layers=1), seed=5)
+    return path
+
+
+@pytest.fixture(scope="session")
+def small_vocab_pair(tmp_path_factory):
+    """(target_dir, far_draft_dir) over 16 tokens, no tokenizer: for distribution tests."""
+    target = tmp_path_factory.mktemp("small_target")
+    draft = tmp_path_factory.mktemp("small_draft")
+    save_llama(target, llama_config(vocab_size=16, hidden=32, initializer_range=0.5), seed=3)
+    save_llama(draft, llama_config(vocab_size=16, hidden=32, layers=1, initializer_range=0.5), seed=4)
+    return target, draft

@@ -1,0 +1,137 @@
+"""Tree verification against the target model (DESIGN.md §3-§4).
+
+The target cache holds every committed token but the last (the root). One
+target forward over [root] + tree nodes, under the tree mask, yields the T+1
+target distributions: after the root (row 0) and after each node (row i+1).
+Rejection sampling (`kernels.rejection_sample` on CUDA, its torch reference
+`kernels.ref.rejection_sample` on the CPU) picks the accepted path and one
+more token; the
+accepted path's K/V are compacted behind the prefix and the rest rolled back.
+
+Exact for greedy decoding and for sampling: chains follow Leviathan et al.
+2023 / Chen et al. 2023, trees SpecInfer (Miao et al. 2023) with children
+drawn without replacement (Sequoia, Chen et al. 2024). Temperature, top-k and
+top-p are applied to p here exactly as the drafter applied them to q
+(`models.sampling.logits_to_probs`).
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from models.sampling import SamplingParams, logits_to_probs
+from models.transformer import causal_mask
+from models.tree import TokenTree, ragged_tree_forward
+
+
+def rejection_sample(draft_token_ids, *args):
+    """The one switch: the Triton sampler on CUDA, the bit-identical torch reference elsewhere."""
+    if draft_token_ids.is_cuda:
+        from kernels import rejection_sample as sample   # Triton; lazy on purpose
+    else:
+        from kernels.ref import rejection_sample as sample
+    return sample(draft_token_ids, *args)
+
+
+class StaleTreeError(ValueError):
+    """A tree drafted for another prefix than the committed one (DESIGN.md §3)."""
+
+
+@dataclass
+class VerifyRequest:
+    seq_id: Hashable
+    root_token_id: int              # the last committed token, not yet in the target cache
+    tree: TokenTree
+    params: SamplingParams
+    generator: torch.Generator      # per request: reproducible uniform / exp_noise draws
+
+
+@dataclass
+class VerifyResult:
+    accepted_nodes: list[int]       # accepted path as node indices, root to leaf
+    token_ids: list[int]            # tokens of that path + next_token_id
+    next_token_id: int              # bonus token (whole path accepted) or the correction
+    num_drafted: int                # T
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted_nodes)
+
+
+class Verifier:
+    def __init__(self, model, cache) -> None:
+        self.model = model      # models.Transformer (the target)
+        self.cache = cache      # models.PagedKVCache sized for it
+
+    def prefill(self, seq_id: Hashable, prompt_ids: Sequence[int]) -> None:
+        """Cache every prompt token but the last: the last one is the first tree's root."""
+        self.cache.add_sequence(seq_id)
+        n = len(prompt_ids) - 1
+        if n > 0:
+            ids = torch.tensor([list(prompt_ids[:-1])])                       # [1, n]
+            device = self.model.embed_tokens.weight.device
+            self.model(ids.to(device), torch.arange(n)[None].to(device), self.cache, [seq_id],
+                       causal_mask(1, n, device), logit_positions=torch.zeros(1, dtype=torch.long))
+
+    def release(self, seq_id: Hashable) -> None:
+        self.cache.free(seq_id)
+
+    @torch.inference_mode()
+    def verify(self, batch: Sequence[VerifyRequest]) -> list[VerifyResult]:
+        """One target forward over all trees of the batch, then accept / reject per tree."""
+        for r in batch:
+            cached = self.cache.seq_len(r.seq_id)
+            if r.tree.prefix_len != cached + 1:
+                raise StaleTreeError(f"tree for prefix {r.tree.prefix_len} but sequence {r.seq_id!r} "
+                                     f"has {cached + 1} committed tokens")
+        target_logits = ragged_tree_forward(                                     # B x [T+1, V]
+            self.model, self.cache, [r.seq_id for r in batch],
+            [torch.cat([torch.tensor([r.root_token_id]), r.tree.token_ids]) for r in batch],
+            [r.tree.prefix_len - 1 + torch.cat([torch.zeros(1, dtype=torch.long), r.tree.depths])
+             for r in batch],
+            [r.tree.verification_mask() for r in batch],
+            [torch.arange(r.tree.num_nodes + 1) for r in batch],
+        )
+        results: list[VerifyResult | None] = [None] * len(batch)
+        for greedy in (True, False):
+            rows = [b for b, r in enumerate(batch) if r.params.greedy == greedy]
+            if rows:
+                for b, res in zip(rows, self._sample([batch[b] for b in rows],
+                                                     [target_logits[b] for b in rows], greedy)):
+                    results[b] = res
+        for r, res in zip(batch, results):
+            # commit [root] + accepted path behind the prefix; the rest of the tree is rolled back
+            base = r.tree.prefix_len - 1
+            self.cache.compact(r.seq_id, base, [0] + [a + 1 for a in res.accepted_nodes])
+        return results
+
+    def _sample(self, batch, target_logits, greedy: bool) -> list[VerifyResult]:
+        """Pad the trees of one kind (greedy or stochastic) and run rejection sampling."""
+        B, T = len(batch), max(r.tree.num_nodes for r in batch)
+        V = target_logits[0].shape[-1]
+        draft_token_ids = torch.zeros(B, T, dtype=torch.long)
+        parent_ids = torch.full((B, T), -1, dtype=torch.long)
+        target_probs = torch.zeros(B, T + 1, V)
+        draft_probs = None if greedy else torch.zeros(B, T + 1, V)
+        uniform = torch.zeros(B, T)
+        exp_noise = torch.ones(B, V)
+        for b, (r, logits) in enumerate(zip(batch, target_logits)):
+            n = r.tree.num_nodes
+            draft_token_ids[b, :n], parent_ids[b, :n] = r.tree.token_ids, r.tree.parent_ids
+            target_probs[b, : n + 1] = logits_to_probs(logits.cpu(), r.params)
+            if not greedy:
+                if n:
+                    draft_probs[b, : n + 1] = r.tree.draft_probs
+                uniform[b, :n] = torch.rand(n, generator=r.generator)
+                exp_noise[b] = torch.empty(V).exponential_(generator=r.generator)
+        num_nodes = torch.tensor([r.tree.num_nodes for r in batch], dtype=torch.long)
+        accepted, num_accepted, next_ids = rejection_sample(
+            draft_token_ids, parent_ids, num_nodes, target_probs, draft_probs, uniform, exp_noise)
+        out = []
+        for b, r in enumerate(batch):
+            path = accepted[b, : int(num_accepted[b])].tolist()
+            tokens = r.tree.token_ids[path].tolist() + [int(next_ids[b])]
+            out.append(VerifyResult(path, tokens, int(next_ids[b]), r.tree.num_nodes))
+        return out
