@@ -18,7 +18,7 @@ import inspect
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -64,6 +64,7 @@ class Delta:
     completion_tokens: int = 0
     drafted: int = 0
     accepted: int = 0
+    token_ids: list[int] = field(default_factory=list)   # the tokens behind `text`
 
 
 @dataclass
@@ -142,8 +143,8 @@ class OpenAIServer:
                 raise APIError(400, f"This model's maximum context length is {ctx} tokens; the "
                                f"prompt ({len(ids)}) plus max_tokens ({budget}) exceeds it",
                                code="context_length_exceeded", param="max_tokens")
-            for j in range(req.n):
-                seed = None if req.seed is None else req.seed + j
+            for _ in range(req.n):  # choice i gets seed + i: every choice its own stream
+                seed = None if req.seed is None else req.seed + len(sampling)
                 try:
                     sampling.append(SamplingParams(
                         temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
@@ -211,19 +212,20 @@ class OpenAIServer:
                 n_tokens += len(chunk.token_ids)
                 drafted, accepted = chunk.num_drafted, chunk.num_accepted
                 text = stopper.feed(detok.add(chunk.token_ids))
+                ids = list(chunk.token_ids)
                 if stopper.stopped:  # a stop string: cut there, the engine need not go on
                     abort_reason = "stop_string"
-                    yield Delta(index, text, "stop", n_tokens, drafted, accepted)
+                    yield Delta(index, text, "stop", n_tokens, drafted, accepted, ids)
                     return
                 if chunk.finished:
                     finished = True
                     text += stopper.feed(detok.flush())
                     text += stopper.flush()
                     yield Delta(index, text, "stop" if stopper.stopped else chunk.finish_reason,
-                                n_tokens, drafted, accepted)
+                                n_tokens, drafted, accepted, ids)
                     return
-                if text:
-                    yield Delta(index, text, None, n_tokens, drafted, accepted)
+                if text or ids:
+                    yield Delta(index, text, None, n_tokens, drafted, accepted, ids)
         finally:
             if queued:
                 self.stats.observe_queued(-1)
@@ -272,6 +274,7 @@ class OpenAIServer:
             async for d in self.run(prep, is_disconnected):
                 o = out[d.index]
                 o.text += d.text
+                o.token_ids += d.token_ids
                 o.finish_reason = d.finish_reason or o.finish_reason
                 o.completion_tokens, o.drafted, o.accepted = d.completion_tokens, d.drafted, d.accepted
         except EngineError as e:
@@ -317,10 +320,10 @@ class OpenAIServer:
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
 
         def choice(d: Delta) -> dict:
-            return {"index": d.index, "text": d.text, "logprobs": None,
-                    "finish_reason": d.finish_reason}
+            return _with_ids({"index": d.index, "text": d.text, "logprobs": None,
+                              "finish_reason": d.finish_reason}, d, req.return_token_ids)
         if req.stream:
-            return await self._sse(prep, head, choice, req.include_usage, is_disconnected, None)
+            return await self._sse(prep, head, choice, req, is_disconnected, None)
         deltas = await self.collect(prep, is_disconnected)
         return {**head, "choices": [choice(d) for d in deltas], "usage": self.usage(prep, deltas)}
 
@@ -331,18 +334,19 @@ class OpenAIServer:
         if req.stream:
             def choice(d: Delta) -> dict:
                 delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                return {"index": d.index, "delta": delta, "logprobs": None,
-                        "finish_reason": d.finish_reason}
+                return _with_ids({"index": d.index, "delta": delta, "logprobs": None,
+                                  "finish_reason": d.finish_reason}, d, req.return_token_ids)
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(len(prep.sampling))]
             head = {**head, "object": "chat.completion.chunk"}
-            return await self._sse(prep, head, choice, req.include_usage, is_disconnected, first)
+            return await self._sse(prep, head, choice, req, is_disconnected, first)
         deltas = await self.collect(prep, is_disconnected)
-        choices = [{"index": d.index, "message": {"role": "assistant", "content": d.text},
-                    "logprobs": None, "finish_reason": d.finish_reason} for d in deltas]
+        choices = [_with_ids({"index": d.index, "message": {"role": "assistant", "content": d.text},
+                              "logprobs": None, "finish_reason": d.finish_reason}, d,
+                             req.return_token_ids) for d in deltas]
         return {**head, "choices": choices, "usage": self.usage(prep, deltas)}
 
-    async def _sse(self, prep: Prepared, head: dict, choice, include_usage: bool,
+    async def _sse(self, prep: Prepared, head: dict, choice, req: SamplingFields,
                    is_disconnected: Disconnected | None, first: list[dict] | None
                    ) -> AsyncIterator[str]:
         """Server-sent events: one event per delta, then usage if asked, then [DONE].
@@ -363,7 +367,7 @@ class OpenAIServer:
                     yield _event({**head, "choices": first})
                 delta = first_delta
                 while delta is not None:
-                    if delta.text or delta.finish_reason:
+                    if delta.text or delta.finish_reason or (req.return_token_ids and delta.token_ids):
                         yield _event({**head, "choices": [choice(delta)]})
                     if delta.finish_reason:
                         finals[delta.index] = delta
@@ -376,7 +380,7 @@ class OpenAIServer:
                 yield _event(err.body())
             finally:
                 await gen.aclose()
-            if include_usage:
+            if req.include_usage:
                 yield _event({**head, "choices": [], "usage": self.usage(prep, list(finals.values()))})
             yield "data: [DONE]\n\n"
         return events()
@@ -410,6 +414,12 @@ def engine_api_error(e: EngineError, retry_after_s: int) -> APIError:
         return APIError(503, str(e), type="server_error", code="engine_overloaded",
                         headers={"Retry-After": str(retry_after_s)})
     return APIError(500, str(e), type="server_error", code="engine_error")
+
+
+def _with_ids(choice: dict, d: Delta, return_token_ids: bool) -> dict:
+    if return_token_ids:
+        choice["token_ids"] = d.token_ids
+    return choice
 
 
 def _event(payload: dict) -> str:

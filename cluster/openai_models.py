@@ -82,6 +82,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculation: SpeculationModel | None = None
+    return_token_ids: bool = Field(False, description="add each choice's token ids (vLLM's extension)")
     user: str | None = None
 
     @field_validator("max_tokens")

@@ -53,9 +53,12 @@ def test_completion_text_usage_and_finish_reason():
     assert u["prompt_tokens"] == len(TOK.encode("hi")) and u["completion_tokens"] == 20
     assert u["total_tokens"] == u["prompt_tokens"] + 20
     assert u["drafted_tokens"] > 0 and 0 < u["accepted_tokens"] < 20
+    assert "token_ids" not in choice
     (req,) = engine.requests
     assert req.sampling.max_tokens == 20 and req.sampling.temperature == 0.0
     assert req.prompt_token_ids == TOK.encode("hi")
+    ids = completion(client, max_tokens=20, return_token_ids=True).json()["choices"][0]["token_ids"]
+    assert ids == OUT[:20]
 
 
 def test_streamed_pieces_concatenate_to_non_streamed_text():
@@ -147,7 +150,7 @@ def test_token_id_prompts_batches_n_seeds_and_speculation():
     assert sorted(c["index"] for c in choices) == [0, 1, 2, 3]
     assert r.json()["usage"]["prompt_tokens"] == 5
     assert sorted(tuple(q.prompt_token_ids) for q in engine.requests) == [(5, 6, 7)] * 2 + [(8, 9)] * 2
-    assert sorted(q.sampling.seed for q in engine.requests) == [11, 11, 12, 12]
+    assert sorted(q.sampling.seed for q in engine.requests) == [11, 12, 13, 14]
     q = engine.requests[0]
     assert (q.sampling.top_k, q.sampling.top_p, q.sampling.temperature) == (5, 0.9, 0.7)
     assert (q.speculation.mode, q.speculation.spec_len, q.speculation.tree_width) == ("tree", 4, 2)

@@ -1,0 +1,113 @@
+"""gRPC `Generate` / `GenerateStream` (cluster/protos/specflash.proto) over `OpenAIServer`.
+
+`GrpcService` turns a `GenerateRequest` into the same validated completion
+request the HTTP API uses, so both fronts share admission, stop strings,
+detokenization and aborts; errors become gRPC status codes. The Serve ingress
+(`cluster.serve_app`) calls it from its `Generate` / `GenerateStream` methods,
+which Ray Serve's gRPC proxy routes to; `SpecflashServicer` serves it on a plain
+`grpc.aio` server (no Ray), as the tests do.
+"""
+from __future__ import annotations
+
+import time
+from typing import AsyncIterator
+
+import grpc
+from pydantic import ValidationError
+
+from cluster.openai_api import EngineError, OpenAIServer, engine_api_error
+from cluster.openai_models import APIError, CompletionRequest, validation_error
+from cluster.protos import specflash_pb2 as pb
+from cluster.protos import specflash_pb2_grpc as pb_grpc
+
+STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+          408: grpc.StatusCode.DEADLINE_EXCEEDED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+          503: grpc.StatusCode.UNAVAILABLE}
+SERVICER_FUNCTION = "cluster.protos.specflash_pb2_grpc.add_SpecflashServicer_to_server"
+
+
+class GrpcService:
+    def __init__(self, server: OpenAIServer) -> None:
+        self.server = server
+
+    def to_completion(self, req: pb.GenerateRequest) -> CompletionRequest:
+        body: dict = {"prompt": list(req.prompt_token_ids) or req.prompt,
+                      "max_tokens": req.max_tokens or None, "top_k": req.top_k,
+                      "stop": list(req.stop), "ignore_eos": req.ignore_eos}
+        for name in ("temperature", "top_p", "seed"):
+            if req.HasField(name):
+                body[name] = getattr(req, name)
+        if req.model:
+            body["model"] = req.model
+        if req.HasField("speculation"):
+            s = req.speculation
+            body["speculation"] = {"mode": s.mode or "auto", "proposer": s.proposer or "model",
+                                   "spec_len": s.spec_len or None, "tree_width": s.tree_width or None}
+        try:
+            parsed = CompletionRequest.model_validate(body)
+        except ValidationError as e:
+            raise validation_error(e) from e
+        self.server._check_model(parsed)
+        return parsed
+
+    def _usage(self, prep, completion: int, drafted: int, accepted: int) -> pb.Usage:
+        return pb.Usage(prompt_tokens=sum(len(p) for p in prep.prompts), completion_tokens=completion,
+                        drafted_tokens=drafted, accepted_tokens=accepted)
+
+    async def generate(self, req: pb.GenerateRequest, context=None) -> pb.GenerateResponse:
+        t0, status = time.monotonic(), 200
+        try:
+            prep = self.server.prepare_completion(self.to_completion(req))
+            (d,) = await self.server.collect(prep)
+            return pb.GenerateResponse(text=d.text, token_ids=d.token_ids,
+                                       finish_reason=d.finish_reason or "",
+                                       usage=self._usage(prep, d.completion_tokens, d.drafted,
+                                                         d.accepted))
+        except APIError as e:
+            status = e.status
+            _set_error(context, e)
+            return pb.GenerateResponse()
+        finally:
+            self.server.stats.observe_request("grpc/Generate", status, time.monotonic() - t0)
+
+    async def generate_stream(self, req: pb.GenerateRequest, context=None
+                              ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        t0, status = time.monotonic(), 200
+        try:
+            prep = self.server.prepare_completion(self.to_completion(req))
+            async for d in self.server.run(prep):
+                msg = pb.GenerateStreamResponse(text=d.text, token_ids=d.token_ids)
+                if d.finish_reason:
+                    msg.finish_reason = d.finish_reason
+                    msg.usage.CopyFrom(self._usage(prep, d.completion_tokens, d.drafted, d.accepted))
+                yield msg
+        except EngineError as e:
+            err = engine_api_error(e, self.server.settings.retry_after_s)
+            status = err.status
+            _set_error(context, err)
+        except APIError as e:
+            status = e.status
+            _set_error(context, e)
+        finally:
+            self.server.stats.observe_request("grpc/GenerateStream", status, time.monotonic() - t0)
+
+
+def _set_error(context, e: APIError) -> None:
+    if context is None:
+        raise e
+    context.set_code(STATUS.get(e.status, grpc.StatusCode.INTERNAL))
+    context.set_details(e.message)
+
+
+class SpecflashServicer(pb_grpc.SpecflashServicer):
+    """`GrpcService` on a plain `grpc.aio` server."""
+
+    def __init__(self, service: GrpcService) -> None:
+        self.service = service
+
+    async def Generate(self, request, context):  # noqa: N802 (gRPC method name)
+        return await self.service.generate(request, context)
+
+    async def GenerateStream(self, request, context):  # noqa: N802
+        async for msg in self.service.generate_stream(request, context):
+            yield msg

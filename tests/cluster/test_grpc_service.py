@@ -1,0 +1,113 @@
+"""gRPC Generate / GenerateStream over a plain grpc.aio server with a FakeEngine (no Ray),
+and the committed generated modules being current."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from cluster.grpc_service import GrpcService, SpecflashServicer
+from cluster.openai_api import OpenAIServer, ServerSettings
+from cluster.protos import specflash_pb2 as pb
+from cluster.protos import specflash_pb2_grpc as pb_grpc
+from cluster.testing import SAMPLE_TEXT, FakeEngine, tiny_byte_tokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+TOK = tiny_byte_tokenizer()
+OUT = TOK.encode(SAMPLE_TEXT * 4)
+
+
+def decode(ids):
+    return TOK.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+async def with_server(fn, engine=None, **settings):
+    engine = engine or FakeEngine(script=lambda r: OUT)
+    server = OpenAIServer(engine, TOK, ServerSettings(**{"max_context": 256, **settings}))
+    grpc_server = grpc.aio.server()
+    pb_grpc.add_SpecflashServicer_to_server(SpecflashServicer(GrpcService(server)), grpc_server)
+    port = grpc_server.add_insecure_port("127.0.0.1:0")
+    await grpc_server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            return await fn(pb_grpc.SpecflashStub(channel), engine, server)
+    finally:
+        await grpc_server.stop(None)
+
+
+def test_generate_and_stream_agree():
+    async def go(stub, engine, server):
+        req = pb.GenerateRequest(prompt="hi", max_tokens=25, temperature=0.0, seed=3,
+                                 speculation=pb.Speculation(mode="chain", spec_len=3))
+        whole = await stub.Generate(req)
+        pieces = [m async for m in stub.GenerateStream(req)]
+        return whole, pieces, engine.requests
+
+    whole, pieces, requests = asyncio.run(with_server(go))
+    assert whole.text == decode(OUT[:25]) and list(whole.token_ids) == OUT[:25]
+    assert whole.finish_reason == "length"
+    assert whole.usage.completion_tokens == 25 and whole.usage.prompt_tokens == len(TOK.encode("hi"))
+    assert whole.usage.drafted_tokens > 0
+    assert "".join(p.text for p in pieces) == whole.text
+    assert [t for p in pieces for t in p.token_ids] == OUT[:25]
+    assert [p.finish_reason for p in pieces][-1] == "length"
+    assert all(not p.finish_reason and not p.HasField("usage") for p in pieces[:-1])
+    assert pieces[-1].usage == whole.usage
+    r = requests[0]
+    assert r.sampling.temperature == 0.0 and r.sampling.seed == 3
+    assert (r.speculation.mode, r.speculation.spec_len, r.speculation.tree_width) == ("chain", 3, None)
+
+
+@pytest.mark.parametrize("req,code", [
+    (pb.GenerateRequest(prompt="hi", top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="hi", temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="x " * 300), grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="hi", speculation=pb.Speculation(mode="sideways")),
+     grpc.StatusCode.INVALID_ARGUMENT),
+    (pb.GenerateRequest(prompt="hi", model="gpt-4"), grpc.StatusCode.NOT_FOUND),
+])
+@pytest.mark.parametrize("method", ["Generate", "GenerateStream"])
+def test_errors_are_status_codes(req, code, method):
+    async def go(stub, engine, server):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            if method == "Generate":
+                await stub.Generate(req)
+            else:
+                [m async for m in stub.GenerateStream(req)]
+        return info.value, engine.requests
+
+    err, requests = asyncio.run(with_server(go))
+    assert err.code() == code and err.details()
+    assert requests == []
+
+
+def test_queue_full_is_resource_exhausted():
+    async def go(stub, engine, server):
+        long = stub.GenerateStream(pb.GenerateRequest(prompt="a", max_tokens=200))
+        await long.read()          # the first piece: the request is admitted and running
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Generate(pb.GenerateRequest(prompt="b", max_tokens=2))
+        long.cancel()
+        await asyncio.sleep(0.3)
+        return info.value, engine.aborted, server.outstanding
+
+    err, aborted, outstanding = asyncio.run(
+        with_server(go, FakeEngine(script=lambda r: OUT, delay_s=0.02), max_queue=1))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(aborted) == 1 and outstanding == 0   # the cancelled stream was aborted
+
+
+def test_generated_modules_are_current(tmp_path):
+    proto = "cluster/protos/specflash.proto"
+    (tmp_path / "cluster" / "protos").mkdir(parents=True)
+    (tmp_path / proto).write_bytes((ROOT / proto).read_bytes())
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.",
+                    "--grpc_python_out=.", proto], cwd=tmp_path, check=True)
+    for name in ("specflash_pb2.py", "specflash_pb2_grpc.py"):
+        fresh = (tmp_path / "cluster" / "protos" / name).read_text()
+        assert fresh == (ROOT / "cluster" / "protos" / name).read_text(), \
+            f"cluster/protos/{name} is stale: regenerate it (command in specflash.proto)"
