@@ -1,7 +1,6 @@
 """Tiny random HF checkpoints (saved with `save_pretrained`) and helpers shared by the model tests."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 from models.transformer import causal_mask
@@ -40,12 +39,6 @@ def save_hf(tmp_path, arch: str = "llama", *, seed: int = 0, max_shard_size=None
 def prefill(model, cache, seq_id, ids: torch.Tensor, **kw):
     """Run a prompt [T] through `model` for a fresh sequence; returns logits [T, V]."""
     cache.add_sequence(seq_id)
-    start = 0
     T = ids.shape[0]
-    positions = torch.arange(start, start + T)[None]
+    positions = torch.arange(T)[None]
     return model(ids[None], positions, cache, [seq_id], causal_mask(1, T), **kw)[0]
-
-
-@pytest.fixture
-def rng():
-    return torch.Generator().manual_seed(1234)

@@ -1,0 +1,122 @@
+"""Tree verification forward: node logits under the tree mask equal the logits of the
+root-to-node path run as a plain sequence; compaction commits a path exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import ModelConfig, OutOfBlocks, Transformer
+from models.transformer import causal_mask
+
+from .conftest import prefill
+
+ATOL = 1e-4
+# parent of each node (-1 = child of the prefix's last token), topologically ordered
+PARENTS = [-1, -1, 0, 0, 1, 2, 5, -1]
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig(arch="qwen2", vocab_size=80, hidden_size=48, intermediate_size=72, num_layers=2,
+                      num_heads=6, num_kv_heads=2, head_dim=8, attention_bias=True, rope_theta=1000.0)
+    torch.manual_seed(3)
+    m = Transformer(cfg).eval()
+    for p in m.parameters():
+        p.normal_(0, 0.3)
+    return m
+
+
+def paths(parents):
+    out = []
+    for i in range(len(parents)):
+        path, j = [], i
+        while j != -1:
+            path.append(j)
+            j = parents[j]
+        out.append(path[::-1])
+    return out
+
+
+def tree_inputs(parents, tokens, prefix_len):
+    T = len(parents)
+    mask = torch.zeros(T, T, dtype=torch.bool)
+    for i, path in enumerate(paths(parents)):
+        mask[i, path] = True
+    depths = mask.sum(-1)
+    return tokens[None], (prefix_len + depths - 1)[None], mask[None]
+
+
+def run_chain(model, ids):
+    cache = model.new_cache(16, 4)
+    with torch.no_grad():
+        return prefill(model, cache, 0, ids)
+
+
+def test_tree_logits_equal_each_path_as_a_sequence(model):
+    prefix = torch.tensor([5, 9, 2, 77, 31, 8, 1, 40, 3, 12, 6])      # 11 tokens: trees cross a block edge
+    tokens = torch.tensor([4, 18, 60, 22, 7, 51, 33, 2])
+    cache = model.new_cache(16, 4)
+    with torch.no_grad():
+        prefill(model, cache, "s", prefix)
+        ids, positions, mask = tree_inputs(PARENTS, tokens, len(prefix))
+        got = model(ids, positions, cache, ["s"], mask)[0]            # [T, V]
+    assert cache.seq_len("s") == len(prefix) + len(PARENTS)
+    for i, path in enumerate(paths(PARENTS)):
+        want = run_chain(model, torch.cat([prefix, tokens[path]]))[-1]
+        torch.testing.assert_close(got[i], want, atol=ATOL, rtol=0, msg=f"node {i}")
+
+
+def test_batched_trees_with_logit_rows_and_positions(model):
+    prefixes = [torch.tensor([5, 9, 2]), torch.tensor([7, 7, 1, 30, 12, 44, 2])]
+    tokens = torch.tensor([[4, 18, 60, 22, 7, 51, 33, 2], [1, 2, 3, 4, 5, 6, 7, 8]])
+    rows = torch.tensor([3, 0, 79])
+    cache = model.new_cache(32, 4)
+    with torch.no_grad():
+        for b, p in enumerate(prefixes):
+            prefill(model, cache, b, p)
+        batch = [tree_inputs(PARENTS, tokens[b], len(prefixes[b])) for b in range(2)]
+        ids, positions, mask = (torch.cat(x) for x in zip(*batch))
+        full, hidden = model(ids, positions, cache, [0, 1], mask, return_hidden=True)
+        for b in range(2):
+            cache.truncate(b, len(prefixes[b]))
+        picked = model(ids, positions, cache, [0, 1], mask, logit_rows=rows,
+                       logit_positions=torch.tensor([[7, 2], [0, 7]]))
+    assert full.shape == (2, 8, 80) and full.dtype == torch.float32 and hidden.shape == (2, 8, 48)
+    torch.testing.assert_close(picked[0], full[0][[7, 2]][:, rows], atol=ATOL, rtol=0)
+    torch.testing.assert_close(picked[1], full[1][[0, 7]][:, rows], atol=ATOL, rtol=0)
+    for b in range(2):
+        for i, path in enumerate(paths(PARENTS)):
+            want = run_chain(model, torch.cat([prefixes[b], tokens[b][path]]))[-1]
+            torch.testing.assert_close(full[b, i], want, atol=ATOL, rtol=0)
+
+
+def test_compacted_path_gives_the_same_next_logits_as_decoding_it(model):
+    prefix = torch.tensor([5, 9, 2, 77, 31, 8])
+    tokens = torch.tensor([4, 18, 60, 22, 7, 51, 33, 2])
+    accepted = paths(PARENTS)[6]                                       # nodes 0, 2, 5, 6
+    cache = model.new_cache(16, 4)
+    with torch.no_grad():
+        prefill(model, cache, "s", prefix)
+        ids, positions, mask = tree_inputs(PARENTS, tokens, len(prefix))
+        model(ids, positions, cache, ["s"], mask)
+        cache.compact("s", len(prefix), accepted)
+        n = len(prefix) + len(accepted)
+        bonus = torch.tensor([[11]])
+        got = model(bonus, torch.tensor([[n]]), cache, ["s"], causal_mask(1, 1))[0, -1]
+    want = run_chain(model, torch.cat([prefix, tokens[accepted], bonus[0]]))[-1]
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    cache.free("s")
+    assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_out_of_blocks_in_forward_leaves_every_sequence_unchanged(model):
+    cache = model.new_cache(num_blocks=4, block_size=4)
+    with torch.no_grad():
+        prefill(model, cache, "a", torch.tensor([1, 2, 3]))
+        prefill(model, cache, "b", torch.tensor([4, 5, 6, 7, 8, 9, 10]))
+        before = (cache.num_free_blocks, cache.seq_len("a"), cache.seq_len("b"))
+        assert before[0] == 1                     # "a" fits in it, then "b" does not
+        ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+        with pytest.raises(OutOfBlocks):
+            model(ids, torch.tensor([[3, 4, 5], [7, 8, 9]]), cache, ["a", "b"], causal_mask(2, 3))
+    assert (cache.num_free_blocks, cache.seq_len("a"), cache.seq_len("b")) == before
