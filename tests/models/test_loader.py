@@ -76,3 +76,18 @@ def test_package_names_resolve_to_this_repo():
     assert Path(kernels.__file__).resolve().parent == REPO / "kernels"
     assert Path(models.__file__).resolve().parent == REPO / "models"
     assert is_kernels_available() is False, "transformers takes our `kernels` for its optional dependency"
+
+
+def test_load_tokenizer_reads_the_saved_tokenizer(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3, "world": 4}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>").save_pretrained(tmp_path)
+    loaded = load_tokenizer(tmp_path)
+    assert loaded("hello world there")["input_ids"] == [3, 4, 0]
+    assert loaded.eos_token_id == 2
