@@ -213,6 +213,6 @@ def rejection_sample(
         target_probs if greedy else draft_probs, uniform, exp_noise,
         work[0], work[1], accepted_nodes_k, num_accepted, next_token_ids, T, V,
         GREEDY=greedy, BLOCK_V=SUM_BLOCK, BLOCK_T=max(16, triton.next_power_of_2(T)),
-        num_warps=4,
+        num_warps=4, enable_fp_fusion=False,  # no FMA contraction: keep the reference's rounding
     )
     return accepted_nodes, num_accepted, next_token_ids

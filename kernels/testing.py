@@ -58,3 +58,18 @@ def make_paged_inputs(
     prefix_lens = torch.tensor(prefix, dtype=torch.int32)
     return (q, k_cache, v_cache, block_tables.to(device), prefix_lens.to(device),
             tree_mask.to(device))
+
+
+def rel_err(x: torch.Tensor, y: torch.Tensor) -> float:
+    """||x - y|| / ||y|| in float64; NaN anywhere makes it NaN (and fails any `<`)."""
+    return float((x.double() - y.double()).norm() / y.double().norm())
+
+
+def poison_allocations(monkeypatch) -> None:
+    """Make tree attention's output and split scratch start as NaN (pytest monkeypatch),
+    so an element the kernel fails to write shows up in the result."""
+    from kernels import tree_attention
+
+    monkeypatch.setattr(tree_attention, "_new_output", lambda q: torch.full_like(q, float("nan")))
+    monkeypatch.setattr(tree_attention, "_new_scratch", lambda *shape, device: torch.full(
+        shape, float("nan"), device=device, dtype=torch.float32))

@@ -15,7 +15,7 @@ import torch
 import kernels
 from kernels import ref
 from kernels import tree_attention as ta
-from kernels.testing import make_paged_inputs
+from kernels.testing import make_paged_inputs, poison_allocations, rel_err
 
 
 def make_inputs(B, T, Hq, Hkv, D, page, prefix, dtype, seed=0):
@@ -43,16 +43,10 @@ def attention_f64(q, k_cache, v_cache, block_tables, prefix_lens, tree_mask, sca
     return out
 
 
-def rel_err(x, y):
-    return float((x.double() - y.double()).norm() / y.double().norm())
-
-
 @pytest.fixture
 def poisoned(monkeypatch):
     """Output and scratch start as NaN, so a row the kernel fails to write shows up."""
-    monkeypatch.setattr(ta, "_new_output", lambda q: torch.full_like(q, float("nan")))
-    monkeypatch.setattr(ta, "_new_scratch", lambda *s, device: torch.full(
-        s, float("nan"), device=device, dtype=torch.float32))
+    poison_allocations(monkeypatch)
 
 
 CASES = [  # B, T, Hq, Hkv, D, page, prefix per row, dtype
