@@ -142,15 +142,15 @@ class Engine:
         for r in requests:
             self._check_request(r)
         self._ensure_caches(requests)
-        seqs = [self._prefill(r) for r in requests]
         try:
-            active = [s for s in seqs if not s.finish_reason]
+            seqs = self._prefill(requests)
+            active = list(seqs)
             while active:
                 self.step(active)
                 active = [s for s in active if not s.finish_reason]
         finally:
-            for s in seqs:
-                self._release(s.seq_id)
+            for r in requests:
+                self._release(r.request_id)
         return [GenerationOutput(s.seq_id, list(s.request.prompt_token_ids), s.output,
                                  s.finish_reason or "length", s.stats) for s in seqs]
 
@@ -172,19 +172,24 @@ class Engine:
             s.stats.observe_time("elapsed", (verified - start) / len(seqs))
 
     # -- steps --------------------------------------------------------------------------
-    def _prefill(self, request: GenerationRequest) -> _Sequence:
+    def _prefill(self, requests: Sequence[GenerationRequest]) -> list[_Sequence]:
+        """Per-request generators and stop sets, then one batched target prefill."""
         start = time.perf_counter()
-        seed = request.sampling.seed
-        generator = torch.Generator().manual_seed(
-            seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
-        stop_ids = set(request.sampling.stop_token_ids)
-        if not request.sampling.ignore_eos:
-            stop_ids |= self.eos_token_ids
-        seq = _Sequence(request, generator, stop_ids, list(request.prompt_token_ids))
-        self.verifier.prefill(seq.seq_id, seq.token_ids)
-        seq.stats.observe_time("prefill", time.perf_counter() - start)
-        seq.stats.observe_time("elapsed", time.perf_counter() - start)
-        return seq
+        seqs = []
+        for r in requests:
+            seed = r.sampling.seed
+            generator = torch.Generator().manual_seed(
+                seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+            stop_ids = set(r.sampling.stop_token_ids)
+            if not r.sampling.ignore_eos:
+                stop_ids |= self.eos_token_ids
+            seqs.append(_Sequence(r, generator, stop_ids, list(r.prompt_token_ids)))
+        self.verifier.prefill_batch([s.seq_id for s in seqs], [s.token_ids for s in seqs])
+        seconds = (time.perf_counter() - start) / len(seqs)
+        for s in seqs:
+            s.stats.observe_time("prefill", seconds)
+            s.stats.observe_time("elapsed", seconds)
+        return seqs
 
     def _propose(self, seqs: Sequence[_Sequence]) -> list[TokenTree]:
         """Trees for every sequence, one batched call per proposer."""

@@ -119,9 +119,14 @@ def other_vocab_draft(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def small_vocab_pair(tmp_path_factory):
-    """(target_dir, far_draft_dir) over 16 tokens, no tokenizer: for distribution tests."""
+    """(target_dir, draft_dir) over 16 tokens, no tokenizer, for distribution tests.
+
+    The draft is the target with heavy noise: per-token acceptance around 0.4,
+    so acceptance, rejection and the residual all happen often.
+    """
     target = tmp_path_factory.mktemp("small_target")
     draft = tmp_path_factory.mktemp("small_draft")
-    save_llama(target, llama_config(vocab_size=16, hidden=32, initializer_range=0.5), seed=3)
-    save_llama(draft, llama_config(vocab_size=16, hidden=32, layers=1, initializer_range=0.5), seed=4)
+    config = llama_config(vocab_size=16, hidden=32, initializer_range=0.3)
+    model = save_llama(target, config, seed=3)
+    save_llama(draft, config, seed=4, perturb_from=model, noise=0.3)
     return target, draft

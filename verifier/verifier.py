@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from models.sampling import SamplingParams, logits_to_probs
-from models.transformer import causal_mask
 from models.tree import TokenTree, ragged_tree_forward
 
 
@@ -67,13 +66,24 @@ class Verifier:
 
     def prefill(self, seq_id: Hashable, prompt_ids: Sequence[int]) -> None:
         """Cache every prompt token but the last: the last one is the first tree's root."""
-        self.cache.add_sequence(seq_id)
-        n = len(prompt_ids) - 1
-        if n > 0:
-            ids = torch.tensor([list(prompt_ids[:-1])])                       # [1, n]
-            device = self.model.embed_tokens.weight.device
-            self.model(ids.to(device), torch.arange(n)[None].to(device), self.cache, [seq_id],
-                       causal_mask(1, n, device), logit_positions=torch.zeros(1, dtype=torch.long))
+        self.prefill_batch([seq_id], [prompt_ids])
+
+    @torch.inference_mode()
+    def prefill_batch(self, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
+                      max_rows: int = 64) -> None:
+        """`prefill` for many sequences, `max_rows` prompts per target forward."""
+        for s in seq_ids:
+            self.cache.add_sequence(s)
+        todo = [(s, list(p[:-1])) for s, p in zip(seq_ids, prompts) if len(p) > 1]
+        todo.sort(key=lambda item: len(item[1]))              # similar lengths pad less
+        for i in range(0, len(todo), max_rows):
+            chunk = todo[i:i + max_rows]
+            ragged_tree_forward(
+                self.model, self.cache, [s for s, _ in chunk],
+                [torch.tensor(ids, dtype=torch.long) for _, ids in chunk],
+                [torch.arange(len(ids)) for _, ids in chunk],
+                [torch.ones(len(ids), len(ids), dtype=torch.bool).tril() for _, ids in chunk],
+                [torch.zeros(0, dtype=torch.long) for _ in chunk])
 
     def release(self, seq_id: Hashable) -> None:
         self.cache.free(seq_id)
