@@ -20,11 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 K8S_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-# Names of the Serve deployments the app builds (`cluster.serve_app:build_app`); the Serve config's
-# per-deployment settings (autoscaling_config, ray_actor_options) are addressed by these names.
+# Name of the Serve ingress deployment the app builds (`cluster.serve_app:build_app`); the Serve
+# config's per-deployment settings (autoscaling_config, ray_actor_options) are addressed by it.
+# The drafter and verifier are Ray actors of the pipeline, placed and counted from AppArgs.
 INGRESS_DEPLOYMENT = "SpecflashIngress"
-VERIFIER_DEPLOYMENT = "Verifier"
-DRAFTER_DEPLOYMENT = "Drafter"
 # Ray's built-in resources are requested through num_cpus / num_gpus, never as custom names.
 RAY_BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 
@@ -306,11 +305,13 @@ class AppArgs(_Model):
     `AppArgs.model_validate(args)` in the builder; `{}` gives the local defaults.
     """
 
-    engine: Literal["pipeline", "sync", "fake"] = Field(
-        "pipeline",
-        description="What runs behind the ingress: the Ray pipeline of drafter and verifier actors, the "
-        "in-process sync engine, or `cluster.testing.FakeEngine` (no model; for trying the API).",
+    engine: str = Field(
+        "auto",
+        description="What runs behind the ingress: pipeline (the Ray drafter/verifier actors), local (the "
+        "in-process engine), fake (cluster.testing.FakeEngine, no model), auto (pipeline where it can be "
+        "built, else local), or a `module:factory` import path.",
     )
+    model_name: str = Field("specflash", min_length=1, description="The model id clients send as `model`.")
     models: ModelPairConfig = Field(default_factory=ModelPairConfig, description="The model pair.")
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Actor resources.")
     speculation: SpeculationDefaults = Field(default_factory=SpeculationDefaults, description="Server defaults.")
@@ -318,6 +319,13 @@ class AppArgs(_Model):
     verifier_scaling: ReplicaScaling = Field(default_factory=ReplicaScaling, description="Verifier replicas.")
     drafter_scaling: ReplicaScaling = Field(default_factory=ReplicaScaling, description="Drafter replicas.")
     serving: ServingConfig = Field(default_factory=ServingConfig, description="HTTP / gRPC front.")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, v: str) -> str:
+        if v not in ("auto", "pipeline", "local", "fake") and not re.fullmatch(r"[\w.]+:[\w.]+", v):
+            raise ValueError(f"engine must be auto, pipeline, local, fake or a module:factory path, got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _app_consistent(self) -> AppArgs:

@@ -21,15 +21,7 @@ from typing import Any
 
 import yaml
 
-from cluster.config import (
-    DRAFTER_DEPLOYMENT,
-    INGRESS_DEPLOYMENT,
-    VERIFIER_DEPLOYMENT,
-    ActorPlacement,
-    ClusterConfig,
-    NodeType,
-    ReplicaScaling,
-)
+from cluster.config import INGRESS_DEPLOYMENT, ClusterConfig, NodeType
 
 API_VERSION = "ray.io/v1"
 APP_NAME = "specflash"
@@ -46,23 +38,19 @@ FILES = {
 
 
 # ---- Serve -------------------------------------------------------------------------------------
-def _deployment(name: str, actor: ActorPlacement, scaling: ReplicaScaling, max_ongoing: int) -> dict[str, Any]:
-    return {
-        "name": name,
-        "max_ongoing_requests": max_ongoing,
-        "autoscaling_config": scaling.autoscaling_config(),
-        "ray_actor_options": actor.ray_options(),
-    }
-
-
 def serve_config(cfg: ClusterConfig) -> dict[str, Any]:
-    """The Serve config (`ray.serve.schema.ServeDeploySchema`): one application built by `cfg.import_path`."""
-    p, s = cfg.placement, cfg.serving
-    deployments = [
-        _deployment(INGRESS_DEPLOYMENT, p.ingress, cfg.ingress_scaling, s.max_queue),
-        _deployment(VERIFIER_DEPLOYMENT, p.verifier, cfg.verifier_scaling, cfg.speculation.max_batch_size),
-        _deployment(DRAFTER_DEPLOYMENT, p.drafter, cfg.drafter_scaling, cfg.speculation.max_batch_size),
-    ]
+    """The Serve config (`ray.serve.schema.ServeDeploySchema`): one application built by `cfg.import_path`.
+
+    The ingress is the Serve deployment (autoscaled by Serve on ongoing requests); the drafter and
+    verifier actors behind it are placed and counted by the pipeline from `args` (AppArgs).
+    """
+    s = cfg.serving
+    # max_ongoing_requests is left to the app (its own queue bound answers 429/503)
+    ingress = {
+        "name": INGRESS_DEPLOYMENT,
+        "autoscaling_config": cfg.ingress_scaling.autoscaling_config(),
+        "ray_actor_options": cfg.placement.ingress.ray_options(),
+    }
     grpc: dict[str, Any] = {"port": s.grpc_port, "grpc_servicer_functions": list(s.grpc_servicer_functions)}
     return {
         "proxy_location": "EveryNode",
@@ -74,7 +62,7 @@ def serve_config(cfg: ClusterConfig) -> dict[str, Any]:
                 "route_prefix": "/",
                 "import_path": cfg.import_path,
                 "args": cfg.app_args(),
-                "deployments": deployments,
+                "deployments": [ingress],
             }
         ],
     }

@@ -95,6 +95,7 @@ def test_autoscaling_config_is_what_serve_accepts():
         ("serving.grpc_port", 8000, "different ports"),
         ("verifier_scaling.policy", "not an import path", "module:function"),
         ("verifier_scaling.policy_kwargs", {"target_idle_fraction": 0.1}, "without a policy"),
+        ("engine", "sync", "engine must be"),
     ],
 )
 def test_inconsistent_configs_are_rejected(example, dotted, value, message):

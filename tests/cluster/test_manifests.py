@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from cluster import manifests
-from cluster.config import DRAFTER_DEPLOYMENT, VERIFIER_DEPLOYMENT, AppArgs, ClusterConfig
+from cluster.config import INGRESS_DEPLOYMENT, AppArgs, ClusterConfig
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "manifests" / "cluster.example.yaml"
@@ -327,7 +327,7 @@ def test_serve_config_and_serve_config_v2_pass_serve_schema(committed):
 def test_serve_check_rejects_unknown_keys_at_any_depth(committed):
     base = committed["serve-config.yaml"]
     for path in [("applications", 0, "deployments", 0, "autoscaling_config", "max_replica"),
-                 ("applications", 0, "deployments", 1, "ray_actor_options", "num_gpu"),
+                 ("applications", 0, "deployments", 0, "ray_actor_options", "num_gpu"),
                  ("applications", 0, "route_prefx"), ("http_options", "prot")]:
         bad = copy.deepcopy(base)
         cur = bad
@@ -340,15 +340,18 @@ def test_serve_check_rejects_unknown_keys_at_any_depth(committed):
     assert any("spec_length" in e for e in serve_config_errors(bad_args))
 
 
-def test_serve_deployments_ask_for_the_configured_resources(committed, cfg):
+def test_serve_config_carries_the_scaling_and_placement_of_the_config(committed, cfg):
     (app,) = committed["serve-config.yaml"]["applications"]
-    deployments = {d["name"]: d for d in app["deployments"]}
-    for name, side in ((DRAFTER_DEPLOYMENT, "drafter"), (VERIFIER_DEPLOYMENT, "verifier")):
-        assert deployments[name]["ray_actor_options"] == getattr(cfg.placement, side).ray_options()
-        scaling = deployments[name]["autoscaling_config"]
-        assert scaling["min_replicas"] <= scaling["initial_replicas"] <= scaling["max_replicas"]
+    (ingress,) = app["deployments"]
+    assert ingress["name"] == INGRESS_DEPLOYMENT
+    assert ingress["ray_actor_options"] == cfg.placement.ingress.ray_options()
+    scaling = ingress["autoscaling_config"]
+    assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 2)
+    assert scaling["target_ongoing_requests"] == cfg.ingress_scaling.target_ongoing_requests
     assert app["import_path"] == "cluster.serve_app:build_app"
-    assert AppArgs.model_validate(app["args"]).placement == cfg.placement
+    args = AppArgs.model_validate(app["args"])  # the pipeline places its actors from these
+    assert args.placement == cfg.placement and args.verifier_scaling == cfg.verifier_scaling
+    assert args.drafters_per_verifier == cfg.drafters_per_verifier
 
 
 def test_launcher_config_passes_rays_schema_with_the_same_node_types(committed):
@@ -393,3 +396,110 @@ def test_cli_renders_checks_and_reports_bad_configs(tmp_path, capsys):
     assert run(str(bad), str(tmp_path / "out"), False) == 2
     assert "not a valid cluster config" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+# ---- with the Serve app (issue 5) ------------------------------------------------------------
+def test_import_path_builds_the_app_with_the_rendered_args(committed):
+    (app,) = committed["serve-config.yaml"]["applications"]
+    module, _, attr = app["import_path"].partition(":")
+    builder = getattr(pytest.importorskip(module, reason=f"{module} (the Serve app) is not there yet"), attr)
+    from ray.serve._private.build_app import build_app
+
+    built = build_app(builder(app["args"]), name=app["name"])
+    names = {d.name for d in built.deployments}
+    assert {d["name"] for d in app["deployments"]} <= names, names
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(method: str, url: str, body=None, timeout: float = 60):
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read() or b"null")
+
+
+def _cpu_cluster_config(cfg: ClusterConfig) -> ClusterConfig:
+    """The example config shrunk onto one CPU machine: same custom resources, embedded pair, no GPUs."""
+    data = cfg.model_dump(mode="json")
+    data["models"] = {"target": None, "draft": None, "dtype": "float32"}
+    data["speculation"].update(mode="chain", tree_width=1, max_batch_size=4)
+    for side in ("drafter", "verifier"):
+        data["placement"][side].update(num_cpus=1, num_gpus=0)
+        data[f"{side}_nodes"].update(cpus=1, gpus=0, min_workers=1, max_workers=1)
+        data[f"{side}_scaling"].update(min_replicas=1, max_replicas=1)
+    data["placement"]["ingress"]["num_cpus"] = 0
+    data["serving"]["grpc_servicer_functions"] = []
+    return ClusterConfig.model_validate(data)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_serve_config_on_a_local_multi_node_cluster(cfg):
+    """What KubeRay does with serveConfigV2, on nodes carrying the drafter / verifier custom resources."""
+    pytest.importorskip("cluster.serve_app", reason="the Serve app (issue 5) is not there yet")
+    import time
+
+    import ray
+    from ray.cluster_utils import Cluster
+    from ray.util.state import list_actors
+
+    small = _cpu_cluster_config(cfg)
+    dash, port = _free_port(), _free_port()
+    head = {"num_cpus": 0, "include_dashboard": True, "dashboard_port": dash}  # the head runs no model
+    cluster = Cluster(initialize_head=True, head_node_args=head)
+    nodes = {side: cluster.add_node(num_cpus=1, resources=getattr(small, f"{side}_nodes").resources)
+             for side in ("drafter", "verifier")}
+    ray.init(address=cluster.address)
+    base = f"http://127.0.0.1:{dash}/api/serve/applications/"
+    try:
+        config = manifests.serve_config(small)
+        # one machine: proxies of several "nodes" would share a port, so only the head's serves
+        config.update(proxy_location="HeadOnly", http_options={**config["http_options"], "port": port})
+        _http("PUT", base, config)  # KubeRay's call: PUT the Serve config to the dashboard
+        deadline, status = time.time() + 900, None
+        while time.time() < deadline:
+            status = _http("GET", base)["applications"].get("specflash", {}).get("status")
+            if status in ("RUNNING", "DEPLOY_FAILED"):
+                break
+            time.sleep(3)
+        if status != "RUNNING":
+            app_status = _http("GET", base)["applications"].get("specflash", {})
+            pytest.fail(f"application {status}: {app_status.get('message')}\n{app_status.get('deployments')}")
+        url = f"http://127.0.0.1:{port}"
+        model = _http("GET", f"{url}/v1/models")["data"][0]["id"]
+        prompt = "def reverse_string(s):"
+        answer = _http("POST", f"{url}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 12,
+                                                           "temperature": 0}, timeout=300)
+        assert answer["choices"][0]["text"] == _target_greedy(prompt, 12)
+        alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name]
+        for side in ("drafter", "verifier"):
+            hosts = {a.node_id for a in alive if side in a.class_name.lower()}
+            assert hosts == {nodes[side].node_id}, (side, [(a.class_name, a.node_id) for a in alive])
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _target_greedy(prompt: str, max_new_tokens: int) -> str:
+    """The embedded target alone, greedy, through Hugging Face `generate`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from models.embedded import target_dir
+
+    path = target_dir()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
