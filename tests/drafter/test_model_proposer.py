@@ -1,0 +1,87 @@
+"""The draft cache follows the tree: after any accept / rollback, the next proposal is the
+one a fresh proposer makes from the committed tokens alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter import DraftRequest, ModelProposer, NgramProposer
+from models import SamplingParams, load_model
+
+SAMPLING = SamplingParams(temperature=1.0)
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def draft_model(close_draft):
+    return load_model(close_draft)
+
+
+def proposer(model, width=1, logit_rows=None):
+    return ModelProposer(model, model.new_cache(64, 16), spec_len=4, tree_width=width, logit_rows=logit_rows)
+
+
+def request(tokens, params=SAMPLING, seed=0, depth=4, width=None):
+    return DraftRequest("s", list(tokens), params, torch.Generator().manual_seed(seed), depth, tree_width=width)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3])
+@pytest.mark.parametrize("accept", ["none", "first", "deepest"])
+def test_cache_after_verification_matches_a_fresh_proposer(draft_model, width, accept):
+    prompt = list(b"hello world, ")
+    p = proposer(draft_model, width)
+    tree, = p.propose([request(prompt)])
+    assert tree.num_nodes > 0 and tree.prefix_len == len(prompt)
+    if accept == "none":
+        path = []
+    else:
+        leaf = 0 if accept == "first" else int(tree.depths.argmax())
+        path = tree.path_to(leaf)
+    committed = prompt + tree.token_ids[path].tolist() + [42]         # + the verifier's next token
+    p.on_verified("s", tree, path)
+    again, = p.propose([request(committed, seed=1)])
+    fresh, = proposer(draft_model, width).propose([request(committed, seed=1)])
+    assert torch.equal(again.token_ids, fresh.token_ids)
+    assert torch.equal(again.parent_ids, fresh.parent_ids)
+    assert torch.allclose(again.draft_probs, fresh.draft_probs, atol=1e-5)
+
+
+def test_greedy_chain_is_the_draft_argmax_path(draft_model, close_draft):
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(close_draft).eval()
+    prompt = list(b"abc")
+    tree, = proposer(draft_model).propose([request(prompt, GREEDY, depth=4)])
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=4, pad_token_id=0)
+    assert tree.token_ids.tolist() == ref[0, len(prompt):].tolist()
+    assert tree.draft_probs is None
+
+
+def test_depth_is_capped_per_request(draft_model):
+    p = proposer(draft_model, width=2)
+    shallow, none = p.propose([request(b"abc", depth=1), DraftRequest("t", list(b"xyz"), SAMPLING,
+                                                                      torch.Generator(), 0)])
+    assert shallow.depths.max() == 1 and none.num_nodes == 0
+
+
+def test_logit_rows_restrict_the_draft_vocabulary(draft_model):
+    rows = list(range(32, 127))                                        # printable ASCII only
+    p = proposer(draft_model, width=2, logit_rows=rows)
+    tree, = p.propose([request(b"Hi there", SAMPLING)])
+    outside = torch.ones(draft_model.config.vocab_size, dtype=torch.bool)
+    outside[rows] = False
+    assert tree.draft_probs[:, outside].sum() == 0
+    assert all(32 <= t < 127 for t in tree.token_ids.tolist())
+    greedy, = p.propose([DraftRequest("g", list(b"Hi there"), GREEDY, torch.Generator(), 3)])
+    assert all(32 <= t < 127 for t in greedy.token_ids.tolist())
+
+
+def test_ngram_proposer_point_masses():
+    ngram = NgramProposer(vocab_size=16, spec_len=3)
+    tree, = ngram.propose([DraftRequest("n", [1, 2, 3, 4, 1, 2], SAMPLING, torch.Generator(), 5)])
+    assert tree.token_ids.tolist() == [3, 4, 1]
+    assert tree.draft_probs[torch.arange(3), tree.token_ids].tolist() == [1.0, 1.0, 1.0]
+    assert tree.draft_probs.sum() == 3
+    empty, = ngram.propose([DraftRequest("n", [1, 2, 3], SAMPLING, torch.Generator(), 5)])
+    assert empty.num_nodes == 0

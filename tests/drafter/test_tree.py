@@ -1,0 +1,111 @@
+"""TokenTree bookkeeping, EAGLE-2 tree growth (greedy and without replacement), n-gram lookup."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter.ngram import lookup
+from drafter.tree_search import ROOT, TreeBuilder
+from models import SamplingParams
+from models.tree import TokenTree
+
+V = 12
+
+
+def test_chain_and_masks():
+    tree = TokenTree.chain([5, 6, 7], None, prefix_len=10, epoch=2)
+    assert tree.parent_ids.tolist() == [-1, 0, 1] and tree.depths.tolist() == [1, 2, 3]
+    assert torch.equal(tree.tree_mask(), torch.ones(3, 3, dtype=torch.bool).tril())
+    vm = tree.verification_mask()
+    assert vm.shape == (4, 4) and vm[:, 0].all() and not vm[0, 1:].any()
+
+
+def test_tree_mask_of_a_branching_tree():
+    #        root
+    #       /    \
+    #      0      1
+    #     / \     |
+    #    2   3    4
+    tree = TokenTree(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([-1, -1, 0, 0, 1]),
+                     torch.tensor([1, 1, 2, 2, 2]), None, prefix_len=4)
+    m = tree.tree_mask()
+    assert m[3].tolist() == [True, False, False, True, False]
+    assert m[4].tolist() == [False, True, False, False, True]
+    assert not m[2, 3] and not m[0, 1]
+    assert tree.path_to(4) == [1, 4]
+
+
+def test_empty_tree_and_bad_trees():
+    empty = TokenTree.empty(prefix_len=3)
+    assert empty.num_nodes == 0 and empty.tree_mask().shape == (0, 0)
+    assert empty.verification_mask().tolist() == [[True]]
+    with pytest.raises(ValueError, match="topologically"):
+        TokenTree(torch.tensor([1, 2]), torch.tensor([1, -1]), torch.tensor([2, 1]), None, 3)
+    with pytest.raises(ValueError, match="T\\+1"):
+        TokenTree.chain([1, 2], torch.zeros(2, V), prefix_len=3)
+
+
+def logits_with(order: list[int]) -> torch.Tensor:   # [V]: tokens in `order` get descending logits
+    logits = torch.full((V,), -10.0)
+    for rank, token in enumerate(order):
+        logits[token] = 5.0 - rank
+    return logits
+
+
+def test_greedy_tree_children_are_top_k_and_rerank_keeps_a_tree():
+    b = TreeBuilder(SamplingParams(temperature=0.0), torch.Generator(), width=2, max_nodes=4, vocab_size=V)
+    b.expand([ROOT], logits_with([3, 7, 1])[None])
+    assert b.token_ids == [3, 7]
+    frontier = b.frontier(1)
+    assert frontier == [0, 1]
+    b.expand(frontier, torch.stack([logits_with([4, 5]), logits_with([6, 2])]))
+    assert len(b.token_ids) == 6
+    tree, kept = b.finish(prefix_len=9, epoch=0)
+    assert tree.num_nodes == 4 and tree.draft_probs is None
+    parents = tree.parent_ids.tolist()
+    assert all(p < i for i, p in enumerate(parents))          # topological, hence ancestor-closed
+    scores = [b.scores[i] for i in kept]
+    dropped = [b.scores[i] for i in range(6) if i not in kept]
+    assert min(scores) >= max(dropped)                         # the most confident nodes were kept
+
+
+def test_sampled_children_are_distinct_and_follow_q():
+    params = SamplingParams(temperature=1.0)
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0] + [-float("inf")] * (V - 4))
+    q = torch.softmax(logits, -1)
+    first = torch.zeros(V)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        b = TreeBuilder(params, g, width=3, max_nodes=8, vocab_size=V)
+        b.expand([ROOT], logits[None])
+        assert len(set(b.token_ids)) == 3 and all(t < 4 for t in b.token_ids)
+        first[b.token_ids[0]] += 1
+    tv = (first / first.sum() - q).abs().sum() / 2
+    assert tv < 0.04          # 3000 draws over 4 outcomes: the sampling noise is about 0.01
+    tree, _ = b.finish(prefix_len=2, epoch=0)
+    assert torch.allclose(tree.draft_probs[0], q)              # row 0: q of the root's children
+
+
+def test_sampled_tree_respects_budget_and_support():
+    params = SamplingParams(temperature=1.0)
+    two_tokens = torch.tensor([0.0, 0.0] + [-float("inf")] * (V - 2))
+    b = TreeBuilder(params, torch.Generator().manual_seed(1), width=4, max_nodes=5, vocab_size=V)
+    b.expand([ROOT], two_tokens[None])
+    assert len(b.token_ids) == 2                               # only two tokens have q > 0
+    b.expand(b.frontier(1), torch.stack([logits_with(list(range(V)))] * 2))
+    assert len(b.token_ids) == 5                               # the budget cut the last expansion
+    assert b.frontier(2) == []
+    tree, _ = b.finish(prefix_len=2, epoch=0)
+    assert tree.draft_probs.shape == (6, V)
+    assert tree.draft_probs[3:].sum() == 0                     # leaves: no children, no q
+
+
+@pytest.mark.parametrize("tokens,k,expected", [
+    ([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 2, [8, 1]),          # latest match of the longest n-gram
+    ([1, 2, 3, 4, 5, 0, 2, 3], 3, [4, 5, 0]),                # falls back to a shorter n-gram
+    ([1, 2, 3, 4], 3, []),                                   # no earlier match
+    ([7, 7], 4, []),                                         # min n-gram 2: nothing to match
+    ([5, 6, 5, 6], 5, [5, 6]),                               # continuation runs to the end
+])
+def test_ngram_lookup(tokens, k, expected):
+    assert lookup(tokens, k, max_ngram=3, min_ngram=2) == expected
