@@ -132,7 +132,7 @@ def bench_one(B, T, P, args, device, dtype) -> dict:
     elt = torch.tensor([], dtype=dtype).element_size()
     kv_bytes = 2 * B * (P + T) * Hkv * D * elt
     min_bytes = kv_bytes + 2 * B * T * Hq * D * elt
-    sets = max(1, min(64, math.ceil(L2_DEFEAT_BYTES / max(kv_bytes, 1))))
+    sets = max(1, min(16, math.ceil(L2_DEFEAT_BYTES / max(kv_bytes, 1))))
     if device.type != "cuda":
         sets = 1
     inputs = [make_paged_inputs(B, T, Hq, Hkv, D, args.page, [P] * B, dtype, seed=s,
