@@ -66,7 +66,6 @@ class GrpcService:
         except APIError as e:
             status = e.status
             _set_error(context, e)
-            return pb.GenerateResponse()
         finally:
             self.server.stats.observe_request("grpc/Generate", status, time.monotonic() - t0)
 
@@ -93,10 +92,12 @@ class GrpcService:
 
 
 def _set_error(context, e: APIError) -> None:
-    if context is None:
-        raise e
-    context.set_code(STATUS.get(e.status, grpc.StatusCode.INTERNAL))
-    context.set_details(e.message)
+    """Put the status on the context, then raise: both grpc.aio and Serve's gRPC proxy
+    answer with the context's code when the method raises after setting one."""
+    if context is not None:
+        context.set_code(STATUS.get(e.status, grpc.StatusCode.INTERNAL))
+        context.set_details(e.message)
+    raise e
 
 
 class SpecflashServicer(pb_grpc.SpecflashServicer):

@@ -29,6 +29,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "code": self.code,
                           "param": self.param}}
 
+    def __reduce__(self):  # picklable: Ray carries it between processes (gRPC errors)
+        return (APIError, (self.status, self.message, self.type, self.code, self.param,
+                           self.headers))
+
 
 # Parts of a pydantic error location that name a union member or validator, not a field.
 _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|function-.*|.*\[.*\]|[A-Z]\w*)$")

@@ -27,6 +27,8 @@ SPEC_GAUGES = {
     "mean_accepted_length": "Tokens committed per verification step, bonus token included",
     "verifier_idle_fraction": "Share of time the verifier waited for a draft tree",
 }
+# Other names engines use for the same numbers.
+SPEC_ALIASES = {"mean_accepted_len": "mean_accepted_length"}
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -106,7 +108,7 @@ class ServingStats:
         for key, value in stats.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
-            gauge = self.engine.get(key) or self._extra.get(key)
+            gauge = self.engine.get(SPEC_ALIASES.get(key, key)) or self._extra.get(key)
             if gauge is None:
                 name = "specflash_engine_" + "".join(c if c.isalnum() else "_" for c in key)
                 gauge = self._extra[key] = Gauge(name, f"Engine stat {key!r}",

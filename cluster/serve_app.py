@@ -1,0 +1,173 @@
+"""The Ray Serve application: `build_app(args)` wires the ingress deployment, nothing more.
+
+    serve run cluster.serve_app:build_app            # the embedded pair, local defaults
+    serve build cluster.serve_app:build_app -o serve-config.yaml
+
+`args` is a `cluster.config.AppArgs` (models, placement, speculation, serving)
+plus two builder-only keys: `engine` — "pipeline" (the Ray drafter/verifier
+pipeline, `cluster.pipeline.PipelineEngine`), "local" (the in-process engine on
+a worker thread, `cluster.local_engine.LocalEngine`), "fake" (the scripted
+`cluster.testing.FakeEngine`, no model) or a `module:factory` import path;
+"auto" (default) is the pipeline where it can be built, else local — and
+`model_name`, the id clients send as `model` (default "specflash").
+
+The one deployment, `SpecflashIngress`, holds the engine and serves the
+OpenAI-compatible HTTP routes (`cluster.openai_api`) and the gRPC methods
+`Generate` / `GenerateStream` (`cluster.grpc_service`) that Serve's gRPC proxy
+routes to it. The pipeline's actors are placed by `PipelineEngine` from
+`placement` (Ray resources or a placement group).
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+from typing import Any
+
+from ray import serve
+
+from cluster.config import INGRESS_DEPLOYMENT, AppArgs
+
+log = logging.getLogger("specflash.serve")
+ENGINES = ("auto", "pipeline", "local", "fake")
+BUILDER_KEYS = ("engine", "model_name")
+
+
+def split_args(args: dict | None) -> tuple[AppArgs, dict]:
+    """(AppArgs, builder-only options) from a Serve `args` mapping."""
+    args = dict(args or {})
+    extra = {k: args.pop(k) for k in BUILDER_KEYS if k in args}
+    extra.setdefault("engine", "auto")
+    extra.setdefault("model_name", "specflash")
+    engine = extra["engine"]
+    if engine not in ENGINES and ":" not in engine:
+        raise ValueError(f"engine must be one of {ENGINES} or a 'module:factory' path, got {engine!r}")
+    return AppArgs.model_validate(args), extra
+
+
+def model_dirs(app_args: AppArgs) -> tuple[str, str | None]:
+    """The target and draft directories: as configured, or the embedded pair."""
+    m = app_args.models
+    if m.target is not None:
+        return m.target, m.draft
+    from models import embedded
+
+    target, draft = embedded.default_pair()
+    return str(target), str(draft)
+
+
+def make_engine(kind: str, app_args: AppArgs):
+    """(engine, tokenizer, max_context): blocking; call it off the event loop."""
+    from models import load_tokenizer
+    from models.loader import load_config
+
+    if kind == "fake":
+        from cluster.testing import FakeEngine, tiny_byte_tokenizer
+
+        tokenizer = tiny_byte_tokenizer()
+        return FakeEngine(tokenizer=tokenizer, delay_s=0.01), tokenizer, 2048
+    if ":" in kind:
+        module, _, attr = kind.partition(":")
+        return getattr(importlib.import_module(module), attr)(app_args)
+    target, draft = model_dirs(app_args)
+    max_context = load_config(target).max_position_embeddings
+    spec = app_args.speculation
+    if kind in ("auto", "pipeline"):
+        try:
+            from cluster.pipeline import build_pipeline_engine
+        except ImportError:
+            if kind == "pipeline":
+                raise
+        else:
+            engine = build_pipeline_engine(app_args, target_dir=target, draft_dir=draft)
+            return WithKVUsage(engine), load_tokenizer(target), max_context
+    from cluster.local_engine import build_local_engine
+
+    engine, tokenizer = build_local_engine(target, draft, spec_len=spec.spec_len,
+                                           tree_width=spec.tree_width,
+                                           max_batch=spec.max_batch_size)
+    return engine, tokenizer, max_context
+
+
+class WithKVUsage:
+    """A PipelineEngine whose `stats()` also reports its verifiers' KV-cache blocks
+    (`kv_blocks_free`, `kv_blocks_total`: what /metrics exports and the tests watch)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    async def stats(self) -> dict:
+        out = dict(await self.engine.stats())
+        if "kv_blocks_free" in out:
+            return out
+        free = total = 0
+        for p in getattr(self.engine, "pipelines", []):
+            try:
+                usage = await asyncio.wait_for(p.verifier.kv_usage.remote(), 5)
+            except Exception:  # a verifier down: its blocks are not counted
+                continue
+            free, total = free + usage["free"], total + usage["total"]
+        out.update(kv_blocks_free=free, kv_blocks_total=total)
+        return out
+
+
+@serve.ingress()
+class SpecflashIngress:
+    """HTTP (FastAPI, built per replica) and gRPC front over one injected engine."""
+
+    async def __init__(self, app_args: dict, options: dict) -> None:
+        from cluster.grpc_service import GrpcService
+        from cluster.openai_api import OpenAIServer, ServerSettings
+
+        args, extra = split_args({**app_args, **options})
+        self.engine, tokenizer, max_context = await asyncio.to_thread(make_engine, extra["engine"], args)
+        s = args.serving
+        settings = ServerSettings(model_name=extra["model_name"], max_context=max_context,
+                                  max_queue=s.max_queue, request_timeout_s=s.request_timeout_s)
+        self.server = OpenAIServer(self.engine, tokenizer, settings)
+        self.grpc = GrpcService(self.server)
+
+    def __serve_build_asgi_app__(self):
+        from cluster.openai_api import build_fastapi_app
+
+        return build_fastapi_app(self.server)
+
+    # Serve's gRPC proxy calls these by the RPC's name; `grpc_context` (a
+    # RayServegRPCContext) carries the status code of an error back to the client.
+    async def Generate(self, request, grpc_context=None):  # noqa: N802
+        return await self.grpc.generate(request, grpc_context)
+
+    async def GenerateStream(self, request, grpc_context=None):  # noqa: N802
+        async for msg in self.grpc.generate_stream(request, grpc_context):
+            yield msg
+
+    async def check_health(self) -> None:
+        """Serve's replica health check: the engine must say it can serve."""
+        h = await self.engine.health()
+        if not h.get("ok"):
+            raise RuntimeError(f"engine unhealthy: {h}")
+
+    def __del__(self):
+        shutdown = getattr(getattr(self, "engine", None), "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:
+                pass
+
+
+def build_app(args: dict[str, Any] | None = None):
+    """The Serve application for `serve run` / `serve build` / a Serve config file."""
+    app_args, extra = split_args(args)
+    s = app_args.serving
+    deployment = serve.deployment(
+        SpecflashIngress, name=INGRESS_DEPLOYMENT,
+        # Serve must not queue in front of the ingress: admission (429) happens inside.
+        max_ongoing_requests=s.max_queue + 16,
+        ray_actor_options=app_args.placement.ingress.ray_options(),
+        health_check_period_s=10, health_check_timeout_s=30,
+    )
+    return deployment.bind(app_args.model_dump(mode="json"), extra)

@@ -1,0 +1,65 @@
+"""The Serve app builder and the `specflash serve` argument handling (no Ray cluster started)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.config import INGRESS_DEPLOYMENT, ClusterConfig
+from cluster.grpc_service import SERVICER_FUNCTION
+from cluster.serve_app import build_app, split_args
+from cluster.serve_cli import add_parser, app_args_from
+
+
+def test_build_app_is_importable_by_path_and_wires_one_ingress():
+    from ray._common.utils import import_attr
+
+    assert import_attr("cluster.serve_app:build_app") is build_app
+    app = build_app({})
+    deployment = app._bound_deployment
+    assert deployment.name == INGRESS_DEPLOYMENT
+    assert deployment.max_ongoing_requests > ClusterConfig.local_default().serving.max_queue
+    app_args, extra = deployment.init_args
+    assert extra == {"engine": "auto", "model_name": "specflash"}
+    assert app_args["serving"]["max_queue"] == 256
+
+
+def test_build_app_takes_the_configs_app_args_plus_builder_keys():
+    args = ClusterConfig.local_default().app_args()
+    args["serving"]["max_queue"] = 7
+    app = build_app({**args, "engine": "local", "model_name": "mine"})
+    app_args, extra = app._bound_deployment.init_args
+    assert app_args["serving"]["max_queue"] == 7 and extra == {"engine": "local", "model_name": "mine"}
+
+
+@pytest.mark.parametrize("bad", [{"engine": "warp"}, {"servng": {}}, {"serving": {"port": 0}}])
+def test_bad_args_are_rejected_at_build_time(bad):
+    with pytest.raises((ValueError, ValidationError)):
+        split_args(bad)
+
+
+def parse(*argv):
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["serve", *argv])
+
+
+def test_serve_flags_override_the_config(tmp_path):
+    cfg = ClusterConfig.local_default()
+    cfg.serving.port = 8100
+    path = tmp_path / "c.yaml"
+    cfg.to_yaml(path)
+    data = app_args_from(parse("--config", str(path), "--target", "/t", "--draft", "/d",
+                               "--host", "0.0.0.0", "--grpc-port", "9100", "--engine", "local"))
+    assert data["serving"]["port"] == 8100 and data["serving"]["grpc_port"] == 9100
+    assert data["serving"]["host"] == "0.0.0.0"
+    assert data["models"]["target"] == "/t" and data["models"]["draft"] == "/d"
+    assert SERVICER_FUNCTION in data["serving"]["grpc_servicer_functions"]
+    assert data["engine"] == "local"
+    split_args(data)  # what the builder will accept
+
+
+def test_draft_without_target_is_an_error():
+    with pytest.raises(ValueError, match="--draft needs --target"):
+        app_args_from(parse("--draft", "/d"))
