@@ -427,10 +427,31 @@ def _http(method: str, url: str, body=None, timeout: float = 60):
         return json.loads(r.read() or b"null")
 
 
-def _cpu_cluster_config(cfg: ClusterConfig) -> ClusterConfig:
-    """The example config shrunk onto one CPU machine: same custom resources, embedded pair, no GPUs."""
+def _far_draft(out: Path, target: Path) -> Path:
+    """A tiny random draft sharing the target's vocabulary: mostly rejected, so the output stays exact
+    only if verification is right (and the test needs no trained draft)."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    t = json.loads((target / "config.json").read_text())
+    config = LlamaConfig(vocab_size=t["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         max_position_embeddings=t["max_position_embeddings"], bos_token_id=t.get("bos_token_id"),
+                         eos_token_id=t.get("eos_token_id"))
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    for f in target.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")) or f.suffix == ".jinja":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def _cpu_cluster_config(cfg: ClusterConfig, target: Path, draft: Path) -> ClusterConfig:
+    """The example config shrunk onto one CPU machine: same custom resources, a small pair, no GPUs."""
     data = cfg.model_dump(mode="json")
-    data["models"] = {"target": None, "draft": None, "dtype": "float32"}
+    data["models"] = {"target": str(target), "draft": str(draft), "dtype": "float32"}
     data["speculation"].update(mode="chain", tree_width=1, max_batch_size=4)
     for side in ("drafter", "verifier"):
         data["placement"][side].update(num_cpus=1, num_gpus=0)
@@ -443,7 +464,7 @@ def _cpu_cluster_config(cfg: ClusterConfig) -> ClusterConfig:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
-def test_serve_config_on_a_local_multi_node_cluster(cfg):
+def test_serve_config_on_a_local_multi_node_cluster(cfg, tmp_path):
     """What KubeRay does with serveConfigV2, on nodes carrying the drafter / verifier custom resources."""
     pytest.importorskip("cluster.serve_app", reason="the Serve app (issue 5) is not there yet")
     import time
@@ -452,7 +473,10 @@ def test_serve_config_on_a_local_multi_node_cluster(cfg):
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
-    small = _cpu_cluster_config(cfg)
+    from models.embedded import target_dir
+
+    target = target_dir()  # the embedded target (135M); a far draft keeps the exactness check honest
+    small = _cpu_cluster_config(cfg, target, _far_draft(tmp_path / "draft", target))
     dash, port = _free_port(), _free_port()
     head = {"num_cpus": 0, "include_dashboard": True, "dashboard_port": dash}  # the head runs no model
     cluster = Cluster(initialize_head=True, head_node_args=head)
@@ -477,10 +501,13 @@ def test_serve_config_on_a_local_multi_node_cluster(cfg):
         url = f"http://127.0.0.1:{port}"
         model = _http("GET", f"{url}/v1/models")["data"][0]["id"]
         prompt = "def reverse_string(s):"
-        answer = _http("POST", f"{url}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 12,
-                                                           "temperature": 0}, timeout=300)
-        assert answer["choices"][0]["text"] == _target_greedy(prompt, 12)
-        alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.class_name]
+        body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "speculation": {"mode": "chain", "spec_len": 4}}  # make the drafter take part
+        answer = _http("POST", f"{url}/v1/completions", body, timeout=300)
+        assert answer["choices"][0]["text"] == _target_greedy(target, prompt, 12)
+        assert answer["usage"]["drafted_tokens"] > 0, answer["usage"]
+        states = list_actors(address=f"http://127.0.0.1:{dash}", filters=[("state", "=", "ALIVE")])
+        alive = [a for a in states if a.class_name]
         for side in ("drafter", "verifier"):
             hosts = {a.node_id for a in alive if side in a.class_name.lower()}
             assert hosts == {nodes[side].node_id}, (side, [(a.class_name, a.node_id) for a in alive])
@@ -489,14 +516,11 @@ def test_serve_config_on_a_local_multi_node_cluster(cfg):
         cluster.shutdown()
 
 
-def _target_greedy(prompt: str, max_new_tokens: int) -> str:
-    """The embedded target alone, greedy, through Hugging Face `generate`."""
+def _target_greedy(path: Path, prompt: str, max_new_tokens: int) -> str:
+    """The target alone, greedy, through Hugging Face `generate`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from models.embedded import target_dir
-
-    path = target_dir()
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     ids = tok(prompt, return_tensors="pt").input_ids
