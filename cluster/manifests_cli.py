@@ -1,6 +1,7 @@
 """`specflash manifests render --config FILE --out DIR [--check]`: write (or verify) every deployment file.
 
-Wired into `cluster/cli.py` by `manifests_cli.add_parser(subparsers)`; `run(args)` returns the exit code.
+Wired into `cluster/cli.py` by `manifests_cli.add_parser(subparsers)` (sets `func=run`); `run(args)`
+returns the exit code: 0 done, 1 invalid config or (with --check) files out of date.
 """
 from __future__ import annotations
 
@@ -37,11 +38,12 @@ def run(args: argparse.Namespace) -> int:
         cfg = ClusterConfig.from_yaml(config)
         rendered = manifests.render(cfg, source=config.name)
     except FileNotFoundError:
-        print(f"error: no cluster config at {config}", file=sys.stderr)
-        return 2
-    except (pydantic.ValidationError, ValueError) as e:
-        print(f"error: {config} is not a valid cluster config:\n{e}", file=sys.stderr)
-        return 2
+        return _fail(f"no cluster config at {config}")
+    except pydantic.ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
+        return _fail(f"{config} is not a valid cluster config: {problems}")
+    except ValueError as e:
+        return _fail(f"{config} is not a valid cluster config: {e}")
     out = Path(args.out)
     if getattr(args, "check", False):
         stale = [n for n, text in rendered.items() if not (out / n).is_file() or (out / n).read_text() != text]
@@ -51,6 +53,12 @@ def run(args: argparse.Namespace) -> int:
     for path in manifests.write(cfg, out, source=config.name):
         print(f"wrote {path}")
     return 0
+
+
+def _fail(message: str) -> int:
+    """One `error: ...` line and exit status 1, as every specflash subcommand does."""
+    print(f"error: {message}", file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -393,8 +393,10 @@ def test_cli_renders_checks_and_reports_bad_configs(tmp_path, capsys):
     assert run(str(EXAMPLE), str(tmp_path), True) == 1
     bad = tmp_path / "bad.yaml"
     bad.write_text(EXAMPLE.read_text().replace("max_workers: 4", "max_workers: 0", 1))
-    assert run(str(bad), str(tmp_path / "out"), False) == 2
-    assert "not a valid cluster config" in capsys.readouterr().err
+    capsys.readouterr()
+    assert run(str(bad), str(tmp_path / "out"), False) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "min_workers <= replicas <= max_workers" in err
     assert not (tmp_path / "out").exists()
 
 
