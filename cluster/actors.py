@@ -1,0 +1,166 @@
+"""The drafter and verifier as Ray actors (DESIGN.md §3, §7).
+
+`VerifierActor` (cluster/verifier_actor.py) is an asyncio actor holding the
+target, the ring and the output streams. `DrafterActor` (here) runs its own
+thread; one `exchange` call per iteration delivers the trees it drafted (their
+ObjectRefs; the tensors were `ray.put` by the drafter) and brings back the
+signals queued for it. Then it drafts, in **one** batched draft pass, the next
+tree of every sequence whose ring has room, on the prefix it *assumes*: the
+trees in flight fully accepted plus its own guess of each bonus token
+(DESIGN §3 step 2). A signal that contradicts the assumption bumps the epoch,
+drops the trees in flight and rolls the draft KV back (cluster/streams.py).
+When every ring is full, `exchange` long-polls: the drafter's backpressure.
+
+A drafter may die or be restarted by Ray (`max_restarts`) at any time: the
+verifier never waits for it past a short patience, and a restarted drafter
+reattaches under a new incarnation id and is resynchronised. Several drafters
+may feed one verifier; each sequence is fed by one of them.
+
+`remote_classes()` gives the `ray.remote` versions with their fixed options.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+import ray
+
+from cluster.backends import DraftSide, PipelineSettings, set_threads
+from cluster.streams import DraftStream
+from cluster.verifier_actor import VerifierActor
+from cluster.wire import Signal, TreeHeader, decode_signals, encode_tree, pack_header
+from models.sampling import SamplingParams
+
+log = logging.getLogger("specflash.cluster")
+
+__all__ = ["DrafterActor", "VerifierActor", "PipelineSettings", "remote_classes"]
+
+
+class DrafterActor:
+    def __init__(self, index: int, verifier, draft_dir: str | None, target_dir: str,
+                 settings: dict) -> None:
+        self.settings = PipelineSettings(**settings)
+        set_threads(self.settings.num_cpus)
+        self.index, self.verifier = index, verifier
+        self.incarnation = uuid.uuid4().hex
+        self.side = DraftSide(draft_dir, target_dir, self.settings.num_blocks, self.settings.block_size,
+                              self.settings.proposer, self.settings.device, self.settings.dtype)
+        self.streams: dict[str, DraftStream] = {}
+        self.counters = {"trees": 0, "nodes": 0, "rollbacks": 0, "wasted_nodes": 0, "draft_s": 0.0}
+        self._attached = threading.Event()
+        self._stopped = threading.Event()
+        self._error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="drafter-loop", daemon=True)
+        self._thread.start()
+
+    # -- public methods (called through Ray) ------------------------------------------
+    def ready(self, timeout_s: float = 60.0) -> bool:
+        """True once the drafter has attached to its verifier."""
+        return self._attached.wait(timeout_s)
+
+    def info(self) -> dict:
+        cache = self.side.cache
+        return {"index": self.index, "incarnation": self.incarnation, "streams": len(self.streams),
+                "running": self._thread.is_alive(), "error": self._error, **self.counters,
+                "node_id": ray.get_runtime_context().get_node_id(),
+                "kv_free": None if cache is None else cache.num_free_blocks,
+                "kv_total": None if cache is None else cache.num_blocks}
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+
+    # -- the loop ----------------------------------------------------------------------
+    def _run(self) -> None:
+        puts, draft_s, levels = [], 0.0, 0
+        while not self._stopped.is_set():
+            busy = bool(puts) or any(s.ready(self.settings.ring_slots) for s in self.streams.values())
+            try:
+                reply = ray.get(self.verifier.exchange.remote(
+                    self.index, self.incarnation, puts, 0.0 if busy else self.settings.poll_s,
+                    draft_s, levels))
+            except ray.exceptions.RayActorError as e:
+                self._error = f"verifier unreachable: {e}"
+                log.warning("drafter %d: %s; stopping", self.index, self._error)
+                return
+            except Exception as e:      # transient: retry after a pause
+                self._error = f"{type(e).__name__}: {e}"
+                time.sleep(0.1)
+                continue
+            self._attached.set()
+            self._apply(decode_signals(reply))
+            puts, draft_s, levels = self._draft()
+
+    def _apply(self, signals: list[Signal]) -> None:
+        for sig in signals:
+            s = self.streams.get(sig.stream)
+            if sig.kind in ("join", "resync"):
+                if s is not None:
+                    self.counters["wasted_nodes"] += s.resync(sig.token_ids, sig.epoch)
+                self.side.release(sig.stream)
+                params = dict(sig.params or {})
+                seed = params.get("seed") or 0
+                s = DraftStream(sig.stream, sig.token_ids, sig.epoch, SamplingParams(**params), seed)
+                s.budget = sig.budget
+                self.streams[sig.stream] = s
+            elif sig.kind == "leave":
+                if self.streams.pop(sig.stream, None) is not None:
+                    self.side.release(sig.stream)
+            elif s is not None:          # "step"
+                rolled, keep, wasted = s.on_step(sig)
+                s.budget = sig.budget
+                if rolled:
+                    self.counters["rollbacks"] += 1
+                    self.counters["wasted_nodes"] += wasted
+                    self.side.rollback(sig.stream, keep)
+                if len(s.confirmed) != sig.prefix_len:   # lost a signal: start over from scratch
+                    log.error("drafter %d: stream %s out of step; dropping it", self.index, sig.stream)
+                    self.streams.pop(sig.stream)
+                    self.side.release(sig.stream)
+
+    def _draft(self) -> tuple[list, float, int]:
+        """One batched draft pass over every stream with room in its ring."""
+        ready = [s for s in self.streams.values() if s.ready(self.settings.ring_slots)]
+        ready = ready[: self.settings.max_batch_size]
+        if not ready:
+            return [], 0.0, 0
+        items, prefixes = [], []
+        for s in ready:
+            prefix = s.position()
+            prefixes.append(prefix)
+            k, width = s.budget
+            items.append((s.stream, prefix, s.params, s.generator, k, width, s.epoch))
+        drafted, seconds = self.side.propose(items)
+        self.counters["draft_s"] += seconds
+        puts = []
+        for s, prefix, d in zip(ready, prefixes, drafted):
+            t = d.tree.num_nodes
+            if t == 0:                   # nothing to propose (e.g. no n-gram match): wait for a signal
+                s.budget = (0, s.budget[1])
+                continue
+            f = s.record(len(prefix), d.outcome, t)
+            anchor = len(s.confirmed)
+            probs = d.tree.draft_probs
+            header = TreeHeader(s.stream, s.epoch, f.tree_id, len(prefix), anchor, prefix[anchor:], t,
+                                0 if probs is None else int(probs.shape[-1]))
+            ref = ray.put(encode_tree(header, d.tree.token_ids, d.tree.parent_ids, d.tree.depths, probs))
+            puts.append((pack_header(header), [ref]))
+            self.counters["trees"] += 1
+            self.counters["nodes"] += t
+        levels = max(k for _, _, _, _, k, _, _ in items) + 1
+        return puts, seconds, levels
+
+
+def remote_classes(drafter_max_restarts: int = 10):
+    """(`ray.remote(DrafterActor)`, `ray.remote(VerifierActor)`) with their fixed options.
+
+    The drafter restarts on failure and its in-flight calls are not retried (the
+    verifier resynchronises it); the verifier is not restarted: its KV cache and
+    streams are gone with it, so its requests fail with a clear error instead.
+    """
+    drafter = ray.remote(max_restarts=drafter_max_restarts, max_task_retries=0,
+                         max_concurrency=4)(DrafterActor)
+    verifier = ray.remote(max_restarts=0, max_concurrency=1000)(VerifierActor)
+    return drafter, verifier

@@ -1,0 +1,174 @@
+"""Adaptive speculation: how many draft tokens each sequence gets next step.
+
+Leviathan et al. 2023 (§3.3, Eq. 3.2 here as in DESIGN §8): with per-token
+acceptance γ a tree of depth K commits on average
+    E(γ, K) = (1 - γ^(K+1)) / (1 - γ)
+tokens per verification. In the asynchronous pipeline drafting overlaps
+verification, so one step of a batch costs
+    T(k) = max(verify(rows), draft(max_i k_i)),   rows = Σ_i (1 + k_i · W_i)
+(the verifier's target forward over all trees, or the drafter's K levels when
+it is the slower side). We choose the budgets k_i that maximise the batch's
+committed tokens per second  R(k) = Σ_i E(γ_i, k_i) / T(k)  by greedy ascent
+from k = 0 (each move adds one level to the sequence that raises R most; stop
+when none does). Consequences, all wanted by the issue:
+
+- a sequence whose γ is low gains γ^(k+1) per level and stays at 0 (off);
+- under heavy load the per-row cost dominates the fixed cost of a forward and
+  the whole batch goes off, because plain decoding then wins;
+- costs are measured, not assumed: `CostModel` fits verify time as
+  a + b · rows and draft time per level from the actors' own timings.
+
+A sequence held at 0 is probed with a short tree every `probe_every` steps so
+its γ can recover. Requests that fix their mode ("chain" / "tree" / "off")
+bypass the optimiser.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def expected_tokens(gamma: float, k: int) -> float:
+    """Eq. 3.2: E[committed tokens per step] for depth k and acceptance gamma."""
+    if k <= 0:
+        return 1.0
+    if gamma >= 1.0 - 1e-9:
+        return float(k + 1)
+    return (1.0 - gamma ** (k + 1)) / (1.0 - gamma)
+
+
+class CostModel:
+    """verify(rows) ≈ a + b · rows and draft(levels) ≈ d · levels, fitted by
+    exponentially-weighted least squares with a weak prior (so a slope exists
+    before the batch size has varied)."""
+
+    def __init__(self, a: float = 0.02, b: float = 0.002, d: float = 0.004,
+                 decay: float = 0.98, prior_weight: float = 2.0) -> None:
+        self.decay = decay
+        # weighted sums for y = a + b x, seeded by two prior points
+        self._s = [0.0] * 5            # [w, wx, wy, wxx, wxy]
+        for x in (1.0, 9.0):
+            self._add(x, a + b * x, prior_weight)
+        self.d = d
+
+    def _add(self, x: float, y: float, w: float) -> None:
+        s = self._s
+        for i, v in enumerate((w, w * x, w * y, w * x * x, w * x * y)):
+            s[i] += v
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        self._s = [v * self.decay for v in self._s]
+        self._add(float(rows), seconds, 1.0)
+
+    def observe_draft(self, levels: int, seconds: float) -> None:
+        if levels > 0:
+            self.d = 0.8 * self.d + 0.2 * seconds / levels
+
+    @property
+    def coefficients(self) -> tuple[float, float]:
+        w, wx, wy, wxx, wxy = self._s
+        var = wxx * w - wx * wx
+        b = (wxy * w - wx * wy) / var if var > 1e-12 else 0.0
+        b = max(b, 0.0)
+        a = max((wy - b * wx) / w, 1e-6)
+        return a, b
+
+    def step_time(self, rows: int, max_levels: int) -> float:
+        a, b = self.coefficients
+        return max(a + b * rows, self.d * max_levels)
+
+
+@dataclass
+class SeqState:
+    mode: str            # "auto" | "chain" | "tree" | "off"
+    max_len: int         # K ceiling (request's spec_len or the server default)
+    width: int           # tree width W (1 = chain)
+    attempts: float = 2.0   # EMA counts of per-level attempts / accepts (prior γ = 0.6)
+    accepts: float = 1.2
+    off_steps: int = 0
+
+    @property
+    def gamma(self) -> float:
+        return self.accepts / self.attempts if self.attempts > 0 else 0.0
+
+
+class AdaptiveSpeculation:
+    """Per-sequence budgets for the next tree, from running acceptance and costs."""
+
+    def __init__(self, max_spec_len: int = 8, probe_every: int = 16, decay: float = 0.9) -> None:
+        self.max_spec_len = max_spec_len
+        self.probe_every = probe_every
+        self.decay = decay
+        self.costs = CostModel()
+        self.seqs: dict[str, SeqState] = {}
+
+    def add(self, stream: str, mode: str, spec_len: int, width: int) -> None:
+        width = 1 if mode == "chain" else max(1, width)
+        self.seqs[stream] = SeqState(mode, min(spec_len, self.max_spec_len), width)
+
+    def remove(self, stream: str) -> None:
+        self.seqs.pop(stream, None)
+
+    def observe(self, stream: str, max_depth: int, accepted_depth: int) -> None:
+        """A tree of depth `max_depth` was verified; the accepted path reached `accepted_depth`."""
+        st = self.seqs.get(stream)
+        if st is None or max_depth == 0:
+            return
+        tries = min(accepted_depth + 1, max_depth)
+        st.attempts = st.attempts * self.decay + tries
+        st.accepts = st.accepts * self.decay + accepted_depth
+
+    def plan(self, streams: list[str], drafter_ok: bool = True) -> dict[str, tuple[int, int]]:
+        """(spec_len, tree_width) for each stream's next tree; (0, 0) = decode alone."""
+        out: dict[str, tuple[int, int]] = {}
+        auto = []
+        for s in streams:
+            st = self.seqs[s]
+            if st.mode == "off" or not drafter_ok:
+                out[s] = (0, 0)
+            elif st.mode in ("chain", "tree"):
+                out[s] = (st.max_len, st.width)
+            else:
+                auto.append(s)
+        if auto:
+            ks = self._optimise(auto, fixed_rows=sum(1 + k * w for k, w in out.values()),
+                                fixed_levels=max((k for k, _ in out.values()), default=0))
+            for s, k in zip(auto, ks):
+                st = self.seqs[s]
+                if k == 0:
+                    st.off_steps += 1
+                    if st.off_steps >= self.probe_every:   # probe: refresh a stale γ estimate
+                        st.off_steps, k = 0, min(2, st.max_len)
+                else:
+                    st.off_steps = 0
+                out[s] = (k, st.width) if k else (0, 0)
+        return out
+
+    def _optimise(self, streams: list[str], fixed_rows: int, fixed_levels: int) -> list[int]:
+        """Greedy ascent on R(k) = Σ E(γ_i, k_i) / T(k); O(B) per move."""
+        states = [self.seqs[s] for s in streams]
+        ks = [0] * len(states)
+        gain = [expected_tokens(st.gamma, 0) for st in states]
+        total = sum(gain)
+        rows = fixed_rows + len(states)
+        levels = fixed_levels
+        rate = total / self.costs.step_time(rows, levels)
+        while True:
+            best, best_rate = -1, rate
+            for i, st in enumerate(states):
+                if ks[i] >= st.max_len:
+                    continue
+                g = expected_tokens(st.gamma, ks[i] + 1)
+                r = (total - gain[i] + g) / self.costs.step_time(
+                    rows + st.width, max(levels, ks[i] + 1))
+                if r > best_rate * 1.001:
+                    best, best_rate = i, r
+            if best < 0:
+                return ks
+            st = states[best]
+            ks[best] += 1
+            new_gain = expected_tokens(st.gamma, ks[best])
+            total += new_gain - gain[best]
+            gain[best] = new_gain
+            rows += st.width
+            levels = max(levels, ks[best])
+            rate = best_rate

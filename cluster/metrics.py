@@ -1,0 +1,154 @@
+"""Speculative-decoding metrics of the pipeline (DESIGN.md §8).
+
+A plain stats dataclass with `observe_*` methods, in the manner of vLLM's
+`SpecDecodingStats`; exporters (Prometheus, logs) read `as_dict()` and live in
+the serving layer. Conventions, written down once:
+
+- acceptance rate = accepted draft nodes / drafted nodes (trees of zero nodes
+  excluded: they drafted nothing);
+- mean accepted length = committed tokens per *speculative* verification step,
+  **bonus / corrected token included** (so it is >= 1; Eq. 3.2's
+  E[tokens/step] = (1 - γ^(K+1)) / (1 - γ) is the model for it);
+- acceptance per depth d = P(path reaches depth d | it reached d - 1 and the
+  tree had a node at depth d), the per-level γ of a chain;
+- verifier idle fraction = time the verifier loop waited with work pending
+  but no tree ready, over its wall time (the async design drives it to 0);
+- drafter tokens wasted = draft nodes of trees dropped as stale (rollback)
+  or never verified.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    num_steps: int = 0                # sequence-steps verified (one sequence, one step)
+    num_spec_steps: int = 0           # of those, with a tree of >= 1 node
+    num_drafted: int = 0              # draft nodes verified
+    num_accepted: int = 0             # draft nodes accepted (bonus not counted)
+    num_committed: int = 0            # tokens committed (accepted + bonus / correction)
+    num_batches: int = 0              # target forwards
+    depth_attempts: list[int] = field(default_factory=list)    # [D] per depth d+1
+    depth_accepts: list[int] = field(default_factory=list)     # [D]
+    verifier_busy_s: float = 0.0
+    verifier_idle_s: float = 0.0      # waited for a tree while sequences were active
+    verifier_wall_s: float = 0.0
+    trees_dropped: int = 0            # stale (rollback) or orphaned ring entries
+    drafter_tokens_wasted: int = 0    # nodes of those trees
+    rollbacks: int = 0                # signals that contradicted the drafter's assumption
+    ring_samples: int = 0
+    ring_occupancy_sum: float = 0.0   # sum of (entries / capacity) per sample
+    ring_max: int = 0
+    spec_on_decisions: int = 0
+    spec_off_decisions: int = 0
+    fallback_steps: int = 0           # sequence-steps decoded alone while speculation was wanted
+
+    # -- observers ---------------------------------------------------------------
+    def observe_verification(self, num_nodes: int, num_accepted: int, max_depth: int,
+                             accepted_depth: int) -> None:
+        """One sequence's tree verified. `max_depth`: deepest node of the tree;
+        `accepted_depth`: depth reached by the accepted path (= num_accepted)."""
+        self.num_steps += 1
+        self.num_committed += num_accepted + 1
+        if num_nodes == 0:
+            return
+        self.num_spec_steps += 1
+        self.num_drafted += num_nodes
+        self.num_accepted += num_accepted
+        self._grow(max_depth)
+        for d in range(min(accepted_depth + 1, max_depth)):
+            self.depth_attempts[d] += 1
+            if d < accepted_depth:
+                self.depth_accepts[d] += 1
+
+    def observe_batch(self, busy_s: float) -> None:
+        self.num_batches += 1
+        self.verifier_busy_s += busy_s
+
+    def observe_idle(self, idle_s: float) -> None:
+        self.verifier_idle_s += idle_s
+
+    def observe_wall(self, wall_s: float) -> None:
+        self.verifier_wall_s += wall_s
+
+    def observe_dropped(self, num_trees: int, num_nodes: int) -> None:
+        self.trees_dropped += num_trees
+        self.drafter_tokens_wasted += num_nodes
+
+    def observe_rollback(self) -> None:
+        self.rollbacks += 1
+
+    def observe_ring(self, entries: int, capacity: int) -> None:
+        self.ring_samples += 1
+        self.ring_occupancy_sum += entries / capacity if capacity else 0.0
+        self.ring_max = max(self.ring_max, entries)
+
+    def observe_speculation(self, on: bool) -> None:
+        if on:
+            self.spec_on_decisions += 1
+        else:
+            self.spec_off_decisions += 1
+
+    def observe_fallback(self) -> None:
+        self.fallback_steps += 1
+
+    def _grow(self, depth: int) -> None:
+        while len(self.depth_attempts) < depth:
+            self.depth_attempts.append(0)
+            self.depth_accepts.append(0)
+
+    # -- derived figures ---------------------------------------------------------
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Committed tokens per speculative step, bonus included."""
+        if not self.num_spec_steps:
+            return 0.0
+        return (self.num_accepted + self.num_spec_steps) / self.num_spec_steps
+
+    @property
+    def acceptance_per_depth(self) -> list[float]:
+        return [a / n if n else 0.0 for a, n in zip(self.depth_accepts, self.depth_attempts)]
+
+    @property
+    def verifier_idle_fraction(self) -> float:
+        return self.verifier_idle_s / self.verifier_wall_s if self.verifier_wall_s else 0.0
+
+    @property
+    def mean_ring_occupancy(self) -> float:
+        return self.ring_occupancy_sum / self.ring_samples if self.ring_samples else 0.0
+
+    def merge(self, other: "SpecStats") -> "SpecStats":
+        """Sum of two stats (several verifiers); returns a new object."""
+        out = SpecStats()
+        for name, value in vars(self).items():
+            theirs = getattr(other, name)
+            if isinstance(value, list):
+                n = max(len(value), len(theirs))
+                pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
+                setattr(out, name, [a + b for a, b in zip(pad(value), pad(theirs))])
+            elif name == "ring_max":
+                out.ring_max = max(value, theirs)
+            else:
+                setattr(out, name, value + theirs)
+        return out
+
+    def as_dict(self) -> dict:
+        out = dict(vars(self))
+        out.update(
+            acceptance_rate=self.acceptance_rate,
+            mean_accepted_len=self.mean_accepted_len,
+            acceptance_per_depth=self.acceptance_per_depth,
+            verifier_idle_fraction=self.verifier_idle_fraction,
+            mean_ring_occupancy=self.mean_ring_occupancy,
+        )
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpecStats":
+        names = cls.__dataclass_fields__
+        return cls(**{k: (list(v) if isinstance(v, list) else v) for k, v in d.items() if k in names})

@@ -1,0 +1,248 @@
+"""`PipelineEngine`: the Engine protocol (cluster/protocol.py) over Ray actors.
+
+One *pipeline* is a `VerifierActor` and the `DrafterActor`s feeding it
+(DESIGN.md §3, §7); an engine spreads requests over one or more pipelines
+(least-loaded). `build_pipeline_engine` places them from the one
+`ClusterConfig`: Ray resources per actor (`placement.verifier` /
+`placement.drafter`), or one placement group per pipeline with the configured
+strategy (`STRICT_SPREAD` puts the verifier and each drafter on different
+nodes).
+
+Failure semantics, as the serving layer sees them:
+- a drafter that dies is restarted by Ray; requests continue, exact, decoding
+  alone meanwhile;
+- a verifier that dies ends each of its requests with one chunk
+  `finish_reason="error"` whose message says it is retryable, as soon as Ray
+  reports the death (and at worst after `chunk_timeout_s` without a chunk);
+  requests on other pipelines are unaffected.
+
+`run_async_generate(args)` is `specflash generate --mode async`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import asdict, dataclass, field, replace
+from typing import AsyncIterator
+
+import ray
+
+from cluster.actors import PipelineSettings, remote_classes
+from cluster.metrics import SpecStats
+from cluster.protocol import GenerationChunk, GenerationRequest
+
+log = logging.getLogger("specflash.cluster")
+RETRYABLE = "retryable: "
+
+
+@dataclass
+class Pipeline:
+    verifier: object                   # ActorHandle of VerifierActor
+    drafters: list = field(default_factory=list)
+    placement_group: object = None
+    active: int = 0                    # requests in flight (routing)
+
+
+class PipelineEngine:
+    """Implements `cluster.protocol.Engine`."""
+
+    def __init__(self, pipelines: list[Pipeline], settings: PipelineSettings,
+                 chunk_timeout_s: float = 300.0) -> None:
+        if not pipelines:
+            raise ValueError("a PipelineEngine needs at least one pipeline")
+        self.pipelines = pipelines
+        self.settings = settings
+        self.chunk_timeout_s = chunk_timeout_s
+        self.routes: dict[str, int] = {}        # request_id -> pipeline index
+
+    # -- Engine protocol -------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        rid = request.request_id
+        if rid in self.routes:
+            raise ValueError(f"request id {rid!r} is already running")
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt is empty: it must hold at least one token")
+        index = min(range(len(self.pipelines)), key=lambda i: self.pipelines[i].active)
+        pipe = self.pipelines[index]
+        self.routes[rid] = index
+        pipe.active += 1
+        finished = False
+        try:
+            stream = pipe.verifier.generate.options(num_returns="streaming").remote(
+                rid, list(request.prompt_token_ids), asdict(request.sampling), asdict(request.speculation))
+            while not finished:
+                chunk = await self._next_chunk(stream, pipe, rid)
+                if chunk is None:
+                    return
+                finished = chunk.finished
+                yield chunk
+        finally:
+            pipe.active -= 1
+            self.routes.pop(rid, None)
+            if not finished:
+                await self._abort_on(pipe, rid)
+
+    async def abort(self, request_id: str) -> None:
+        index = self.routes.get(request_id)
+        if index is not None:
+            await self._abort_on(self.pipelines[index], request_id)
+
+    async def health(self) -> dict:
+        reports = await asyncio.gather(*(self._health_of(p) for p in self.pipelines))
+        return {"ok": all(r["ok"] for r in reports), "speculation": any(r.get("speculation") for r in reports),
+                "pipelines": reports}
+
+    async def stats(self) -> dict:
+        total = SpecStats()
+        drafters = []
+        for p in self.pipelines:
+            try:
+                total = total.merge(SpecStats.from_dict(await _timed(p.verifier.get_stats.remote(), 5)))
+            except Exception:    # a dead verifier contributes nothing
+                pass
+            for d in p.drafters:
+                try:
+                    drafters.append(await _timed(d.info.remote(), 5))
+                except Exception:
+                    pass
+        out = total.as_dict()
+        out["drafters"] = drafters
+        out["drafter_rollbacks"] = sum(d["rollbacks"] for d in drafters)
+        out["drafter_tokens_wasted"] = total.drafter_tokens_wasted + sum(d["wasted_nodes"] for d in drafters)
+        return out
+
+    # -- helpers ---------------------------------------------------------------------
+    async def _next_chunk(self, stream, pipe: Pipeline, rid: str) -> GenerationChunk | None:
+        """The next chunk, or a final error chunk when the verifier failed."""
+        try:
+            ref = await asyncio.wait_for(stream.__anext__(), self.chunk_timeout_s)
+            return await asyncio.wait_for(ref, self.chunk_timeout_s)
+        except StopAsyncIteration:
+            return None
+        except asyncio.TimeoutError:
+            return _error_chunk(rid, f"{RETRYABLE}no progress from the verifier in {self.chunk_timeout_s:.0f} s")
+        except ray.exceptions.RayActorError as e:
+            return _error_chunk(rid, f"{RETRYABLE}the verifier serving this request died ({_first_line(e)})")
+        except ray.exceptions.RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, ValueError):
+                return _error_chunk(rid, str(cause.args[0] if cause.args else cause))
+            return _error_chunk(rid, f"verifier error: {_first_line(e)}")
+
+    async def _abort_on(self, pipe: Pipeline, rid: str) -> None:
+        try:
+            await _timed(pipe.verifier.abort.remote(rid), 5)
+        except Exception:       # the verifier is gone: nothing left to free
+            pass
+
+    async def _health_of(self, p: Pipeline) -> dict:
+        try:
+            report = await _timed(p.verifier.health.remote(), 5)
+        except Exception as e:
+            return {"ok": False, "error": f"verifier unreachable: {_first_line(e)}", "speculation": False}
+        return report
+
+    def kill_pipeline_actors(self) -> None:
+        for p in self.pipelines:
+            for actor in [p.verifier, *p.drafters]:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:
+                    pass
+            if p.placement_group is not None:
+                ray.util.remove_placement_group(p.placement_group)
+
+    shutdown = kill_pipeline_actors
+
+
+async def _timed(ref, seconds: float):
+    return await asyncio.wait_for(ref, seconds)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _error_chunk(rid: str, message: str) -> GenerationChunk:
+    return GenerationChunk(rid, [], True, "error", error=message)
+
+
+# ---------------------------------------------------------------- building
+def settings_from_config(config, **overrides) -> PipelineSettings:
+    """PipelineSettings from an AppArgs' / ClusterConfig's `speculation`, `models` and `placement` blocks."""
+    spec = config.speculation
+    gpu = config.placement.verifier.num_gpus > 0
+    base = PipelineSettings(mode=spec.mode, spec_len=spec.spec_len, tree_width=spec.tree_width,
+                            proposer=spec.proposer, ring_slots=spec.ring_slots,
+                            max_batch_size=spec.max_batch_size, dtype=config.models.dtype,
+                            device="cuda" if gpu else "cpu")
+    return replace(base, **overrides)
+
+
+def build_pipeline_engine(config=None, *, target_dir: str | None = None, draft_dir: str | None = None,
+                          num_pipelines: int = 1, drafter_max_restarts: int = 10,
+                          chunk_timeout_s: float = 300.0, ready_timeout_s: float = 300.0,
+                          **overrides) -> PipelineEngine:
+    """Start `num_pipelines` pipelines on the running Ray cluster and wait until they serve.
+
+    `config`: a `cluster.config.AppArgs` (or a `ClusterConfig`, which extends it);
+    None = the local defaults. `overrides`: PipelineSettings fields (num_blocks, ...).
+    """
+    from cluster.config import AppArgs
+
+    config = config or AppArgs()
+    target_dir, draft_dir = _model_dirs(config, target_dir, draft_dir)
+    settings = settings_from_config(config, **overrides)
+    drafter_cls, verifier_cls = remote_classes(drafter_max_restarts)
+    placement = config.placement
+    pipelines = []
+    for _ in range(num_pipelines):
+        pg, v_opts, d_opts = _placement(config)
+        v_settings = replace(settings, num_cpus=placement.verifier.num_cpus)
+        d_settings = replace(settings, num_cpus=placement.drafter.num_cpus,
+                             device="cuda" if placement.drafter.num_gpus > 0 else "cpu")
+        verifier = verifier_cls.options(**v_opts).remote(target_dir, asdict(v_settings))
+        drafters = [drafter_cls.options(**d_opts[j]).remote(j, verifier, draft_dir, target_dir,
+                                                             asdict(d_settings))
+                    for j in range(config.drafters_per_verifier)]
+        pipelines.append(Pipeline(verifier, drafters, pg))
+    engine = PipelineEngine(pipelines, settings, chunk_timeout_s)
+    try:
+        ray.get([p.verifier.ready.remote() for p in pipelines], timeout=ready_timeout_s)
+        ray.get([d.ready.remote(ready_timeout_s) for p in pipelines for d in p.drafters],
+                timeout=ready_timeout_s)
+    except BaseException:
+        engine.kill_pipeline_actors()
+        raise
+    return engine
+
+
+def _model_dirs(config, target_dir, draft_dir) -> tuple[str, str | None]:
+    target_dir = target_dir or config.models.target
+    draft_dir = draft_dir or config.models.draft
+    if target_dir is None:
+        from models import embedded
+
+        target, draft = embedded.default_pair()
+        return str(target), str(draft)
+    return str(target_dir), None if draft_dir is None else str(draft_dir)
+
+
+def _placement(config) -> tuple[object, dict, list[dict]]:
+    """(placement group or None, verifier options, options of each drafter)."""
+    placement, n = config.placement, config.drafters_per_verifier
+    if placement.strategy == "NONE":
+        return None, placement.verifier.ray_options(), [placement.drafter.ray_options()] * n
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = placement_group(placement.bundles(n), strategy=placement.strategy)
+    ray.get(pg.ready(), timeout=120)
+
+    def opts(actor, bundle: int) -> dict:
+        return {**actor.ray_options(), "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=bundle)}
+
+    return pg, opts(placement.verifier, 0), [opts(placement.drafter, 1 + j) for j in range(n)]
+

@@ -1,0 +1,184 @@
+"""Per-sequence bookkeeping of the asynchronous protocol, both sides (DESIGN.md §3).
+
+Plain classes (no Ray), so the protocol's state machine is testable in one
+process; cluster/actors.py drives them.
+
+Drafter side, `DraftStream`: the prefix the drafter knows to be committed
+(`confirmed`, learnt only from the verifier's signals, so always a true prefix)
+and the trees in flight, each with the outcome the drafter *assumed* for it
+(its greedy path fully accepted plus its own guess of the bonus token). The
+next tree is drafted after `confirmed` + all assumed outcomes. A signal that
+equals the head tree's assumption changes nothing (the next tree in flight is
+already valid); any other signal bumps the epoch, drops every tree in flight
+and rolls the draft KV back to the longest prefix still true.
+
+Verifier side, `VerifyStream`: the committed tokens, the request's output and
+counters, and the stop conditions.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from cluster.wire import Signal
+
+
+@dataclass
+class InFlight:
+    tree_id: int
+    prefix_len: int
+    outcome: list[int] | None    # assumed committed tokens of the tree; None = no guess possible
+    num_nodes: int
+
+
+class DraftStream:
+    def __init__(self, stream: str, tokens: list[int], epoch: int, params, seed: int) -> None:
+        self.stream = stream
+        self.confirmed = list(tokens)
+        self.epoch = epoch
+        self.params = params                       # models.SamplingParams
+        self.generator = torch.Generator().manual_seed(seed)
+        self.inflight: deque[InFlight] = deque()
+        self.next_tree_id = 0
+        self.budget: tuple[int, int] = (0, 0)      # (spec_len, tree_width) from the verifier
+
+    def position(self) -> list[int] | None:
+        """Tokens the next tree is drafted after, or None when an outcome can't be assumed."""
+        tokens = list(self.confirmed)
+        for f in self.inflight:
+            if f.outcome is None:
+                return None
+            tokens += f.outcome
+        return tokens
+
+    def ready(self, slots: int) -> bool:
+        return self.budget[0] > 0 and len(self.inflight) < slots and self.position() is not None
+
+    def record(self, prefix_len: int, outcome: list[int] | None, num_nodes: int) -> InFlight:
+        f = InFlight(self.next_tree_id, prefix_len, outcome, num_nodes)
+        self.next_tree_id += 1
+        self.inflight.append(f)
+        return f
+
+    def on_step(self, sig: Signal) -> tuple[bool, int | None, int]:
+        """Apply a step signal. Returns (rolled back, keep_len for the draft KV or None, wasted nodes).
+
+        `keep_len`: the draft cache must be truncated to this many tokens (the
+        longest prefix of what it assumed that is still true); None = keep all.
+        """
+        before = self.position()
+        old_len = len(self.confirmed)
+        self.confirmed.extend(sig.token_ids)
+        head = self.inflight[0] if self.inflight else None
+        if head is not None and head.tree_id == sig.tree_id:
+            self.inflight.popleft()
+            if head.outcome == list(sig.token_ids):
+                return False, None, 0                      # the assumption held: nothing to undo
+        elif head is None:
+            return False, None, 0                          # nothing was assumed past `confirmed`
+        wasted = sum(f.num_nodes for f in self.inflight)
+        self.inflight.clear()
+        self.epoch += 1
+        assumed = before if before is not None else self.confirmed[:old_len]
+        # the root (last committed token) is always fed afresh with the next tree
+        keep = min(common_prefix(assumed, self.confirmed), len(self.confirmed) - 1)
+        return True, keep, wasted
+
+    def resync(self, tokens: list[int], epoch: int) -> int:
+        """Restart from the whole committed prefix; returns the nodes dropped."""
+        wasted = sum(f.num_nodes for f in self.inflight)
+        self.inflight.clear()
+        self.confirmed = list(tokens)
+        self.epoch = max(self.epoch + 1, epoch)
+        return wasted
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def greedy_outcome(tree, depth: int) -> tuple[list[int], list[int], int | None]:
+    """The drafter's most likely outcome of `tree` cut at `depth` (DESIGN §3 step 2).
+
+    Follows the first child (the draft's argmax, or its first draw when
+    sampling) from the root. Returns (path node indices up to `depth`, their
+    tokens, the guessed bonus token: the path's child at depth + 1, or None
+    when the path ends before it).
+    """
+    parents = tree.parent_ids.tolist()
+    tokens = tree.token_ids.tolist()
+    first_child: dict[int, int] = {}
+    for i, p in enumerate(parents):
+        first_child.setdefault(p, i)
+    path, node = [], -1
+    while node in first_child and len(path) < depth:
+        node = first_child[node]
+        path.append(node)
+    guess = None
+    if len(path) == depth and node in first_child:
+        guess = tokens[first_child[node]]
+    return path, [tokens[i] for i in path], guess
+
+
+def cut_tree(tree, depth: int):
+    """The tree without its nodes deeper than `depth` (nodes are in level order)."""
+    from models.tree import TokenTree
+
+    keep = int((tree.depths <= depth).sum())
+    if keep == tree.num_nodes:
+        return tree
+    if bool((tree.depths[:keep] > depth).any()):
+        raise ValueError("tree nodes are not in level order; cannot cut by depth")
+    probs = None if tree.draft_probs is None else tree.draft_probs[: keep + 1]
+    return TokenTree(tree.token_ids[:keep], tree.parent_ids[:keep], tree.depths[:keep], probs,
+                     tree.prefix_len, tree.epoch)
+
+
+@dataclass
+class VerifyStream:
+    """Verifier-side state of one request."""
+
+    request_id: str
+    prompt: list[int]
+    params: object                      # models.SamplingParams
+    generator: torch.Generator
+    stop_ids: set[int]
+    mode: str
+    spec_len: int
+    tree_width: int
+    max_context: int
+    drafter: int | None = None          # index of the drafter feeding it
+    committed: list[int] = field(default_factory=list)
+    output: list[int] = field(default_factory=list)
+    num_drafted: int = 0
+    num_accepted: int = 0
+    prefilled: bool = False
+    finish_reason: str | None = None
+    waiting_since: float | None = None  # waiting for a tree since (monotonic seconds)
+    budget: tuple[int, int] = (0, 0)
+
+    def commit(self, token_ids: list[int]) -> list[int]:
+        """Append verified tokens up to a stop condition; returns the tokens kept."""
+        kept = []
+        for t in token_ids:
+            self.committed.append(t)
+            self.output.append(t)
+            kept.append(t)
+            if t in self.stop_ids:
+                self.finish_reason = "stop"
+            elif len(self.output) >= self.params.max_tokens or len(self.committed) >= self.max_context:
+                self.finish_reason = "length"
+            if self.finish_reason:
+                break
+        return kept
+
+    def max_depth(self) -> int:
+        """Deepest draft node worth verifying (tokens left - 1; context room)."""
+        left = self.params.max_tokens - len(self.output)
+        return max(0, min(left - 1, self.max_context - len(self.committed) - 1))

@@ -1,0 +1,434 @@
+"""The verifier as a Ray actor: its half of the asynchronous protocol (DESIGN.md §3).
+
+`VerifierActor` (an asyncio actor) owns the target model, its KV cache, the
+ring (cluster/ring.py) and every request's output stream. Its loop takes, for
+every active sequence, the first valid tree in its ring (or a tree of zero
+nodes when speculation is off, the drafter is dead, or its tree is late),
+verifies them all in **one** target forward (continuous batching: sequences
+join and leave between steps), commits, streams the tokens to the client at
+once, and queues an accept / rollback signal for the sequence's drafter. The
+forward runs in a worker thread, so drafters' `exchange` calls (puts and
+signal pick-up) are served while it runs. The drafter half is in
+cluster/actors.py.
+
+Exactness never rests on the drafter: only a tree whose claimed prefix equals
+the committed one is verified (cluster/ring.py); a sequence whose tree is
+missing or late decodes alone (a tree of zero nodes). A drafter that
+reattaches with a new incarnation id (Ray restarted it) is resynchronised from
+the committed prefixes; streams of a dead drafter move to a live one.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import defaultdict, deque
+from dataclasses import asdict
+
+import ray
+import torch
+
+from cluster.adaptive import AdaptiveSpeculation
+from cluster.backends import PipelineSettings, TargetSide, eos_ids_of, set_threads
+from cluster.metrics import SpecStats
+from cluster.protocol import GenerationChunk
+from cluster.ring import Ring, RingEntry
+from cluster.streams import VerifyStream
+from cluster.wire import Signal, TreeHeader, decode_tree, encode_signals, unpack_header
+from models.sampling import SamplingParams
+
+log = logging.getLogger("specflash.cluster")
+
+
+def _sampling_dict(p: SamplingParams) -> dict:
+    return asdict(p)
+
+
+class VerifierActor:
+    def __init__(self, target_dir: str, settings: dict) -> None:
+        self.settings = PipelineSettings(**settings)
+        set_threads(self.settings.num_cpus)
+        self.side = TargetSide(target_dir, self.settings.num_blocks, self.settings.block_size,
+                               self.settings.device, self.settings.dtype)
+        self.eos_ids = set(eos_ids_of(target_dir))
+        self.ring = Ring(self.settings.ring_slots)
+        self.adaptive = AdaptiveSpeculation(max_spec_len=16)
+        self.stats = SpecStats()
+        self.streams: dict[str, VerifyStream] = {}
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.joins: deque[str] = deque()
+        self.outbox: dict[int, list[Signal]] = defaultdict(list)
+        self.drafters: dict[int, dict] = {}          # index -> {incarnation, last_seen, tree_s}
+        self._to_free: list[str] = []
+        self._reserved_blocks: dict[str, int] = {}
+        self._wake: asyncio.Event | None = None
+        self._mail: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
+        self._task: asyncio.Task | None = None
+        self._error: str | None = None
+
+    # -- public methods (called through Ray) ------------------------------------------
+    async def ready(self) -> bool:
+        self._ensure_loop()
+        return True
+
+    async def generate(self, request_id: str, prompt: list[int], sampling: dict, speculation: dict):
+        """Async generator of GenerationChunk; Ray streams each one to the caller."""
+        self._ensure_loop()
+        s = self._new_stream(request_id, prompt, SamplingParams(**sampling), speculation)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.streams[request_id], self.queues[request_id] = s, queue
+        self.joins.append(request_id)
+        self._wake.set()
+        try:
+            while True:
+                chunk = await queue.get()
+                yield chunk
+                if chunk.finished:
+                    return
+        finally:
+            if request_id in self.streams:
+                self._finish(self.streams[request_id], "abort", notify=False)
+
+    async def abort(self, request_id: str) -> bool:
+        s = self.streams.get(request_id)
+        if s is None:
+            return False
+        self._finish(s, "abort")
+        return True
+
+    async def exchange(self, drafter: int, incarnation: str, puts: list, wait_s: float,
+                       draft_s: float = 0.0, draft_levels: int = 0) -> bytes:
+        """Drafter -> verifier: file its trees in the ring; return the signals queued for it."""
+        self._ensure_loop()
+        now = time.monotonic()
+        info = self.drafters.get(drafter)
+        if info is None or info["incarnation"] != incarnation:
+            self._attach(drafter, incarnation)
+            info = self.drafters[drafter]
+        info["last_seen"] = now
+        if draft_levels:
+            self.adaptive.costs.observe_draft(draft_levels, draft_s)
+            info["tree_s"] = 0.7 * info["tree_s"] + 0.3 * draft_s
+        for header_bytes, refs in puts:
+            self._put(drafter, unpack_header(header_bytes), refs[0])
+        self._wake.set()
+        mail = self._mail[drafter]
+        if not self.outbox.get(drafter) and wait_s > 0:
+            mail.clear()
+            try:
+                await asyncio.wait_for(mail.wait(), wait_s)
+            except asyncio.TimeoutError:
+                pass
+        return encode_signals(self.outbox.pop(drafter, []))
+
+    async def health(self) -> dict:
+        now = time.monotonic()
+        live = [i for i, d in self.drafters.items() if now - d["last_seen"] < self.settings.drafter_timeout_s]
+        return {"ok": self._error is None, "error": self._error, "active": len(self.streams),
+                "drafters_live": live, "speculation": bool(live),
+                "node_id": ray.get_runtime_context().get_node_id()}
+
+    async def get_stats(self) -> dict:
+        return self.stats.as_dict()
+
+    async def kv_usage(self) -> dict:
+        cache = self.side.cache
+        return {"free": cache.num_free_blocks, "total": cache.num_blocks, "ring": self.ring.total()}
+
+    # -- streams ------------------------------------------------------------------------
+    def _new_stream(self, request_id: str, prompt: list[int], params: SamplingParams,
+                    spec: dict) -> VerifyStream:
+        if request_id in self.streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        if not prompt:
+            raise ValueError("the prompt is empty: it must hold at least one token")
+        ctx, vocab = self.side.max_context, self.side.vocab_size
+        if len(prompt) >= ctx:
+            raise ValueError(f"the prompt is {len(prompt)} tokens long; the target's context is {ctx}")
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        st = self.settings
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        mode = spec.get("mode") or st.mode
+        width = 1 if mode == "chain" else (spec.get("tree_width") or st.tree_width)
+        s = VerifyStream(request_id, list(prompt), params, torch.Generator().manual_seed(seed), stop,
+                         mode, spec.get("spec_len") or st.spec_len, width, ctx,
+                         committed=list(prompt))
+        s.seed = seed
+        return s
+
+    def _finish(self, s: VerifyStream, reason: str, notify: bool = True, error: str | None = None) -> None:
+        """Take the stream out: ring slots now, KV blocks at the loop's next reap."""
+        if s.request_id not in self.streams:
+            return
+        s.finish_reason = s.finish_reason or reason
+        del self.streams[s.request_id]
+        if s.request_id in self.joins:
+            self.joins.remove(s.request_id)
+        dropped = self.ring.remove_stream(s.request_id)
+        self._drop(dropped)
+        self.adaptive.remove(s.request_id)
+        self._reserved_blocks.pop(s.request_id, None)
+        if s.prefilled:
+            self._to_free.append(s.request_id)
+        if s.drafter is not None:
+            self._send(s.drafter, Signal("leave", s.request_id))
+        queue = self.queues.pop(s.request_id, None)
+        if notify and queue is not None and reason in ("abort", "error"):
+            queue.put_nowait(self._chunk(s, [], error=error))
+        if self._wake:
+            self._wake.set()
+
+    def _chunk(self, s: VerifyStream, tokens: list[int], error: str | None = None) -> GenerationChunk:
+        return GenerationChunk(s.request_id, tokens, s.finish_reason is not None, s.finish_reason,
+                               s.num_drafted, s.num_accepted, error)
+
+    # -- drafters -------------------------------------------------------------------------
+    def _live(self, drafter: int | None) -> bool:
+        d = self.drafters.get(drafter) if drafter is not None else None
+        return d is not None and time.monotonic() - d["last_seen"] < self.settings.drafter_timeout_s
+
+    def _attach(self, drafter: int, incarnation: str) -> None:
+        """A new or restarted drafter: resynchronise the streams it feeds, adopt orphans."""
+        if drafter in self.drafters:
+            log.warning("drafter %d restarted (incarnation %s)", drafter, incarnation[:8])
+        self.drafters[drafter] = {"incarnation": incarnation, "last_seen": time.monotonic(),
+                                  "tree_s": 0.02}
+        self.outbox.pop(drafter, None)
+        for s in self.streams.values():
+            if s.prefilled and (s.drafter == drafter or s.drafter is None or not self._live(s.drafter)):
+                self._assign(s, drafter)
+
+    def _assign(self, s: VerifyStream, drafter: int) -> None:
+        if s.drafter is not None and s.drafter != drafter:
+            self._send(s.drafter, Signal("leave", s.request_id))
+        s.drafter = drafter
+        self._resync(s)
+
+    def _resync(self, s: VerifyStream) -> None:
+        ring = self.ring.stream(s.request_id)
+        self._drop(ring.bump(ring.epoch + 1))
+        params = _sampling_dict(s.params)
+        params["seed"] = s.seed + 1   # the drafter's own stream of randomness
+        self._send(s.drafter, Signal("resync", s.request_id, ring.epoch, -1, len(s.committed),
+                                     list(s.committed), s.budget, params))
+
+    def _rebalance(self) -> None:
+        """Streams of a dead drafter move to a live one, if any (else they decode alone)."""
+        live = [i for i in self.drafters if self._live(i)]
+        if not live:
+            return
+        for s in self.streams.values():
+            if s.prefilled and s.mode != "off" and not self._live(s.drafter):
+                load = {i: 0 for i in live}
+                for t in self.streams.values():
+                    if t.drafter in load:
+                        load[t.drafter] += 1
+                self._assign(s, min(live, key=load.get))
+
+    def _send(self, drafter: int, sig: Signal) -> None:
+        self.outbox[drafter].append(sig)
+        self._mail[drafter].set()
+
+    def _put(self, drafter: int, header: TreeHeader, ref) -> None:
+        s = self.streams.get(header.stream)
+        entry = RingEntry(header, ref)
+        if s is None or s.drafter != drafter:
+            self._drop([entry])
+            return
+        ok, dropped = self.ring.put(entry)
+        self._drop([e for e in dropped if e is not entry])
+        if ok:
+            asyncio.get_running_loop().create_task(self._fetch(entry))
+        elif entry.header.epoch >= self.ring.stream(s.request_id).epoch:
+            self.stats.observe_dropped(1, header.num_nodes)
+            self._resync(s)        # the drafter's count of slots disagrees with the ring
+
+    async def _fetch(self, entry: RingEntry) -> None:
+        """Pull the tree's tensors from the object store while the target runs."""
+        try:
+            frame = decode_tree(await entry.ref)
+            if frame.header != entry.header:
+                raise ValueError("tree frame header differs from its ring entry")
+            entry.frame = frame
+        except Exception as e:          # owner died, object lost, malformed frame
+            entry.error = f"{type(e).__name__}: {e}"
+        entry.ref = None
+        if self._wake:
+            self._wake.set()
+
+    def _drop(self, entries: list[RingEntry]) -> None:
+        if entries:
+            self.stats.observe_dropped(len(entries), sum(e.header.num_nodes for e in entries))
+
+    # -- the loop ------------------------------------------------------------------------
+    def _ensure_loop(self) -> None:
+        if self._task is None:
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self._step()
+            except Exception as e:     # a bug: fail the running requests, keep serving
+                log.exception("verifier step failed")
+                self._error = f"{type(e).__name__}: {e}"
+                for s in list(self.streams.values()):
+                    self._finish(s, "error", error=f"verifier step failed: {self._error}")
+                await asyncio.sleep(0.01)
+
+    async def _step(self) -> None:
+        start = time.monotonic()
+        await self._reap_and_admit()
+        active = [s for s in self.streams.values() if s.prefilled]
+        if not active:
+            self._wake.clear()
+            await self._sleep(self.settings.poll_s)
+            return
+        self._rebalance()
+        batch, deadline = self._collect(active, start)
+        if not batch:                      # every sequence waits for its tree: verifier idle
+            self._wake.clear()
+            await self._sleep(max(0.0, deadline - time.monotonic()))
+            waited = time.monotonic() - start
+            self.stats.observe_idle(waited)
+            self.stats.observe_wall(waited)
+            return
+        from verifier import VerifyRequest
+
+        requests = [VerifyRequest(s.request_id, s.committed[-1], tree, s.params, s.generator)
+                    for s, tree, _ in batch]
+        results, seconds = await asyncio.to_thread(self.side.verify, requests)
+        self.adaptive.costs.observe_verify(sum(1 + t.num_nodes for _, t, _ in batch), seconds)
+        self.stats.observe_batch(seconds)
+        self._publish(batch, results)
+        self.stats.observe_wall(time.monotonic() - start)
+
+    async def _sleep(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _reap_and_admit(self) -> None:
+        """Free finished sequences' KV and prefill new ones (between forwards, never during)."""
+        to_free, self._to_free = self._to_free, []
+        joins = []
+        budget = self.side.cache.num_blocks - sum(self._reserved_blocks.values())
+        running = sum(1 for s in self.streams.values() if s.prefilled)
+        while self.joins and running + len(joins) < self.settings.max_batch_size:
+            s = self.streams[self.joins[0]]
+            need = -(-(len(s.prompt) + s.params.max_tokens + 16 * s.tree_width + 2) // self.settings.block_size)
+            if need > self.side.cache.num_blocks:
+                self.joins.popleft()
+                self._finish(s, "error", error=f"request needs {need} KV blocks; the verifier has "
+                             f"{self.side.cache.num_blocks}")
+                continue
+            if need > budget:
+                break                        # wait for running sequences to finish
+            budget -= need
+            self._reserved_blocks[s.request_id] = need
+            joins.append(self.joins.popleft())
+        if not to_free and not joins:
+            return
+        await asyncio.to_thread(self._free_and_prefill, to_free, joins)
+        for rid in joins:
+            s = self.streams.get(rid)
+            if s is None:                    # aborted during its prefill
+                self._to_free.append(rid)
+                continue
+            s.prefilled = True
+            self.ring.add_stream(rid)
+            self.adaptive.add(rid, s.mode, s.spec_len, s.tree_width)
+            s.budget = self._budget_of(s, self.adaptive.plan([rid], drafter_ok=True)[rid])
+            live = [i for i in self.drafters if self._live(i)]
+            if s.mode != "off" and live:
+                load = {i: sum(t.drafter == i for t in self.streams.values()) for i in live}
+                self._assign(s, min(live, key=load.get))
+
+    def _free_and_prefill(self, to_free: list[str], joins: list[str]) -> None:
+        for rid in to_free:
+            self.side.release(rid)
+        for rid in joins:
+            self.side.prefill(rid, self.streams[rid].prompt if rid in self.streams else [0])
+
+    def _collect(self, active: list[VerifyStream], now: float) -> tuple[list, float]:
+        """The batch of (stream, tree) to verify now, and when to look again if it is empty."""
+        from models.tree import TokenTree
+
+        batch, deadline = [], now + self.settings.poll_s
+        for s in active[: self.settings.max_batch_size]:
+            ring = self.ring.stream(s.request_id)
+            entry, dropped = ring.head_valid(s.committed)
+            self._drop(dropped)
+            wants = s.budget[0] > 0 and self._live(s.drafter)
+            if entry is not None and entry.frame is not None:
+                ring.pop()
+                batch.append((s, self._tree_of(entry), entry.header.tree_id))
+                s.waiting_since = None
+                continue
+            if wants:
+                s.waiting_since = s.waiting_since or now
+                late = s.waiting_since + self._patience(s)
+                if now < late:
+                    deadline = min(deadline, late)
+                    continue
+                self.stats.observe_fallback()
+            s.waiting_since = None
+            batch.append((s, TokenTree.empty(len(s.committed)), -1))
+        return batch, deadline
+
+    def _patience(self, s: VerifyStream) -> float:
+        """How long a sequence may wait for its drafter's tree: a few of its tree times."""
+        tree_s = self.drafters[s.drafter]["tree_s"]
+        return min(self.settings.max_tree_wait_s, 3.0 * tree_s + 0.02)
+
+    @staticmethod
+    def _tree_of(entry: RingEntry):
+        import warnings
+
+        from models.tree import TokenTree
+
+        f = entry.frame
+        with warnings.catch_warnings():   # object-store buffers are read-only; nothing writes them
+            warnings.simplefilter("ignore", UserWarning)
+            probs = None if f.draft_probs is None else torch.from_numpy(f.draft_probs)
+            return TokenTree(torch.from_numpy(f.token_ids), torch.from_numpy(f.parent_ids),
+                             torch.from_numpy(f.depths), probs, f.header.prefix_len, f.header.epoch)
+
+    def _publish(self, batch: list, results: list) -> None:
+        """Commit, stream the tokens out, plan the next budgets, signal the drafters."""
+        steps = []
+        for (s, tree, tree_id), res in zip(batch, results):
+            if s.request_id not in self.streams:     # aborted while the target ran
+                continue
+            kept = s.commit(res.token_ids)
+            s.num_drafted += tree.num_nodes
+            s.num_accepted += res.num_accepted
+            depth = int(tree.depths.max()) if tree.num_nodes else 0
+            self.stats.observe_verification(tree.num_nodes, res.num_accepted, depth, res.num_accepted)
+            self.adaptive.observe(s.request_id, depth, res.num_accepted)
+            self.queues[s.request_id].put_nowait(self._chunk(s, kept))
+            if s.finish_reason:
+                self._finish(s, s.finish_reason, notify=False)
+            else:
+                steps.append((s, tree_id, kept))
+        live = [s for s, _, _ in steps]
+        plan = self.adaptive.plan([s.request_id for s in live]) if live else {}
+        for s, tree_id, kept in steps:
+            s.budget = self._budget_of(s, plan[s.request_id])
+            self.stats.observe_speculation(s.budget[0] > 0)
+            if s.drafter is not None:
+                ring = self.ring.stream(s.request_id)
+                self._send(s.drafter, Signal("step", s.request_id, ring.epoch, tree_id,
+                                             len(s.committed), kept, s.budget))
+        self.stats.observe_ring(self.ring.total(), self.ring.capacity())
+
+    @staticmethod
+    def _budget_of(s: VerifyStream, planned: tuple[int, int]) -> tuple[int, int]:
+        k, w = planned
+        k = min(k, s.max_depth())
+        return (k, w) if k > 0 else (0, 0)

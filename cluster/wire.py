@@ -1,0 +1,227 @@
+"""Wire format between the drafter and verifier actors (DESIGN.md §3, §6).
+
+Two kinds of message cross the actor boundary:
+
+- **Token trees** (drafter -> verifier). A `TreeFrame` is a small msgpack
+  *header* (version, stream id, epoch, prefix length, the tokens the drafter
+  assumed beyond what it knows to be committed, node count, vocabulary size)
+  plus the tree's *tensors* as numpy arrays. The frame is stored with
+  `ray.put`; Ray serialises numpy arrays as out-of-band pickle-5 buffers, so
+  the tensors sit in the object store and the reader maps them without a copy
+  (no pickled Python lists). Only the ObjectRef and a copy of the header go
+  through the ring (cluster/ring.py).
+- **Signals** (verifier -> drafter): the accept / rollback outcome of one
+  verification step, plus the control messages that let sequences join and
+  leave a drafter. Pure msgpack: they carry a handful of integers.
+
+Every header has a version field `v`; `decode_*` rejects a frame of another
+version, a frame of the wrong kind, and any frame whose header and tensors
+disagree, with `WireError`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+WIRE_VERSION = 1
+SIGNAL_KINDS = ("step", "join", "leave", "resync")
+
+
+class WireError(ValueError):
+    """A frame that is malformed or from another wire version."""
+
+
+# ---------------------------------------------------------------- token trees
+@dataclass
+class TreeHeader:
+    """What the verifier needs to file a tree in the ring without fetching its tensors."""
+
+    stream: str             # sequence (request) id
+    epoch: int              # drafter's epoch for the stream; bumped on every rollback
+    tree_id: int            # per stream, increasing; the signal names the tree it answers
+    prefix_len: int         # length of the prefix the tree was drafted after
+    anchor_len: int         # prefix length the drafter knows to be committed
+    assumed: list[int]      # prefix[anchor_len:prefix_len]: tokens assumed, not yet confirmed
+    num_nodes: int          # T; 0 = plain decoding
+    vocab_size: int         # V of draft_probs (0 when draft_probs is None)
+
+    def __post_init__(self) -> None:
+        if self.prefix_len - self.anchor_len != len(self.assumed):
+            raise WireError(
+                f"tree header: prefix_len {self.prefix_len} - anchor_len {self.anchor_len} "
+                f"!= {len(self.assumed)} assumed tokens"
+            )
+
+
+@dataclass
+class TreeFrame:
+    header: TreeHeader
+    token_ids: np.ndarray                   # [T] int64
+    parent_ids: np.ndarray                  # [T] int64, -1 = child of the root
+    depths: np.ndarray                      # [T] int64, 1 = child of the root
+    draft_probs: np.ndarray | None = None   # [T+1, V] float32, row layout of rejection_sample
+
+
+_HEADER_FIELDS = ("stream", "epoch", "tree_id", "prefix_len", "anchor_len", "assumed",
+                  "num_nodes", "vocab_size")
+
+
+def pack_header(h: TreeHeader) -> bytes:
+    body = {name: getattr(h, name) for name in _HEADER_FIELDS}
+    return msgpack.packb({"v": WIRE_VERSION, "kind": "tree", **body})
+
+
+def unpack_header(data: bytes) -> TreeHeader:
+    msg = _unpack(data, "tree")
+    try:
+        fields = {name: msg[name] for name in _HEADER_FIELDS}
+    except KeyError as e:
+        raise WireError(f"tree header lacks field {e.args[0]!r}") from None
+    for name, value in fields.items():
+        if name == "stream":
+            ok = isinstance(value, str)
+        elif name == "assumed":
+            ok = isinstance(value, list) and all(isinstance(t, int) for t in value)
+        else:   # counters and lengths; the epoch may be any int
+            ok = isinstance(value, int) and (value >= 0 or name == "epoch")
+        if not ok:
+            raise WireError(f"tree header field {name!r} has a bad value: {value!r}")
+    return TreeHeader(**fields)
+
+
+def encode_tree(header: TreeHeader, token_ids, parent_ids, depths, draft_probs=None) -> tuple:
+    """The object to `ray.put`: `(header bytes, token_ids, parent_ids, depths, draft_probs)`.
+
+    Accepts torch tensors or numpy arrays; tensors are viewed as numpy (CPU) so
+    Ray stores their buffers out of band.
+    """
+    arrays = [_as_numpy(x, np.int64) for x in (token_ids, parent_ids, depths)]
+    probs = None if draft_probs is None else _as_numpy(draft_probs, np.float32)
+    frame = TreeFrame(header, *arrays, probs)
+    _check_frame(frame)
+    return (pack_header(header), *arrays, probs)
+
+
+def decode_tree(obj: Any) -> TreeFrame:
+    """Inverse of `encode_tree` on the object `ray.get` returns; validates everything."""
+    if not isinstance(obj, tuple) or len(obj) != 5:
+        raise WireError(f"a tree frame is a 5-tuple, got {type(obj).__name__}")
+    header = unpack_header(obj[0])
+    frame = TreeFrame(header, *obj[1:])
+    _check_frame(frame)
+    return frame
+
+
+def _check_frame(f: TreeFrame) -> None:
+    t = f.header.num_nodes
+    for name in ("token_ids", "parent_ids", "depths"):
+        a = getattr(f, name)
+        if not isinstance(a, np.ndarray) or a.dtype != np.int64 or a.shape != (t,):
+            raise WireError(f"tree frame: {name} must be int64 of shape ({t},), got {_describe(a)}")
+    if t and (f.parent_ids >= np.arange(t)).any():
+        raise WireError("tree frame: nodes are not topologically ordered (a parent at or after its child)")
+    if t and (f.parent_ids < -1).any():
+        raise WireError("tree frame: parent id below -1")
+    if t:
+        parent_depth = np.where(f.parent_ids < 0, 0, f.depths[np.maximum(f.parent_ids, 0)])
+        if (f.depths != parent_depth + 1).any():
+            raise WireError("tree frame: depths disagree with parent ids")
+    p = f.draft_probs
+    if p is None:
+        if f.header.vocab_size:
+            raise WireError("tree frame: header names a vocabulary but draft_probs is missing")
+        return
+    shape = (t + 1, f.header.vocab_size)
+    if not isinstance(p, np.ndarray) or p.dtype != np.float32 or p.shape != shape:
+        raise WireError(f"tree frame: draft_probs must be float32 of shape {shape}, got {_describe(p)}")
+
+
+def _as_numpy(x, dtype) -> np.ndarray:
+    if hasattr(x, "detach"):   # torch tensor: shares memory with the numpy view
+        x = x.detach().cpu().contiguous().numpy()
+    a = np.ascontiguousarray(x)
+    if a.dtype != dtype:
+        raise WireError(f"expected {np.dtype(dtype).name}, got {a.dtype.name}")
+    return a
+
+
+def _describe(a) -> str:
+    if isinstance(a, np.ndarray):
+        return f"{a.dtype.name}{list(a.shape)}"
+    return type(a).__name__
+
+
+# ---------------------------------------------------------------- signals
+@dataclass
+class Signal:
+    """Verifier -> drafter. `kind`:
+
+    - "step": one verification step committed `token_ids` (accepted path +
+      the corrected / bonus token) for `stream`; `tree_id` names the verified
+      tree, or -1 when the verifier decoded alone (no valid tree in the ring).
+    - "join": a new stream; `token_ids` is its prompt.
+    - "resync": the drafter must (re)start the stream from `token_ids`, the
+      whole committed prefix (after a drafter restart or re-assignment).
+    - "leave": the stream finished or was aborted; free its draft KV.
+
+    `prefix_len` is the committed length after the message, `epoch` the
+    verifier's view of the stream's epoch, `budget` the (spec_len, tree_width)
+    the adaptive controller wants for the next tree ((0, 0) = no speculation).
+    """
+
+    kind: str
+    stream: str
+    epoch: int = 0
+    tree_id: int = -1
+    prefix_len: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    budget: tuple[int, int] = (0, 0)
+    params: dict | None = None          # join / resync: the request's sampling parameters
+
+
+def encode_signals(signals: list[Signal]) -> bytes:
+    body = [[s.kind, s.stream, s.epoch, s.tree_id, s.prefix_len, s.token_ids, list(s.budget),
+             s.params] for s in signals]
+    return msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": body})
+
+
+def decode_signals(data: bytes) -> list[Signal]:
+    msg = _unpack(data, "signals")
+    items = msg.get("items")
+    if not isinstance(items, list):
+        raise WireError("signal frame lacks its item list")
+    out = []
+    for item in items:
+        if not isinstance(item, list) or len(item) != 8:
+            raise WireError(f"signal item must have 8 fields, got {item!r}")
+        kind, stream, epoch, tree_id, prefix_len, tokens, budget, params = item
+        if kind not in SIGNAL_KINDS:
+            raise WireError(f"unknown signal kind {kind!r}")
+        ints = (epoch, tree_id, prefix_len, *budget) if isinstance(budget, list) else None
+        if (not isinstance(stream, str) or ints is None or len(budget) != 2
+                or not all(isinstance(v, int) for v in ints)
+                or not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens)
+                or not (params is None or isinstance(params, dict))):
+            raise WireError(f"malformed signal item {item!r}")
+        out.append(Signal(kind, stream, epoch, tree_id, prefix_len, tokens, tuple(budget), params))
+    return out
+
+
+def _unpack(data: bytes, kind: str) -> dict:
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireError(f"a {kind} frame must be bytes, got {type(data).__name__}")
+    try:
+        msg = msgpack.unpackb(data, strict_map_key=True)
+    except Exception as e:   # msgpack raises several unrelated types
+        raise WireError(f"undecodable {kind} frame: {e}") from None
+    if not isinstance(msg, dict):
+        raise WireError(f"a {kind} frame must be a map, got {type(msg).__name__}")
+    version = msg.get("v")
+    if version != WIRE_VERSION:
+        raise WireError(f"{kind} frame has wire version {version!r}; this build speaks {WIRE_VERSION}")
+    if msg.get("kind") != kind:
+        raise WireError(f"expected a {kind} frame, got kind {msg.get('kind')!r}")
+    return msg

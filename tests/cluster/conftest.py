@@ -1,0 +1,73 @@
+"""One local multi-node Ray cluster for the pipeline tests (issue 4).
+
+`ray.cluster_utils.Cluster` starts, on this machine, a head node that runs no
+model and two worker "nodes", each with its own raylet and object store: one
+offers the custom resource `specflash_drafter`, the other `specflash_verifier`,
+so drafter and verifier actors pinned by those resources run on different
+nodes and their trees cross object stores. The cluster is started once per
+session (it costs ~20-40 s here) and shut down at the end, raylets included.
+"""
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+DRAFTER_RESOURCE = "specflash_drafter"
+VERIFIER_RESOURCE = "specflash_verifier"
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    store = 96 * 2**20
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "object_store_memory": store, "include_dashboard": False})
+    drafter_node = cluster.add_node(num_cpus=4, resources={DRAFTER_RESOURCE: 4}, object_store_memory=store)
+    verifier_node = cluster.add_node(num_cpus=4, resources={VERIFIER_RESOURCE: 4}, object_store_memory=store)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield SimpleNamespace(cluster=cluster, drafter_node=drafter_node.node_id,
+                              verifier_node=verifier_node.node_id)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def pipeline_args(drafters: int = 1, strategy: str = "NONE", **speculation):
+    """AppArgs pinning drafters and verifiers to their nodes (by resource or placement group)."""
+    from cluster.config import ActorPlacement, AppArgs, PlacementConfig, ReplicaScaling, SpeculationDefaults
+
+    placement = PlacementConfig(
+        drafter=ActorPlacement(num_cpus=1, resources={DRAFTER_RESOURCE: 1}),
+        verifier=ActorPlacement(num_cpus=1, resources={VERIFIER_RESOURCE: 1}),
+        strategy=strategy)
+    return AppArgs(placement=placement, drafters_per_verifier=drafters,
+                   drafter_scaling=ReplicaScaling(max_replicas=drafters),
+                   speculation=SpeculationDefaults(**speculation))
+
+
+@pytest.fixture
+def make_engine(ray_cluster):
+    """Build PipelineEngines on the shared cluster; their actors are killed after the test."""
+    from cluster.pipeline import build_pipeline_engine
+
+    engines = []
+
+    def make(target_dir, draft_dir, *, num_pipelines=1, drafters=1, strategy="NONE",
+             speculation=None, **settings):
+        settings.setdefault("num_blocks", 512)
+        engine = build_pipeline_engine(pipeline_args(drafters, strategy, **(speculation or {})),
+                                       target_dir=str(target_dir), draft_dir=str(draft_dir),
+                                       num_pipelines=num_pipelines, **settings)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.kill_pipeline_actors()

@@ -1,0 +1,131 @@
+"""The asynchronous pipeline on a multi-node Ray cluster: exact greedy output (issue 4).
+
+Drafter and verifier run on different Ray nodes (custom resources, or a
+STRICT_SPREAD placement group); every output is compared token for token with
+Hugging Face `generate` of the target alone.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import ray
+
+from .pipeline_helpers import collect, hf_greedy, prompts, request, run
+
+
+def node_ids(engine) -> tuple[str, list[str]]:
+    p = engine.pipelines[0]
+    verifier = ray.get(p.verifier.health.remote())["node_id"]
+    return verifier, [ray.get(d.info.remote())["node_id"] for d in p.drafters]
+
+
+@pytest.fixture(scope="module")
+def close_engine(ray_cluster, tiny_target, close_draft):
+    from cluster.pipeline import build_pipeline_engine
+    from .conftest import pipeline_args
+
+    engine = build_pipeline_engine(pipeline_args(), target_dir=str(tiny_target), draft_dir=str(close_draft),
+                                   num_blocks=512)
+    yield engine
+    engine.kill_pipeline_actors()
+
+
+def test_drafter_and_verifier_on_different_nodes(close_engine, ray_cluster):
+    verifier, drafters = node_ids(close_engine)
+    assert verifier == ray_cluster.verifier_node
+    assert drafters == [ray_cluster.drafter_node]
+
+
+@pytest.mark.parametrize("mode,spec_len,width", [("chain", 4, 1), ("chain", 1, 1), ("tree", 3, 3),
+                                                 ("auto", 4, 2), ("off", 4, 1)])
+def test_greedy_equals_hf_generate(close_engine, hf_target, mode, spec_len, width):
+    for i, prompt in enumerate(prompts(3, seed=spec_len * 10 + width)):
+        tokens, last = run(collect(close_engine, request(f"{mode}{spec_len}{width}-{i}", prompt, 40, mode,
+                                                         spec_len, width)))
+        assert tokens == hf_greedy(hf_target, prompt, 40)
+        assert last.finished and last.finish_reason == "length"
+        if mode in ("chain", "tree"):
+            assert last.num_drafted > 0, "a chain / tree request must have speculated"
+        if mode == "off":
+            assert last.num_drafted == 0
+
+
+def test_stop_token_ends_like_hf_eos(close_engine, hf_target):
+    """A stop token ends the request where HF `generate` with that token as EOS ends."""
+    prompt = prompts(1, seed=5)[0]
+    reference = hf_greedy(hf_target, prompt, 30)
+    stop = reference[9]
+    first = reference.index(stop)
+    tokens, last = run(collect(close_engine, request("stop", prompt, 30, "chain", 4, stop_token_ids=[stop])))
+    assert tokens == reference[: first + 1]
+    assert last.finish_reason == "stop"
+
+
+def test_concurrent_sequences_exact_and_kv_freed(close_engine, hf_target):
+    """32 sequences of different lengths in flight at once, joining and leaving the batch freely."""
+    ps = prompts(32, seed=7)
+    lengths = [8 + (5 * i) % 33 for i in range(32)]
+    modes = ["chain", "tree", "auto", "off"]
+
+    async def all_of():
+        return await asyncio.gather(*(collect(close_engine, request(
+            f"c{i}", p, n, modes[i % 4], 2 + i % 3, 2)) for i, (p, n) in enumerate(zip(ps, lengths))))
+
+    results = run(all_of(), timeout=240)
+    for (tokens, last), p, n in zip(results, ps, lengths):
+        assert tokens == hf_greedy(hf_target, p, n)
+        assert last.finish_reason == "length"
+    usage = ray.get(close_engine.pipelines[0].verifier.kv_usage.remote())
+    assert usage["free"] == usage["total"] and usage["ring"] == 0
+    info = ray.get(close_engine.pipelines[0].drafters[0].info.remote())
+    assert info["kv_free"] == info["kv_total"] and info["streams"] == 0
+    stats = run(close_engine.stats())
+    assert stats["num_batches"] < stats["num_steps"], "sequences must share target forwards"
+
+
+def test_abort_frees_kv_and_ring(close_engine):
+    async def abort_midway():
+        seen = []
+
+        async def on_chunk(chunk, tokens):
+            seen.append(len(tokens))
+            if len(tokens) >= 5:
+                await close_engine.abort("to-abort")
+
+        tokens, last = await collect(close_engine, request("to-abort", [1, 2, 3], 200, "chain", 3), on_chunk)
+        return tokens, last
+
+    tokens, last = run(abort_midway())
+    assert last.finished and last.finish_reason == "abort"
+    assert len(tokens) < 200
+    usage = ray.get(close_engine.pipelines[0].verifier.kv_usage.remote())
+    assert usage["free"] == usage["total"] and usage["ring"] == 0
+
+
+def test_strict_spread_placement_group(make_engine, tiny_target, close_draft, hf_target):
+    """STRICT_SPREAD: the verifier and its two drafters each land on a different node."""
+    engine = make_engine(tiny_target, close_draft, drafters=1, strategy="STRICT_SPREAD")
+    verifier, drafters = node_ids(engine)
+    assert verifier != drafters[0]
+    prompt = prompts(1, seed=3)[0]
+    tokens, _ = run(collect(engine, request("pg", prompt, 30, "tree", 3, 2)))
+    assert tokens == hf_greedy(hf_target, prompt, 30)
+
+
+def test_rollback_storm_far_draft_exact(make_engine, tiny_target, far_draft, hf_target):
+    """A draft far from the target: most trees are rejected and rolled back; output stays exact."""
+    engine = make_engine(tiny_target, far_draft, drafters=2)
+    ps = prompts(4, seed=11)
+
+    async def all_of():
+        return await asyncio.gather(*(collect(engine, request(f"far{i}", p, 48, "chain", 6))
+                                      for i, p in enumerate(ps)))
+
+    for (tokens, last), p in zip(run(all_of(), timeout=180), ps):
+        assert tokens == hf_greedy(hf_target, p, 48)
+        assert last.num_drafted > 0
+    stats = run(engine.stats())
+    assert stats["acceptance_rate"] < 0.5
+    assert stats["drafter_rollbacks"] > 10, stats
+    assert {d["streams"] for d in stats["drafters"]} == {0}

@@ -1,0 +1,103 @@
+"""The ring of in-flight trees (cluster/ring.py) and the drafter's assumption bookkeeping
+(cluster/streams.py): bounded slots, staleness by epoch and claimed prefix, rollback."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.ring import Ring, RingEntry, StreamRing, claims_prefix
+from cluster.streams import DraftStream, cut_tree, greedy_outcome
+from cluster.wire import Signal, TreeHeader
+from models.sampling import SamplingParams
+from models.tree import TokenTree
+
+
+def entry(prefix: list[int], anchor: int, epoch: int = 0, tree_id: int = 0, stream: str = "s") -> RingEntry:
+    h = TreeHeader(stream, epoch, tree_id, len(prefix), anchor, prefix[anchor:], 2, 0)
+    return RingEntry(h, ref=None)
+
+
+def test_ring_is_bounded_per_stream():
+    ring = StreamRing(2)
+    assert ring.put(entry([1, 2], 2, tree_id=0))[0]
+    assert ring.put(entry([1, 2, 3], 2, tree_id=1))[0]
+    ok, dropped = ring.put(entry([1, 2, 3, 4], 2, tree_id=2))
+    assert not ok and dropped == [] and len(ring) == 2 and ring.full
+
+
+def test_newer_epoch_evicts_stale_entries_and_older_epoch_is_refused():
+    ring = StreamRing(3)
+    ring.put(entry([1, 2], 2, epoch=0))
+    ring.put(entry([1, 2, 3], 2, epoch=0, tree_id=1))
+    ok, dropped = ring.put(entry([1, 2, 9], 3, epoch=1, tree_id=2))
+    assert ok and len(dropped) == 2 and len(ring) == 1
+    ok, dropped = ring.put(entry([1, 2, 3, 4], 2, epoch=0, tree_id=3))
+    assert not ok and len(dropped) == 1
+
+
+def test_head_valid_checks_the_whole_claimed_prefix():
+    ring = StreamRing(3)
+    ring.put(entry([1, 2, 7], 2, tree_id=0))        # assumed token 7 after the confirmed [1, 2]
+    ring.put(entry([1, 2, 8, 4], 2, tree_id=1))     # assumed [8, 4]
+    head, dropped = ring.head_valid([1, 2, 8, 4])   # committed: 8 then 4, same length as tree 1
+    assert head.header.tree_id == 1 and [d.header.tree_id for d in dropped] == [0]
+    head, dropped = ring.head_valid([1, 2, 8, 5])   # same length, one token differs: stale
+    assert head is None and len(dropped) == 1 and len(ring) == 0
+
+
+def test_claims_prefix_compares_tokens_not_only_lengths():
+    h = TreeHeader("s", 0, 0, 4, 2, [3, 4], 1, 0)
+    assert claims_prefix(h, [1, 2, 3, 4])
+    assert not claims_prefix(h, [1, 2, 3, 5])
+    assert not claims_prefix(h, [1, 2, 3])
+
+
+def test_ring_set_remove_frees_slots_and_unknown_streams_are_dropped():
+    rings = Ring(2)
+    rings.add_stream("a")
+    rings.put(entry([1], 1, stream="a"))
+    assert rings.total() == 1 and rings.capacity() == 2
+    ok, dropped = rings.put(entry([1], 1, stream="gone"))
+    assert not ok and len(dropped) == 1
+    assert len(rings.remove_stream("a")) == 1 and rings.total() == 0
+    with pytest.raises(ValueError):
+        StreamRing(0)
+
+
+def chain_tree(tokens, prefix_len):
+    return TokenTree.chain(tokens, None, prefix_len)
+
+
+def test_greedy_outcome_and_cut():
+    tree = chain_tree([5, 6, 7], 10)         # drafted one level deeper than sent
+    path, tokens, guess = greedy_outcome(tree, 2)
+    assert path == [0, 1] and tokens == [5, 6] and guess == 7
+    cut = cut_tree(tree, 2)
+    assert cut.token_ids.tolist() == [5, 6] and cut.prefix_len == 10
+    # a path that ends before the extra level: no guess, the drafter can't run ahead
+    assert greedy_outcome(chain_tree([5], 10), 2)[2] is None
+
+
+def test_draft_stream_assumption_held_then_broken():
+    s = DraftStream("s", [1, 2], epoch=0, params=SamplingParams(temperature=0), seed=0)
+    s.budget = (2, 1)
+    assert s.ready(slots=2)
+    t0 = s.record(2, [5, 6, 7], 2)           # tree 0 assumes 5, 6 accepted and bonus 7
+    assert s.position() == [1, 2, 5, 6, 7]
+    s.record(5, [8, 9, 10], 2)               # tree 1 drafted on that assumption
+    assert not s.ready(slots=2)              # ring full: backpressure
+    rolled, keep, wasted = s.on_step(Signal("step", "s", 0, t0.tree_id, 5, [5, 6, 7]))
+    assert not rolled and s.epoch == 0 and len(s.inflight) == 1
+    rolled, keep, wasted = s.on_step(Signal("step", "s", 0, 1, 7, [8, 3]))   # 9 rejected, 3 instead
+    assert rolled and s.epoch == 1 and not s.inflight
+    assert s.confirmed == [1, 2, 5, 6, 7, 8, 3]
+    assert keep == 6                           # [1, 2, 5, 6, 7, 8] still true; root 3 is fed afresh
+
+
+def test_draft_stream_plain_decoding_step_invalidates_assumptions():
+    s = DraftStream("s", [1, 2], 0, SamplingParams(temperature=0), 0)
+    s.record(2, [5, 6], 1)
+    rolled, keep, _ = s.on_step(Signal("step", "s", 0, -1, 3, [4]))   # verifier decoded alone
+    assert rolled and keep == 2 and s.position() == [1, 2, 4]
+    rolled, keep, _ = s.on_step(Signal("step", "s", 1, -1, 4, [9]))   # nothing in flight: no rollback
+    assert not rolled and keep is None

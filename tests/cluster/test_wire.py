@@ -1,0 +1,104 @@
+"""Wire format of trees and signals (cluster/wire.py): round trips and rejected frames."""
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+from cluster.wire import (WIRE_VERSION, Signal, TreeHeader, WireError, decode_signals, decode_tree,
+                          encode_signals, encode_tree, pack_header, unpack_header)
+
+
+def header(**kw) -> TreeHeader:
+    base = dict(stream="r1", epoch=3, tree_id=7, prefix_len=12, anchor_len=10, assumed=[5, 9],
+                num_nodes=3, vocab_size=0)
+    base.update(kw)
+    return TreeHeader(**base)
+
+
+def tree_arrays():
+    # root -> 0 -> 1, root -> 2
+    return torch.tensor([4, 8, 15]), torch.tensor([-1, 0, -1]), torch.tensor([1, 2, 1])
+
+
+def test_tree_round_trip_keeps_tensors_as_arrays():
+    probs = torch.rand(4, 6)
+    frame = encode_tree(header(vocab_size=6), *tree_arrays(), probs)
+    assert isinstance(frame[0], bytes)
+    assert all(isinstance(a, np.ndarray) for a in frame[1:]), "tensors travel as buffers, not lists"
+    out = decode_tree(frame)
+    assert out.header == header(vocab_size=6)
+    assert out.token_ids.tolist() == [4, 8, 15] and out.parent_ids.tolist() == [-1, 0, -1]
+    np.testing.assert_array_equal(out.draft_probs, probs.numpy())
+
+
+def test_tree_round_trip_through_ray_object_store(ray_cluster):
+    import ray
+
+    frame = encode_tree(header(vocab_size=6), *tree_arrays(), torch.rand(4, 6))
+    out = decode_tree(ray.get(ray.put(frame)))
+    assert out.depths.tolist() == [1, 2, 1]
+    assert not out.draft_probs.flags.writeable, "read back zero-copy from the object store"
+
+
+def test_empty_tree_is_plain_decoding():
+    none = torch.zeros(0, dtype=torch.long)
+    out = decode_tree(encode_tree(header(num_nodes=0), none, none, none))
+    assert out.header.num_nodes == 0 and out.token_ids.shape == (0,)
+
+
+def test_version_mismatch_is_rejected_with_a_clear_message():
+    frame = list(encode_tree(header(), *tree_arrays()))
+    body = msgpack.unpackb(frame[0])
+    body["v"] = WIRE_VERSION + 1
+    frame[0] = msgpack.packb(body)
+    with pytest.raises(WireError, match="wire version"):
+        decode_tree(tuple(frame))
+
+
+@pytest.mark.parametrize("mutate,message", [
+    (lambda f: (b"\xc1garbage",) + f[1:], "undecodable"),
+    (lambda f: (msgpack.packb([1, 2]),) + f[1:], "must be a map"),
+    (lambda f: (f[0], f[1][:2], f[2], f[3], f[4]), "token_ids"),
+    (lambda f: (f[0], f[1].astype(np.int32), f[2], f[3], f[4]), "int64"),
+    (lambda f: (f[0], f[1], np.array([-1, 1, -1]), f[3], f[4]), "topologically"),
+    (lambda f: (f[0], f[1], f[2], np.array([1, 1, 1]), f[4]), "depths"),
+    (lambda f: (f[0], f[1], f[2], f[3], np.zeros((4, 5), np.float32)), "draft_probs"),
+    (lambda f: f[:4], "5-tuple"),
+])
+def test_malformed_tree_frames_are_rejected(mutate, message):
+    frame = encode_tree(header(), *tree_arrays())
+    with pytest.raises(WireError, match=message):
+        decode_tree(mutate(frame))
+
+
+def test_header_rejects_bad_fields_and_inconsistent_assumption():
+    with pytest.raises(WireError, match="assumed"):
+        header(prefix_len=13)
+    body = msgpack.unpackb(pack_header(header()))
+    body["prefix_len"] = -1
+    with pytest.raises(WireError, match="prefix_len"):
+        unpack_header(msgpack.packb(body))
+    del body["stream"]
+    with pytest.raises(WireError, match="stream"):
+        unpack_header(msgpack.packb(body))
+    body = msgpack.unpackb(pack_header(header()))
+    body["kind"] = "signals"
+    with pytest.raises(WireError, match="expected a tree frame"):
+        unpack_header(msgpack.packb(body))
+
+
+def test_signals_round_trip_and_validation():
+    sigs = [Signal("step", "a", 2, 5, 40, [3, 4, 5], (4, 2)),
+            Signal("resync", "b", 7, -1, 3, [1, 2, 3], (0, 0), {"temperature": 0.0, "seed": 3}),
+            Signal("leave", "c")]
+    assert decode_signals(encode_signals(sigs)) == sigs
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["nope", "a", 0, 0, 0, [], [0, 0], None]]})
+    with pytest.raises(WireError, match="unknown signal kind"):
+        decode_signals(bad)
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["step", "a", 0, 0, 0, ["x"], [0, 0], None]]})
+    with pytest.raises(WireError, match="malformed"):
+        decode_signals(bad)
+    with pytest.raises(WireError, match="wire version"):
+        decode_signals(msgpack.packb({"v": 0, "kind": "signals", "items": []}))
