@@ -160,10 +160,11 @@ class LocalEngine:
             return
         eng._ensure_caches([j.request for j in ok])
         active: list[tuple[_Job, object]] = []
+        pending = [j.request.request_id for j in ok]   # to release if prefill fails
         try:
-            for j in ok:
-                active.append((j, eng._prefill(j.request)))
-                self._totals.requests += 1
+            active = list(zip(ok, eng._prefill([j.request for j in ok])))  # one batched prefill
+            pending = []
+            self._totals.requests += len(active)
             self._running = len(active)
             while active:
                 active = self._drop_aborted(active)
@@ -185,10 +186,10 @@ class LocalEngine:
                         still.append((j, s))
                 active = still
                 self._running = len(active)
-        finally:
-            for _, s in active:  # an exception mid-wave: free what is left
+        finally:  # an exception mid-wave: free what is left
+            for seq_id in pending + [s.seq_id for _, s in active]:
                 try:
-                    eng._release(s.seq_id)
+                    eng._release(seq_id)
                 except Exception:
                     pass
             self._running = 0

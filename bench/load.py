@@ -1,0 +1,228 @@
+"""Load generator for `specflash serve`: N concurrent streaming clients, speculation on vs off.
+
+    python bench/load.py --url http://127.0.0.1:8000            # a running server
+    python bench/load.py --start --target DIR --draft DIR       # start one (python -m cluster.serve_cli)
+
+For each concurrency (default 1, 4, 16, 64) and each speculation mode (default `off` and
+`auto`), N clients stream `/v1/completions` back to back for `--duration` seconds (greedy,
+`ignore_eos`, `--max-tokens` each) against the *same* server; the mode goes in the request's
+`speculation` field. Reported per cell:
+
+- throughput: output tokens received in the window ÷ window length (tokens/s);
+- TTFT: request sent → first token received, p50 / p99 (requests started in the window);
+- ITL: per token — a chunk of k tokens arriving d seconds after the previous one counts as k
+  gaps of d/k (speculation commits several tokens per step); p50 / p99.
+
+Writes `bench/results/load-<UTC time>.json` and prints a table. `--quick` is a smoke run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "Write a Python function that reverses a string.",
+    "Explain what a hash map is in two sentences.",
+    "List three prime numbers and say why they are prime.",
+    "def fibonacci(n):",
+    "The quick brown fox",
+    "Translate to French: good morning, my friend.",
+    "What is the capital of Japan? Answer and explain.",
+    "import numpy as np\n\ndef normalize(x):",
+]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    xs = sorted(values)
+    k = (len(xs) - 1) * q / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict, window_end: float,
+                      rec: dict) -> None:
+    start = time.perf_counter()
+    last = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            rec["errors"] += 1
+            await r.aread()
+            return
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                rec["errors"] += 1
+                return
+            k = sum(len(c.get("token_ids") or []) for c in event.get("choices", []))
+            if not k:
+                continue
+            now = time.perf_counter()
+            if now <= window_end:
+                rec["tokens"] += k
+            if last is None:
+                rec["ttft"].append(now - start)
+            else:
+                rec["itl"].extend([(now - last) / k] * k)
+            last = now
+    rec["requests"] += 1
+
+
+async def run_cell(url: str, concurrency: int, mode: str, duration: float, max_tokens: int,
+                   spec_len: int | None) -> dict:
+    rec = {"tokens": 0, "ttft": [], "itl": [], "requests": 0, "errors": 0}
+    speculation = {"mode": mode}
+    if spec_len and mode in ("chain", "tree"):
+        speculation["spec_len"] = spec_len
+    t0 = time.perf_counter()
+    window_end = t0 + duration
+
+    async def client_loop(i: int, client: httpx.AsyncClient) -> None:
+        j = 0
+        while time.perf_counter() < window_end:
+            body = {"model": "specflash", "prompt": PROMPTS[(i + j) % len(PROMPTS)],
+                    "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+                    "return_token_ids": True, "speculation": speculation}
+            j += 1
+            try:
+                await one_request(client, url, body, window_end, rec)
+            except httpx.HTTPError:
+                rec["errors"] += 1
+                await asyncio.sleep(0.5)
+
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        await asyncio.gather(*(client_loop(i, client) for i in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    return {"concurrency": concurrency, "mode": mode, "window_s": duration, "elapsed_s": elapsed,
+            "requests": rec["requests"], "errors": rec["errors"], "tokens": rec["tokens"],
+            "throughput_tok_s": rec["tokens"] / duration,
+            "ttft_p50_s": percentile(rec["ttft"], 50), "ttft_p99_s": percentile(rec["ttft"], 99),
+            "itl_p50_s": percentile(rec["itl"], 50), "itl_p99_s": percentile(rec["itl"], 99)}
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "cluster.serve_cli", "--port", str(args.port),
+           "--grpc-port", str(args.port + 1000), "--engine", args.engine]
+    if args.target:
+        cmd += ["--target", args.target] + (["--draft", args.draft] if args.draft else [])
+    log_path = Path(tempfile.gettempdir()) / f"specflash-load-server-{args.port}.log"
+    print(f"starting the server (log: {log_path})", flush=True)
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{args.port}"
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited ({proc.returncode}); see {log_path}")
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    raise SystemExit("server did not become healthy in 900 s")
+
+
+def print_table(cells: list[dict]) -> None:
+    def ms(x):
+        return "-" if x is None else f"{1000 * x:8.1f}"
+    print(f"{'conc':>4} {'mode':>5} {'reqs':>5} {'err':>4} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9}"
+          f" {'ITL p50':>8} {'ITL p99':>8}   (ms)")
+    for c in cells:
+        print(f"{c['concurrency']:>4} {c['mode']:>5} {c['requests']:>5} {c['errors']:>4} "
+              f"{c['throughput_tok_s']:>8.1f} {ms(c['ttft_p50_s']):>9} {ms(c['ttft_p99_s']):>9} "
+              f"{ms(c['itl_p50_s']):>8} {ms(c['itl_p99_s']):>8}")
+
+
+def summary(cells: list[dict], on: str) -> dict:
+    """The issue's goals: ITL ratio at concurrency 1, throughput ratios at 16 and 64."""
+    by = {(c["concurrency"], c["mode"]): c for c in cells}
+    out = {}
+    for conc in sorted({c["concurrency"] for c in cells}):
+        a, b = by.get((conc, on)), by.get((conc, "off"))
+        if a and b and b["throughput_tok_s"]:
+            out[f"c{conc}_throughput_ratio"] = a["throughput_tok_s"] / b["throughput_tok_s"]
+        if a and b and a["itl_p50_s"] and b["itl_p50_s"]:
+            out[f"c{conc}_itl_p50_ratio"] = a["itl_p50_s"] / b["itl_p50_s"]
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="a running server (default: start one with --start)")
+    p.add_argument("--start", action="store_true", help="start python -m cluster.serve_cli")
+    p.add_argument("--target"), p.add_argument("--draft")
+    p.add_argument("--engine", default="auto")
+    p.add_argument("--port", type=int, default=8321)
+    p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--modes", default="off,auto", help="speculation modes; 'off' is the baseline")
+    p.add_argument("--spec-len", type=int, default=None)
+    p.add_argument("--duration", type=float, default=30.0, help="seconds per cell")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--quick", action="store_true", help="concurrency 1,4, 8 s cells, 16 tokens")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency, args.duration, args.max_tokens = "1,4", 8.0, 16
+    if not args.url and not args.start:
+        p.error("give --url of a running server, or --start")
+    proc = None
+    if args.start:
+        proc, url = start_server(args)
+    else:
+        url = args.url.rstrip("/")
+    try:
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        modes = args.modes.split(",")
+        cells = []
+        for conc in [int(c) for c in args.concurrency.split(",")]:
+            for mode in modes:
+                cell = asyncio.run(run_cell(url, conc, mode, args.duration, args.max_tokens,
+                                            args.spec_len))
+                cells.append(cell)
+                print_table([cell])
+        stats = httpx.get(f"{url}/metrics", timeout=30).text
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
+    on = next((m for m in modes if m != "off"), "auto")
+    result = {"bench": "load", "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
+                          "processor": platform.processor()},
+              "server": {"url": url, "health": health, "target": args.target, "draft": args.draft,
+                         "engine": args.engine},
+              "settings": {"duration_s": args.duration, "max_tokens": args.max_tokens,
+                           "modes": modes, "spec_len": args.spec_len},
+              "cells": cells, "summary": summary(cells, on),
+              "engine_metrics": [l for l in stats.splitlines() if l.startswith("specflash_spec_")]}
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
+        "load-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + ".json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print("\nall cells:")
+    print_table(cells)
+    print(json.dumps(result["summary"], indent=2))
+    print(f"written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
