@@ -39,15 +39,17 @@ class SpecStats:
     num_drafted: int = 0        # tree nodes proposed
     num_accepted: int = 0       # tree nodes accepted (bonus tokens not counted)
     num_generated: int = 0      # tokens returned to the caller
+    num_rejected_steps: int = 0  # steps whose walk ended at a rejection (not at a leaf)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
     elapsed_s: float = 0.0      # wall time of the whole request(s), prefill included
 
-    def observe_step(self, num_drafted: int, num_accepted: int) -> None:
+    def observe_step(self, num_drafted: int, num_accepted: int, rejected: bool = False) -> None:
         self.num_steps += 1
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
+        self.num_rejected_steps += int(rejected)
 
     def observe_generated(self, n: int) -> None:
         self.num_generated += n
@@ -62,6 +64,13 @@ class SpecStats:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def level_acceptance(self) -> float:
+        """Per-level acceptance, the gamma of Eq. 3.2 (Leviathan et al. 2023): of the levels the
+        walk tried, the share it passed (maximum likelihood under a constant gamma)."""
+        tried = self.num_accepted + self.num_rejected_steps
+        return self.num_accepted / tried if tried else 0.0
 
     @property
     def mean_accepted_len(self) -> float:
@@ -165,7 +174,9 @@ class Engine:
         verified = time.perf_counter()
         for s, tree, res in zip(seqs, trees, results):
             self._proposer_of(s).on_verified(s.seq_id, tree, res.accepted_nodes)
-            s.stats.observe_step(tree.num_nodes, res.num_accepted)
+            last = res.accepted_nodes[-1] if res.accepted_nodes else -1
+            s.stats.observe_step(tree.num_nodes, res.num_accepted,
+                                 rejected=bool((tree.parent_ids == last).any()))
             s.stats.observe_generated(s.commit(res.token_ids, self.max_context))
             s.stats.observe_time("draft", (drafted - start) / len(seqs))
             s.stats.observe_time("verify", (verified - drafted) / len(seqs))

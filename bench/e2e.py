@@ -1,0 +1,341 @@
+"""End-to-end CPU benchmark of speculative decoding (DESIGN.md §8, issue 2 item 7).
+
+    python bench/e2e.py                                  # the embedded pair
+    python bench/e2e.py --target DIR --draft DIR --max-tokens 64 --spec-len 4 --tree-width 2
+
+Same prompts (code, math, chat, wrapped in the chat template), greedy, one run,
+methods interleaved prompt by prompt (the order rotates) so that a noisy
+machine hurts all of them alike:
+
+- `off`: our engine, the target alone (the baseline of every speedup);
+- `sync-chain`, `sync-tree`: draft-then-verify with a chain of K / an EAGLE-2 tree;
+- `ngram`: prompt lookup decoding (no draft model);
+- `hf-target`, `hf-assisted`: Hugging Face `generate`, the target alone and assisted
+  generation (`assistant_model`, constant K, no confidence cutoff) on the same checkpoints.
+
+Columns: tokens/s (generated tokens over wall time, prefill included), speedup
+over `off`, acceptance rate (accepted / drafted nodes), mean accepted length
+(tokens per verification, bonus included), the per-level acceptance gamma, and
+the speedup predicted by Eq. 3.2 of Leviathan et al. 2023, E[tokens/step] =
+(1 - gamma^(K+1)) / (1 - gamma), divided by the measured cost of one step (K
+draft forwards + one verification of K+1 tokens) in units of one target
+decoding step. Trees use their measured mean accepted length instead (no
+closed form). A new method (the async pipeline) is one more entry in `METHODS`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+# `python bench/e2e.py` puts bench/ first on sys.path, where bench/kernels.py would shadow the
+# `kernels` package: drop it, the project is imported as installed.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+PROMPTS = {
+    "code": [
+        "Write a Python function that returns the n-th Fibonacci number iteratively.",
+        "Write a Python function is_palindrome(s) that ignores case and spaces.",
+        "Write a Python class Stack with push, pop and peek methods.",
+    ],
+    "math": [
+        "What is 17 multiplied by 23? Explain step by step.",
+        "Solve for x: 3x + 7 = 22. Show your work.",
+        "A train travels 120 km in 2 hours. What is its average speed in km per hour?",
+    ],
+    "chat": [
+        "Give me three tips for sleeping better.",
+        "What is the capital of France, and what is it famous for?",
+        "Explain in two sentences why the sky is blue.",
+    ],
+}
+
+
+@dataclass
+class Run:
+    method: str
+    category: str
+    prompt: int
+    token_ids: list[int]
+    seconds: float
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    rejected_steps: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+# -- methods: each maps (prompt_ids, max_tokens) -> Run fields ---------------------------------
+def ours(engine, mode: str, spec_len: int, tree_width: int, proposer: str = "model"):
+    from cluster.engine import speculation_for
+    from cluster.protocol import GenerationRequest
+    from models import SamplingParams
+
+    spec = speculation_for(mode, spec_len, tree_width, proposer)
+
+    def run(prompt_ids: list[int], max_tokens: int) -> dict:
+        request = GenerationRequest("bench", prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                                    spec)
+        start = time.perf_counter()
+        out = engine.generate([request])[0]
+        seconds = time.perf_counter() - start
+        st = out.stats
+        return dict(token_ids=out.token_ids, seconds=seconds, drafted=st.num_drafted, accepted=st.num_accepted,
+                    steps=st.num_steps, rejected_steps=st.num_rejected_steps, draft_s=st.draft_s,
+                    verify_s=st.verify_s)
+    return run
+
+
+class _Calls:
+    """Counts forward calls of a Hugging Face model (verification steps, draft steps)."""
+
+    def __init__(self, model) -> None:
+        self.n = 0
+        model.register_forward_hook(lambda *_: setattr(self, "n", self.n + 1))
+
+
+def hf(target_hf, draft_hf=None, spec_len: int = 4, eos_token_ids=()):
+    target_calls = _Calls(target_hf)
+    draft_calls = _Calls(draft_hf) if draft_hf is not None else None
+    if draft_hf is not None:
+        cfg = draft_hf.generation_config
+        cfg.num_assistant_tokens, cfg.num_assistant_tokens_schedule = spec_len, "constant"
+        cfg.assistant_confidence_threshold = 0.0
+
+    def run(prompt_ids: list[int], max_tokens: int) -> dict:
+        ids = torch.tensor([prompt_ids])
+        kwargs = dict(do_sample=False, max_new_tokens=max_tokens, attention_mask=torch.ones_like(ids),
+                      eos_token_id=list(eos_token_ids) or None, pad_token_id=0)
+        if draft_hf is not None:
+            kwargs.update(assistant_model=draft_hf)
+        t0, d0 = target_calls.n, draft_calls.n if draft_calls else 0
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = target_hf.generate(ids, **kwargs)[0, len(prompt_ids):].tolist()
+        seconds = time.perf_counter() - start
+        if draft_hf is None:
+            return dict(token_ids=out, seconds=seconds)
+        steps, drafted = target_calls.n - t0, draft_calls.n - d0
+        return dict(token_ids=out, seconds=seconds, steps=steps, drafted=drafted,
+                    accepted=max(len(out) - steps, 0))
+    return run
+
+
+# -- costs of one step, for the Eq. 3.2 prediction ---------------------------------------------
+def forward_ms(model, prefix_len: int, num_tokens: int, repeats: int = 7, logit_rows=None) -> float:
+    """Median wall time of one forward of `num_tokens` (a chain) after a prefix, in ms."""
+    from models.transformer import causal_mask
+
+    cache = model.new_cache(-(-(prefix_len + num_tokens) // 16) + 1, 16)
+    cache.add_sequence("c")
+    ids = torch.randint(0, model.config.vocab_size, (1, prefix_len + num_tokens))
+    with torch.inference_mode():
+        model(ids[:, :prefix_len], torch.arange(prefix_len)[None], cache, ["c"], causal_mask(1, prefix_len),
+              logit_positions=torch.tensor([prefix_len - 1]))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(ids[:, prefix_len:], torch.arange(prefix_len, prefix_len + num_tokens)[None], cache, ["c"],
+                  causal_mask(1, num_tokens), logit_rows=logit_rows)
+            times.append(time.perf_counter() - start)
+            cache.truncate("c", prefix_len)
+    return 1000 * statistics.median(times)
+
+
+def measure_costs(engine, spec_len: int, tree_width: int, prefix_len: int) -> dict:
+    rows = None if engine.draft_logit_rows is None else torch.tensor(engine.draft_logit_rows)
+    costs = {"target_1": forward_ms(engine.target, prefix_len, 1),
+             "verify_chain": forward_ms(engine.target, prefix_len, spec_len + 1),
+             "verify_tree": forward_ms(engine.target, prefix_len, spec_len * tree_width + 1)}
+    if engine.draft is not None:
+        costs["draft_1"] = forward_ms(engine.draft, prefix_len, 1, logit_rows=rows)
+        costs["draft_level"] = forward_ms(engine.draft, prefix_len, tree_width, logit_rows=rows)
+    return costs
+
+
+def predicted_speedup(method: str, gamma: float, mean_len: float, costs: dict, K: int) -> float | None:
+    """Eq. 3.2 tokens per step over the step's cost in target decoding steps."""
+    expected = (1 - gamma ** (K + 1)) / (1 - gamma) if gamma < 1 else K + 1.0
+    if method == "sync-chain" and "draft_1" in costs:
+        step = K * costs["draft_1"] + costs["verify_chain"]
+    elif method == "ngram":
+        step = costs["verify_chain"]
+    elif method == "sync-tree" and "draft_level" in costs:
+        expected, step = mean_len, costs["draft_1"] + (K - 1) * costs["draft_level"] + costs["verify_tree"]
+    else:
+        return None
+    return expected * costs["target_1"] / step
+
+
+# -- summary -----------------------------------------------------------------------------------
+def summarize(runs: list[Run], methods: list[str], costs: dict, K: int) -> list[dict]:
+    base = {(r.category, r.prompt): r.token_ids for r in runs if r.method == "off"}
+    tps_off = _tps([r for r in runs if r.method == "off"])
+    rows = []
+    for m in methods:
+        mine = [r for r in runs if r.method == m]
+        drafted, accepted = sum(r.drafted for r in mine), sum(r.accepted for r in mine)
+        steps, rejected = sum(r.steps for r in mine), sum(r.rejected_steps for r in mine)
+        gamma = accepted / (accepted + rejected) if accepted + rejected else 0.0
+        mean_len = (accepted + steps) / steps if steps else 1.0
+        tps = _tps(mine)
+        pred = predicted_speedup(m, gamma, mean_len, costs, K) if drafted else None
+        rows.append({
+            "method": m, "tokens_per_s": tps, "speedup": tps / tps_off if tps_off else 0.0,
+            "by_category": {c: _tps([r for r in mine if r.category == c]) / max(
+                _tps([r for r in runs if r.method == "off" and r.category == c]), 1e-9) for c in PROMPTS},
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_len": mean_len if drafted else None,
+            "gamma": gamma if m.startswith("sync") or m == "ngram" else None,
+            "predicted_speedup": pred,
+            "exact_vs_off": sum(base.get((r.category, r.prompt)) == r.token_ids for r in mine) / len(mine),
+            "tokens": sum(len(r.token_ids) for r in mine), "seconds": sum(r.seconds for r in mine),
+        })
+    return rows
+
+
+def _tps(runs: list[Run]) -> float:
+    seconds = sum(r.seconds for r in runs)
+    return sum(len(r.token_ids) for r in runs) / seconds if seconds else 0.0
+
+
+def markdown_table(rows: list[dict]) -> str:
+    def f(x, fmt):
+        return "–" if x is None else format(x, fmt)
+
+    lines = ["| method | tokens/s | speedup | code | math | chat | acceptance | mean accepted len | γ | "
+             "Eq. 3.2 predicted speedup | exact vs off |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        c = r["by_category"]
+        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {c['code']:.2f}× | "
+                     f"{c['math']:.2f}× | {c['chat']:.2f}× | {f(r['acceptance_rate'], '.2f')} | "
+                     f"{f(r['mean_accepted_len'], '.2f')} | {f(r['gamma'], '.2f')} | "
+                     f"{f(r['predicted_speedup'], '.2f')} | {r['exact_vs_off']:.0%} |")
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    import transformers
+    return {"cpu": cpu, "logical_cpus": __import__("os").cpu_count(), "threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "platform": platform.platform()}
+
+
+# -- the run -----------------------------------------------------------------------------------
+def build_methods(args, pair, hf_target, hf_draft) -> dict:
+    """name -> runner; the async pipeline plugs in here as one more entry."""
+    engine, eos = pair.engine, sorted(pair.engine.eos_token_ids)
+    methods = {"off": ours(engine, "off", args.spec_len, 1)}
+    if engine.draft is not None:
+        methods["sync-chain"] = ours(engine, "sync", args.spec_len, 1)
+        methods["sync-tree"] = ours(engine, "sync", args.spec_len, args.tree_width)
+    methods["ngram"] = ours(engine, "sync", args.spec_len, 1, "ngram")
+    if not args.no_hf:
+        methods["hf-target"] = hf(hf_target, eos_token_ids=eos)
+        if hf_draft is not None:
+            methods["hf-assisted"] = hf(hf_target, hf_draft, args.spec_len, eos_token_ids=eos)
+    return {m: fn for m, fn in methods.items() if not args.methods or m in args.methods}
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=False)
+    return list(tokenizer(chat, add_special_tokens=False)["input_ids"])
+
+
+def run_all(methods: dict, tokenizer, max_tokens: int, prompts_per_category: int) -> list[Run]:
+    from tqdm import tqdm
+
+    work = [(c, i, prompt_ids(tokenizer, text)) for c, texts in PROMPTS.items()
+            for i, text in enumerate(texts[:prompts_per_category])]
+    names = list(methods)
+    for name in names:                                        # warm-up: first calls pay one-off costs
+        methods[name](work[0][2], 4)
+    runs = []
+    with tqdm(total=len(work) * len(names), desc="e2e", unit="run") as bar:
+        for k, (category, i, ids) in enumerate(work):
+            for name in names[k % len(names):] + names[:k % len(names)]:   # rotate the order
+                bar.set_postfix_str(f"{category}#{i} {name}")
+                runs.append(Run(name, category, i, **methods[name](ids, max_tokens)))
+                bar.update()
+    return runs
+
+
+def update_readme(table: str, info: dict, args) -> None:
+    path = ROOT / "README.md"
+    begin, end = "<!-- e2e:begin -->", "<!-- e2e:end -->"
+    text = path.read_text() if path.exists() else ""
+    block = (f"{begin}\n{table}\n\nMachine: {info['machine']['cpu']}, {info['machine']['threads']} threads, "
+             f"torch {info['machine']['torch']}; {info['date']}; K = {args.spec_len}, tree width = "
+             f"{args.tree_width}, {args.max_tokens} new tokens per prompt, "
+             f"{args.prompts} prompts per category.\n{end}")
+    if begin in text:
+        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text += "\n" + block + "\n"
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target"), p.add_argument("--draft")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--spec-len", type=int, default=4)
+    p.add_argument("--tree-width", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=3, help="prompts per category (at most 3)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--methods", nargs="*", help="a subset of the methods (default: all)")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
+    p.add_argument("--out", type=Path, default=ROOT / "results")
+    p.add_argument("--readme", action="store_true", help="write the table into bench/README.md")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    from cluster.engine import build_engine
+
+    if args.target is None:
+        from models.embedded import default_pair
+        args.target, args.draft = (str(d) for d in default_pair())
+    pair = build_engine(args.target, args.draft, spec_len=args.spec_len, tree_width=args.tree_width)
+    hf_target = hf_draft = None
+    if not args.no_hf:
+        from transformers import AutoModelForCausalLM
+        hf_target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
+        if args.draft:
+            hf_draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
+    methods = build_methods(args, pair, hf_target, hf_draft)
+    runs = run_all(methods, pair.tokenizer, args.max_tokens, args.prompts)
+    mean_prompt = int(statistics.mean(len(prompt_ids(pair.tokenizer, t)) for ts in PROMPTS.values() for t in ts))
+    costs = measure_costs(pair.engine, args.spec_len, args.tree_width, mean_prompt + args.max_tokens // 2)
+    rows = summarize(runs, list(methods), costs, args.spec_len)
+    table = markdown_table(rows)
+    print(table)
+    print("costs (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
+    info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+            "args": {k: str(v) for k, v in vars(args).items()}, "costs_ms": costs, "summary": rows,
+            "runs": [asdict(r) for r in runs]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = args.out / f"e2e-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
+    out.write_text(json.dumps(info, indent=1))
+    print(f"wrote {out}")
+    if args.readme:
+        update_readme(table, info, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
