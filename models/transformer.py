@@ -26,6 +26,54 @@ from models.config import ModelConfig, rope_inv_freq
 from models.kv_cache import OutOfBlocks, PagedKVCache
 
 
+_MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class PackedWeight:
+    """A oneDNN-prepacked copy of a CPU fp32 weight, rebuilt when the weight changes.
+
+    MKL's sgemm repacks the whole weight on every call with few rows (a tree
+    verify or a short prefill), which halves throughput on this kind of CPU;
+    a weight packed once for oneDNN does not. One row (plain decoding) stays on
+    the dense GEMV, which is as fast. Costs a second copy of the weight.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[int, int] | None = None
+        self._packed: torch.Tensor | None = None
+
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in] @ weight [out, in].T + bias → [..., out]."""
+        if not _packable(x, weight):
+            return F.linear(x, weight, bias)
+        key = (weight.data_ptr(), weight._version)
+        if key != self._key:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            self._key = key
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, bias, "none", [], "")
+
+
+def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        _MKLDNN_LINEAR
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and x.numel() > x.shape[-1]                       # two rows or more
+        and not (torch.is_grad_enabled() and weight.requires_grad)
+    )
+
+
+class Linear(nn.Linear):
+    """nn.Linear that takes the prepacked oneDNN path on the CPU for multi-row inputs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._pack = PackedWeight()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [..., in] → [..., out]
+        return self._pack.matmul(x, self.weight, self.bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [..., H]; normalised in float32, scaled in the weight's dtype (as the checkpoints were trained)."""
     xf = x.float()
@@ -45,11 +93,11 @@ class DecoderLayer(nn.Module):
         self.c = c
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.attn_norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.qkv_proj = nn.Linear(c.hidden_size, q_dim + 2 * kv_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(q_dim, c.hidden_size, bias=c.attention_out_bias)
+        self.qkv_proj = Linear(c.hidden_size, q_dim + 2 * kv_dim, bias=c.attention_bias)
+        self.o_proj = Linear(q_dim, c.hidden_size, bias=c.attention_out_bias)
         self.mlp_norm = nn.Parameter(torch.ones(c.hidden_size))
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
 
     def forward(
         self,
@@ -90,6 +138,7 @@ class Transformer(nn.Module):
             else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.requires_grad_(False)
+        self._lm_head_pack = PackedWeight()
         rope_type = (config.rope_scaling or {}).get("rope_type", "default")
         self._dynamic_rope = rope_type == "dynamic"
         inv_freq, self._rope_scale = rope_inv_freq(config)
@@ -174,10 +223,9 @@ class Transformer(nn.Module):
             else:
                 index = logit_positions[..., None].expand(-1, -1, hidden.shape[-1])
                 hidden = hidden.gather(1, index)
-        weight = self.lm_head_weight
         if logit_rows is not None:
-            weight = weight.index_select(0, logit_rows)
-        return F.linear(hidden, weight).float()
+            return F.linear(hidden, self.lm_head_weight.index_select(0, logit_rows)).float()
+        return self._lm_head_pack.matmul(hidden, self.lm_head_weight, None).float()
 
 
 def _reserve_all(cache: PagedKVCache, seq_ids: Sequence[Hashable], n: int) -> None:

@@ -120,3 +120,17 @@ def test_out_of_blocks_in_forward_leaves_every_sequence_unchanged(model):
         with pytest.raises(OutOfBlocks):
             model(ids, torch.tensor([[3, 4, 5], [7, 8, 9]]), cache, ["a", "b"], causal_mask(2, 3))
     assert (cache.num_free_blocks, cache.seq_len("a"), cache.seq_len("b")) == before
+
+
+def test_prepacked_cpu_linear_follows_weight_updates():
+    from models.transformer import Linear
+
+    torch.manual_seed(0)
+    lin = Linear(16, 24)
+    x = torch.randn(5, 16)                                  # 5 rows: the prepacked path where available
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias, atol=1e-5, rtol=0)
+        lin.weight.mul_(-2.0)                               # in-place update must drop the stale pack
+        torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias, atol=1e-5, rtol=0)
+        lin.weight = torch.nn.Parameter(torch.randn(24, 16), requires_grad=False)
+        torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias, atol=1e-5, rtol=0)
