@@ -20,7 +20,7 @@ from cluster.openai_models import APIError, CompletionRequest, validation_error
 from cluster.protos import specflash_pb2 as pb
 from cluster.protos import specflash_pb2_grpc as pb_grpc
 
-STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED, 404: grpc.StatusCode.NOT_FOUND,
           408: grpc.StatusCode.DEADLINE_EXCEEDED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
           503: grpc.StatusCode.UNAVAILABLE}
 SERVICER_FUNCTION = "cluster.protos.specflash_pb2_grpc.add_SpecflashServicer_to_server"
@@ -50,6 +50,10 @@ class GrpcService:
         self.server._check_model(parsed)
         return parsed
 
+    def _authorize(self, context) -> None:
+        metadata = dict(context.invocation_metadata() or ()) if context is not None else {}
+        self.server.check_api_key(metadata.get("authorization"))
+
     def _usage(self, prep, completion: int, drafted: int, accepted: int) -> pb.Usage:
         return pb.Usage(prompt_tokens=sum(len(p) for p in prep.prompts), completion_tokens=completion,
                         drafted_tokens=drafted, accepted_tokens=accepted)
@@ -57,6 +61,7 @@ class GrpcService:
     async def generate(self, req: pb.GenerateRequest, context=None) -> pb.GenerateResponse:
         t0, status = time.monotonic(), 200
         try:
+            self._authorize(context)
             prep = self.server.prepare_completion(self.to_completion(req))
             (d,) = await self.server.collect(prep)
             return pb.GenerateResponse(text=d.text, token_ids=d.token_ids,
@@ -73,6 +78,7 @@ class GrpcService:
                               ) -> AsyncIterator[pb.GenerateStreamResponse]:
         t0, status = time.monotonic(), 200
         try:
+            self._authorize(context)
             prep = self.server.prepare_completion(self.to_completion(req))
             async for d in self.server.run(prep):
                 msg = pb.GenerateStreamResponse(text=d.text, token_ids=d.token_ids)

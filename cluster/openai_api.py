@@ -14,6 +14,7 @@ gone, timeout, error) is aborted in the engine, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import inspect
 import json
 import time
@@ -41,6 +42,11 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 DEFAULT_TEMPLATE_STOP = "<|im_end|>"
 Disconnected = Callable[[], Awaitable[bool]]
+# OpenAI fields this server does not implement: refused rather than silently ignored,
+# unless they carry their "off" value.
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
+               "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
+               "functions": (None, []), "logit_bias": (None, {})}
 
 
 @dataclass
@@ -52,6 +58,7 @@ class ServerSettings:
     retry_after_s: int = 1
     default_max_tokens: int = 16       # /v1/completions without max_tokens (OpenAI's default)
     disconnect_poll_s: float = 1.0     # non-streamed requests: how often to check the client
+    api_key: str | None = None         # when set, /v1/* and gRPC need `Authorization: Bearer <key>`
 
 
 @dataclass
@@ -97,6 +104,16 @@ class OpenAIServer:
         self.outstanding = 0           # admitted generations not yet finished
         self.vocab_size = len(tokenizer)
         self.created = int(time.time())
+
+    def check_api_key(self, authorization: str | None) -> None:
+        """Raises 401 unless `authorization` is `Bearer <the key>` (or no key is configured)."""
+        key = self.settings.api_key
+        if key is None:
+            return
+        given = (authorization or "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
 
     # -- request preparation -----------------------------------------------------------
     def _check_model(self, req: SamplingFields) -> None:
@@ -289,6 +306,10 @@ class OpenAIServer:
             raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from e
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        for name, allowed in UNSUPPORTED.items():
+            if body.get(name) not in allowed:
+                raise APIError(400, f"{name}={body[name]!r} is not supported by this server",
+                               code="unsupported_parameter", param=name)
         try:
             req = model.model_validate(body, strict=True)
         except ValidationError as e:
@@ -481,6 +502,7 @@ def build_fastapi_app(server: OpenAIServer) -> FastAPI:
 
     async def _generate(request: Request, model, handler):
         t0 = time.monotonic()
+        server.check_api_key(request.headers.get("authorization"))
         req = server.parse(await request.body(), model)
         result = await handler(req, request.is_disconnected)
         if isinstance(result, dict):
@@ -505,7 +527,8 @@ def build_fastapi_app(server: OpenAIServer) -> FastAPI:
         return await _generate(request, ChatCompletionRequest, server.chat)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        server.check_api_key(request.headers.get("authorization"))
         return server.models()
 
     @app.get("/health")

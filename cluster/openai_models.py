@@ -114,7 +114,6 @@ PromptType = Union[str, list[str], list[int], list[list[int]]]
 
 class CompletionRequest(SamplingFields):
     prompt: PromptType
-    echo: bool = False
 
     @field_validator("prompt")
     @classmethod

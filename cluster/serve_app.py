@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
+import os
 from typing import Any
 
 from ray import serve
@@ -125,8 +126,12 @@ class SpecflashIngress:
         args, extra = split_args({**app_args, **options})
         self.engine, tokenizer, max_context = await asyncio.to_thread(make_engine, extra["engine"], args)
         s = args.serving
+        api_key = os.environ.get(s.api_key_env) if s.api_key_env else None
+        if s.api_key_env and not api_key:
+            raise RuntimeError(f"serving.api_key_env names {s.api_key_env!r}, which is not set")
         settings = ServerSettings(model_name=extra["model_name"], max_context=max_context,
-                                  max_queue=s.max_queue, request_timeout_s=s.request_timeout_s)
+                                  max_queue=s.max_queue, request_timeout_s=s.request_timeout_s,
+                                  api_key=api_key)
         self.server = OpenAIServer(self.engine, tokenizer, settings)
         self.grpc = GrpcService(self.server)
 

@@ -111,3 +111,15 @@ def test_generated_modules_are_current(tmp_path):
         fresh = (tmp_path / "cluster" / "protos" / name).read_text()
         assert fresh == (ROOT / "cluster" / "protos" / name).read_text(), \
             f"cluster/protos/{name} is stale: regenerate it (command in specflash.proto)"
+
+
+def test_api_key_is_checked_on_grpc_metadata():
+    async def go(stub, engine, server):
+        req = pb.GenerateRequest(prompt="hi", max_tokens=2)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Generate(req)
+        ok = await stub.Generate(req, metadata=(("authorization", "Bearer k"),))
+        return info.value.code(), ok
+
+    code, ok = asyncio.run(with_server(go, api_key="k"))
+    assert code == grpc.StatusCode.UNAUTHENTICATED and ok.usage.completion_tokens == 2

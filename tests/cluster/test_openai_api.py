@@ -191,6 +191,9 @@ BAD = [
     ({"prompt": ""}, 400, "invalid_value", "prompt"),
     ({"prompt": "hi", "speculation": {"mode": "sideways"}}, 400, "invalid_value", "speculation.mode"),
     ({"prompt": "hi", "speculation": {"spec_len": 99}}, 400, "invalid_value", "speculation.spec_len"),
+    ({"prompt": "hi", "logprobs": 2}, 400, "unsupported_parameter", "logprobs"),
+    ({"prompt": "hi", "echo": True}, 400, "unsupported_parameter", "echo"),
+    ({"prompt": "hi", "best_of": 3}, 400, "unsupported_parameter", "best_of"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model_not_found", "model"),
 ]
 
@@ -337,3 +340,17 @@ def test_client_disconnect_aborts_generation(live_server, stream):
     rid = engine.requests[0].request_id
     assert engine.aborted == [rid] and rid not in engine.active and rid not in engine.finished
     assert wait_for(lambda: server.outstanding == 0)
+
+
+def test_api_key_guards_v1_routes_but_not_health():
+    _, _, client = make(api_key="s3cret")
+    r = completion(client, max_tokens=2)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert client.get("/v1/models").status_code == 401
+    wrong = {"Authorization": "Bearer nope"}
+    assert client.post("/v1/completions", json={"prompt": "hi"}, headers=wrong).status_code == 401
+    ok = {"Authorization": "Bearer s3cret"}
+    assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                       headers=ok).status_code == 200
+    assert client.get("/v1/models", headers=ok).status_code == 200
+    assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
