@@ -1,0 +1,84 @@
+"""Failures in the asynchronous pipeline (issue 4): a drafter killed mid-generation, a
+verifier killed with requests in flight. Nothing may hang; exactness must survive."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import ray
+
+from .pipeline_helpers import collect, hf_greedy, prompts, request, run
+
+
+def wait_for(predicate, timeout: float = 60.0, every: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout} s")
+
+
+def test_drafter_killed_mid_generation_request_completes_exactly(make_engine, tiny_target, close_draft,
+                                                                  hf_target):
+    engine = make_engine(tiny_target, close_draft, drafter_timeout_s=1.0)
+    drafter = engine.pipelines[0].drafters[0]
+    before = ray.get(drafter.info.remote())["incarnation"]
+    prompt = prompts(1, seed=21)[0]
+    killed_at = []
+
+    async def on_chunk(chunk, tokens):
+        if not killed_at and len(tokens) >= 8:
+            ray.kill(drafter, no_restart=False)          # Ray restarts it (max_restarts)
+            killed_at.append(len(tokens))
+
+    tokens, last = run(collect(engine, request("victim", prompt, 160, "chain", 4), on_chunk), 180)
+    assert killed_at and killed_at[0] < 160, "the drafter must die mid-generation"
+    assert tokens == hf_greedy(hf_target, prompt, 160)
+    assert last.finish_reason == "length"
+
+    # the restarted drafter reattaches (new incarnation) and speculates again
+    def restarted():
+        try:
+            info = ray.get(drafter.info.remote(), timeout=5)
+        except Exception:
+            return None
+        return info if info["incarnation"] != before and info["running"] else None
+
+    wait_for(restarted, timeout=90)
+    prompt2 = prompts(2, seed=22)[1]
+    tokens2, last2 = run(collect(engine, request("after", prompt2, 40, "chain", 4)))
+    assert tokens2 == hf_greedy(hf_target, prompt2, 40)
+    assert last2.num_drafted > 0, "the drafter must rejoin and speculate after its restart"
+
+
+def test_verifier_killed_fails_fast_and_other_pipeline_unaffected(make_engine, tiny_target, close_draft,
+                                                                  hf_target):
+    engine = make_engine(tiny_target, close_draft, num_pipelines=2, chunk_timeout_s=60)
+    p1, p2 = prompts(2, seed=31)
+    killed = {}
+
+    async def kill_after_some(chunk, tokens):
+        if not killed and len(tokens) >= 5:
+            victim = engine.pipelines[engine.routes["victim"]]
+            ray.kill(victim.verifier, no_restart=True)
+            killed["t"] = time.monotonic()
+
+    async def both():
+        first = asyncio.create_task(collect(engine, request("victim", p1, 2000, "chain", 2,
+                                                            ignore_eos=True), kill_after_some))
+        await asyncio.sleep(0.05)        # the victim holds its pipeline: the survivor gets the other
+        second = asyncio.create_task(collect(engine, request("survivor", p2, 60, "tree", 3, 2)))
+        victim = await first
+        ended = time.monotonic()
+        return victim, ended, await second
+
+    (tokens, last), ended, (tokens2, last2) = run(both(), 180)
+    assert killed, "the verifier must be killed mid-generation"
+    assert last.finished and last.finish_reason == "error"
+    assert "died" in last.error and "retryable" in last.error
+    assert ended - killed["t"] < 20, "the failure must surface within a bounded time"
+    assert tokens2 == hf_greedy(hf_target, p2, 60) and last2.finish_reason == "length"
+    health = run(engine.health())
+    assert not health["ok"] and sum(p["ok"] for p in health["pipelines"]) == 1
