@@ -344,7 +344,7 @@ class OpenAIServer:
             return _with_ids({"index": d.index, "text": d.text, "logprobs": None,
                               "finish_reason": d.finish_reason}, d, req.return_token_ids)
         if req.stream:
-            return await self._sse(prep, head, choice, req, is_disconnected, None)
+            return await self._sse(prep, head, choice, req, None)
         deltas = await self.collect(prep, is_disconnected)
         return {**head, "choices": [choice(d) for d in deltas], "usage": self.usage(prep, deltas)}
 
@@ -360,7 +360,7 @@ class OpenAIServer:
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(len(prep.sampling))]
             head = {**head, "object": "chat.completion.chunk"}
-            return await self._sse(prep, head, choice, req, is_disconnected, first)
+            return await self._sse(prep, head, choice, req, first)
         deltas = await self.collect(prep, is_disconnected)
         choices = [_with_ids({"index": d.index, "message": {"role": "assistant", "content": d.text},
                               "logprobs": None, "finish_reason": d.finish_reason}, d,
@@ -368,12 +368,12 @@ class OpenAIServer:
         return {**head, "choices": choices, "usage": self.usage(prep, deltas)}
 
     async def _sse(self, prep: Prepared, head: dict, choice, req: SamplingFields,
-                   is_disconnected: Disconnected | None, first: list[dict] | None
+                   first: list[dict] | None
                    ) -> AsyncIterator[str]:
         """Server-sent events: one event per delta, then usage if asked, then [DONE].
 
         Admission happens before the first byte, so a full queue is still a 429."""
-        gen = self.run(prep, is_disconnected)
+        gen = self.run(prep)  # a dropped stream cancels the response task: no polling needed
         finals: dict[int, Delta] = {}
         try:
             first_delta = await gen.__anext__()
