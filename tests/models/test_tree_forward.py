@@ -122,12 +122,15 @@ def test_out_of_blocks_in_forward_leaves_every_sequence_unchanged(model):
     assert (cache.num_free_blocks, cache.seq_len("a"), cache.seq_len("b")) == before
 
 
-def test_prepacked_cpu_linear_follows_weight_updates():
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("transposed_gemv", [False, True])
+def test_prepacked_cpu_linear_follows_weight_updates(rows, transposed_gemv):
     from models.transformer import Linear
 
     torch.manual_seed(0)
     lin = Linear(16, 24)
-    x = torch.randn(5, 16)                                  # 5 rows: the prepacked path where available
+    lin._pack.transposed_gemv = transposed_gemv
+    x = torch.randn(rows, 16)                               # 5 rows: the prepacked path where available
     with torch.no_grad():
         torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias, atol=1e-5, rtol=0)
         lin.weight.mul_(-2.0)                               # in-place update must drop the stale pack
