@@ -49,7 +49,7 @@ class ModelProposer:
             for b, logits in zip(live, root_logits):
                 builders[b].expand([ROOT], logits)
         for level in range(1, max(depth, default=0)):
-            frontier = {b: builders[b].frontier(level) for b in live if level < depth[b]}
+            frontier = {b: builders[b].frontier(level, depth[b]) for b in live if level < depth[b]}
             frontier = {b: f for b, f in frontier.items() if f}
             if not frontier:
                 break

@@ -13,8 +13,8 @@ children:
 Greedy trees are reranked at the end: the `max_nodes` best-scoring nodes are
 kept (a child never outscores its parent, so the kept set is a tree).
 Sampled trees are never pruned by value, which would bias the children a
-verifier sees; their node budget is spent in expansion order instead, with
-each node's number of children fixed before its children are drawn.
+verifier sees; their node budget is spread over the levels as they are
+expanded, each node's number of children fixed before its children are drawn.
 """
 from __future__ import annotations
 
@@ -73,13 +73,22 @@ class TreeBuilder:
                 self.depths.append(self.depth_of(node) + 1)
                 self.scores.append(self.score_of(node) + float(log_q[token]))
 
-    def frontier(self, depth: int) -> list[int]:
-        """The nodes at `depth` to expand next: the `width` most confident ones."""
-        if not self.params.greedy and len(self.token_ids) >= self.max_nodes:
-            return []
+    def frontier(self, depth: int, max_depth: int) -> list[int]:
+        """The nodes at `depth` to expand next, most confident first.
+
+        Greedy: the `width` best (EAGLE-2; the rerank trims later). Sampling: as many
+        as leave budget for the levels below, at least one: the budget left is
+        split evenly over the remaining levels.
+        """
+        count = self.width
+        if not self.params.greedy:
+            budget = self.max_nodes - len(self.token_ids)
+            if budget <= 0:
+                return []
+            count = min(self.width, max(1, budget // ((max_depth - depth) * self.width)))
         level = [i for i, d in enumerate(self.depths) if d == depth]
         level.sort(key=lambda i: -self.scores[i])
-        return sorted(level[: self.width])
+        return sorted(level[:count])
 
     def finish(self, prefix_len: int, epoch: int) -> tuple[TokenTree, list[int]]:
         """The tree, and for each of its nodes the builder's node id."""

@@ -56,7 +56,7 @@ def test_greedy_tree_children_are_top_k_and_rerank_keeps_a_tree():
     b = TreeBuilder(SamplingParams(temperature=0.0), torch.Generator(), width=2, max_nodes=4, vocab_size=V)
     b.expand([ROOT], logits_with([3, 7, 1])[None])
     assert b.token_ids == [3, 7]
-    frontier = b.frontier(1)
+    frontier = b.frontier(1, max_depth=2)
     assert frontier == [0, 1]
     b.expand(frontier, torch.stack([logits_with([4, 5]), logits_with([6, 2])]))
     assert len(b.token_ids) == 6
@@ -92,9 +92,10 @@ def test_sampled_tree_respects_budget_and_support():
     b = TreeBuilder(params, torch.Generator().manual_seed(1), width=4, max_nodes=5, vocab_size=V)
     b.expand([ROOT], two_tokens[None])
     assert len(b.token_ids) == 2                               # only two tokens have q > 0
-    b.expand(b.frontier(1), torch.stack([logits_with(list(range(V)))] * 2))
-    assert len(b.token_ids) == 5                               # the budget cut the last expansion
-    assert b.frontier(2) == []
+    assert len(b.frontier(1, max_depth=3)) == 1                # budget 3 over 2 levels: one node
+    b.expand(b.frontier(1, max_depth=2), torch.stack([logits_with(list(range(V)))] * 2))
+    assert len(b.token_ids) == 5                               # the budget cut the expansion
+    assert b.frontier(2, max_depth=3) == []
     tree, _ = b.finish(prefix_len=2, epoch=0)
     assert tree.draft_probs.shape == (6, V)
     assert tree.draft_probs[3:].sum() == 0                     # leaves: no children, no q
