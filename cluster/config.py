@@ -51,7 +51,9 @@ def _check_dns_1035(name: str) -> str:
 
 class ModelPairConfig(_Model):
     target: str | None = Field(
-        None, description="Target checkpoint: a local Hugging Face directory or hub id; None = the embedded default pair."
+        None,
+        description="Target checkpoint: a Hugging Face checkpoint directory present on every node "
+        "(see `model_volume`); None = the embedded default pair.",
     )
     draft: str | None = Field(
         None, description="Draft checkpoint (same tokenizer as the target); None with no target = the embedded draft."
@@ -291,9 +293,30 @@ class LauncherConfig(_Model):
     ssh_user: str = Field("ubuntu", description="SSH user of the node image.")
 
 
+class ModelVolume(_Model):
+    claim_name: str = Field(description="PersistentVolumeClaim holding the checkpoints (ReadOnlyMany or ReadWriteMany).")
+    mount_path: str = Field("/models", description="Where every Ray pod mounts it; `models.target` / `draft` live below.")
+
+    @field_validator("claim_name")
+    @classmethod
+    def _dns_1123(cls, v: str) -> str:
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", v) or len(v) > 253:
+            raise ValueError(f"{v!r} is not a Kubernetes object name")
+        return v
+
+    @field_validator("mount_path")
+    @classmethod
+    def _absolute(cls, v: str) -> str:
+        if not v.startswith("/"):
+            raise ValueError(f"mount_path must be absolute, got {v!r}")
+        return v
+
+
 class BenchmarkJob(_Model):
     entrypoint: str = Field(
-        "python bench/e2e.py --modes off,async", description="Command the RayJob runs on the cluster."
+        "python bench/e2e.py --no-hf --methods off async",
+        description="Benchmark command the RayJob runs; the config's model pair, spec_len and tree_width "
+        "are appended as --target/--draft/--spec-len/--tree-width.",
     )
     working_dir: str = Field("/opt/specflash", description="Checkout of the repository inside the image.")
     ttl_seconds_after_finished: int = Field(600, ge=0, description="Delete the job's cluster this long after.")
@@ -366,6 +389,9 @@ class ClusterConfig(AppArgs):
     drafter_nodes: NodeType = Field(description="Worker node type hosting drafters.")
     verifier_nodes: NodeType = Field(description="Worker node type hosting verifiers.")
     autoscaler: AutoscalerOptions = Field(default_factory=AutoscalerOptions, description="Ray node autoscaler.")
+    model_volume: ModelVolume | None = Field(
+        None, description="Kubernetes volume with the checkpoints, mounted in every Ray pod; None = baked into the image."
+    )
     launcher: LauncherConfig = Field(default_factory=LauncherConfig, description="`ray up` provider settings.")
     benchmark: BenchmarkJob = Field(default_factory=BenchmarkJob, description="The RayJob's benchmark run.")
 
@@ -381,6 +407,11 @@ class ClusterConfig(AppArgs):
             raise ValueError(f"head, drafter_nodes and verifier_nodes need distinct names, got {names}")
         if self.ingress_scaling.min_replicas < 1:
             raise ValueError("ingress_scaling.min_replicas must be >= 1: nothing serves without an ingress")
+        if self.model_volume is not None:
+            root = self.model_volume.mount_path.rstrip("/") + "/"
+            for path in (self.models.target, self.models.draft):
+                if path is not None and not path.startswith(root):
+                    raise ValueError(f"model {path!r} is not under model_volume.mount_path {root!r}")
         for side in ("drafter", "verifier"):
             self._check_fit(side)
         return self

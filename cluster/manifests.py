@@ -101,11 +101,17 @@ def _container(cfg: ClusterConfig, node: NodeType, name: str, ports: list[tuple[
     }
     if ports:
         container["ports"] = [{"name": n, "containerPort": p} for n, p in ports]
+    if cfg.model_volume is not None:
+        mount = {"name": "models", "mountPath": cfg.model_volume.mount_path, "readOnly": True}
+        container["volumeMounts"] = [mount]
     return container
 
 
 def _pod_template(cfg: ClusterConfig, node: NodeType, container: dict[str, Any], component: str) -> dict[str, Any]:
     spec: dict[str, Any] = {"containers": [container]}
+    if cfg.model_volume is not None:
+        claim = {"claimName": cfg.model_volume.claim_name, "readOnly": True}
+        spec["volumes"] = [{"name": "models", "persistentVolumeClaim": claim}]
     if node.node_selector:
         spec["nodeSelector"] = dict(node.node_selector)
     if node.tolerations:
@@ -206,9 +212,11 @@ def ray_cluster(cfg: ClusterConfig) -> dict[str, Any]:
 
 
 def ray_job(cfg: ClusterConfig) -> dict[str, Any]:
-    job = cfg.benchmark
+    job, m, sp = cfg.benchmark, cfg.models, cfg.speculation
+    flags = [f"--spec-len {sp.spec_len}", f"--tree-width {sp.tree_width}"]
+    flags += [f"--{k} {v}" for k, v in (("target", m.target), ("draft", m.draft)) if v is not None]
     spec = {
-        "entrypoint": f"cd {job.working_dir} && {job.entrypoint}",
+        "entrypoint": f"cd {job.working_dir} && {job.entrypoint} {' '.join(flags)}",
         "submissionMode": "K8sJobMode",
         "shutdownAfterJobFinishes": True,
         "ttlSecondsAfterFinished": job.ttl_seconds_after_finished,
@@ -265,7 +273,7 @@ _Dumper.add_representer(str, _str)
 
 
 def to_yaml(obj: Any) -> str:
-    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=100)
+    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False, width=4096)  # no folded lines
 
 
 # ---- all files ---------------------------------------------------------------------------------

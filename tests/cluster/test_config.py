@@ -96,6 +96,8 @@ def test_autoscaling_config_is_what_serve_accepts():
         ("verifier_scaling.policy", "not an import path", "module:function"),
         ("verifier_scaling.policy_kwargs", {"target_idle_fraction": 0.1}, "without a policy"),
         ("engine", "sync", "engine must be"),
+        ("models.draft", "/elsewhere/draft", "not under model_volume.mount_path"),
+        ("model_volume.mount_path", "models", "must be absolute"),
     ],
 )
 def test_inconsistent_configs_are_rejected(example, dotted, value, message):

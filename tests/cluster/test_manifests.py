@@ -308,6 +308,17 @@ def test_head_runs_no_model_and_groups_offer_what_the_actors_ask(committed, cfg)
         assert drafter_res and not drafter_res & set(verifier_offers)
 
 
+def test_every_ray_pod_mounts_the_model_volume(committed, cfg):
+    for name in KUBE_FILES:
+        spec = _cluster_spec(committed[name])
+        for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+            pod = group["template"]["spec"]
+            (volume,) = pod["volumes"]
+            assert volume["persistentVolumeClaim"]["claimName"] == cfg.model_volume.claim_name
+            (mount,) = pod["containers"][0]["volumeMounts"]
+            assert mount == {"name": volume["name"], "mountPath": "/models", "readOnly": True}
+
+
 def test_dev_cluster_scales_to_zero_and_service_keeps_its_minimum(committed, cfg):
     dev = _groups(committed["raycluster.yaml"])
     svc = _groups(committed["rayservice.yaml"])
@@ -454,6 +465,7 @@ def _cpu_cluster_config(cfg: ClusterConfig, target: Path, draft: Path) -> Cluste
     """The example config shrunk onto one CPU machine: same custom resources, a small pair, no GPUs."""
     data = cfg.model_dump(mode="json")
     data["models"] = {"target": str(target), "draft": str(draft), "dtype": "float32"}
+    data["model_volume"] = None  # one machine: the checkpoints are local directories
     data["speculation"].update(mode="chain", tree_width=1, max_batch_size=4)
     for side in ("drafter", "verifier"):
         data["placement"][side].update(num_cpus=1, num_gpus=0)
