@@ -118,30 +118,37 @@ class Verifier:
         return results
 
     def _sample(self, batch, target_logits, greedy: bool) -> list[VerifyResult]:
-        """Pad the trees of one kind (greedy or stochastic) and run rejection sampling."""
+        """Pad the trees of one kind (greedy or stochastic) and run rejection sampling.
+
+        Everything lives on the target's device (the Triton sampler on CUDA); the
+        random draws come from each request's CPU generator, so a seed means the
+        same on every device.
+        """
         B, T = len(batch), max(r.tree.num_nodes for r in batch)
-        V = target_logits[0].shape[-1]
-        draft_token_ids = torch.zeros(B, T, dtype=torch.long)
-        parent_ids = torch.full((B, T), -1, dtype=torch.long)
-        target_probs = torch.zeros(B, T + 1, V)
-        draft_probs = None if greedy else torch.zeros(B, T + 1, V)
-        uniform = torch.zeros(B, T)
-        exp_noise = torch.ones(B, V)
+        V, device = target_logits[0].shape[-1], target_logits[0].device
+        draft_token_ids = torch.zeros(B, T, dtype=torch.long)                # [B, T]
+        parent_ids = torch.full((B, T), -1, dtype=torch.long)                # [B, T]
+        target_probs = torch.zeros(B, T + 1, V, device=device)               # [B, T+1, V]
+        draft_probs = None if greedy else torch.zeros(B, T + 1, V, device=device)
+        uniform = torch.zeros(B, T)                                          # [B, T]
+        exp_noise = torch.ones(B, V)                                         # [B, V]
         for b, (r, logits) in enumerate(zip(batch, target_logits)):
             n = r.tree.num_nodes
             draft_token_ids[b, :n], parent_ids[b, :n] = r.tree.token_ids, r.tree.parent_ids
-            target_probs[b, : n + 1] = logits_to_probs(logits.cpu(), r.params)
+            target_probs[b, : n + 1] = logits_to_probs(logits, r.params)
             if not greedy:
                 if n:
-                    draft_probs[b, : n + 1] = r.tree.draft_probs
+                    draft_probs[b, : n + 1] = r.tree.draft_probs.to(device)
                 uniform[b, :n] = torch.rand(n, generator=r.generator)
                 exp_noise[b] = torch.empty(V).exponential_(generator=r.generator)
         num_nodes = torch.tensor([r.tree.num_nodes for r in batch], dtype=torch.long)
         accepted, num_accepted, next_ids = rejection_sample(
-            draft_token_ids, parent_ids, num_nodes, target_probs, draft_probs, uniform, exp_noise)
+            draft_token_ids.to(device), parent_ids.to(device), num_nodes.to(device), target_probs,
+            draft_probs, uniform.to(device), exp_noise.to(device))
+        accepted, num_accepted, next_ids = accepted.cpu(), num_accepted.tolist(), next_ids.tolist()
         out = []
         for b, r in enumerate(batch):
-            path = accepted[b, : int(num_accepted[b])].tolist()
-            tokens = r.tree.token_ids[path].tolist() + [int(next_ids[b])]
-            out.append(VerifyResult(path, tokens, int(next_ids[b]), r.tree.num_nodes))
+            path = accepted[b, : num_accepted[b]].tolist()
+            tokens = r.tree.token_ids[path].tolist() + [next_ids[b]]
+            out.append(VerifyResult(path, tokens, next_ids[b], r.tree.num_nodes))
         return out
