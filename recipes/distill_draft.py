@@ -1,0 +1,143 @@
+"""Distil the embedded draft from SmolLM2-135M-Instruct by on-policy self-distillation.
+
+Knowledge distillation for speculative decoding (DistillSpec, Zhou et al. 2023):
+the draft is trained on the target's own greedy answers, so that what it learns
+is exactly what greedy verification accepts — the target's argmax next token
+along the target's own continuations.
+
+    python recipes/distill_draft.py generate --gen-seconds 900   # target answers -> data dir
+    python recipes/distill_draft.py train --train-seconds 2700   # draft -> models/assets/
+
+1. `generate`: programmatic prompts (recipes/draft_prompts.py: code from the Python
+   standard library's docstrings, templated math word problems, templated chat
+   questions), wrapped in the target's chat template, answered greedily in
+   left-padded batches with the KV cache; each step records the target's top-k
+   log-probabilities. Shards are written as they finish; a rerun resumes.
+2. `train` (recipes/draft_train.py): a 3-layer Llama of hidden 576 initialised from
+   chosen target layers on the target's frozen tied embeddings, with its own final
+   norm and a reduced LM head (the target's embedding rows of the N most frequent
+   greedy tokens), trained with cross-entropy on the target's greedy tokens plus a
+   KL term on its recorded top-k probabilities; held-out agreement is measured
+   every `--eval-every` steps and the best checkpoint is exported in fp16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import draft_prompts  # noqa: E402
+import draft_train  # noqa: E402
+
+DEFAULT_DATA = draft_train.DEFAULT_DATA
+
+
+class TopKRecorder:
+    """A logits processor that records the target's top-k log-probs at every step.
+
+    Greedy `generate` passes it the raw next-token logits `[B, V]` and keeps what it returns.
+    """
+
+    def __init__(self, k: int):
+        self.k = k
+        self.ids: list[torch.Tensor] = []  # per step [B, k] int32
+        self.logp: list[torch.Tensor] = []  # per step [B, k] float16
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(scores.float(), dim=-1)
+        top = logp.topk(self.k, dim=-1)
+        self.ids.append(top.indices.to(torch.int32))
+        self.logp.append(top.values.to(torch.float16))
+        return scores
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of the prompt wrapped in the target's chat template, ready for the answer."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def answer_batch(model, tokenizer, rows: list[dict], max_new_tokens: int, k: int) -> list[dict]:
+    """Greedy answers of the target for one batch of prompts, with top-k log-probs per step."""
+    from transformers import LogitsProcessorList
+
+    prompts = [chat_ids(tokenizer, r["prompt"]) for r in rows]
+    width = max(len(p) for p in prompts)
+    pad = tokenizer.pad_token_id
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [B, P] left-padded
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    recorder = TopKRecorder(k)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                         max_new_tokens=max_new_tokens, logits_processor=LogitsProcessorList([recorder]),
+                         pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+    answers = out[:, width:]  # [B, T]
+    top_ids, top_logp = torch.stack(recorder.ids, 1), torch.stack(recorder.logp, 1)  # [B, T, k]
+    records = []
+    for b, row in enumerate(rows):
+        ids = answers[b].tolist()
+        n = ids.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in ids else len(ids)
+        records.append({**row, "prompt_ids": prompts[b], "answer_ids": ids[:n],
+                         "topk_ids": top_ids[b, :n].clone(), "topk_logp": top_logp[b, :n].clone()})
+    return records
+
+
+def cmd_generate(args) -> None:
+    """Answer prompts batch by batch until the time budget is spent; one shard per batch."""
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from models import embedded
+
+    torch.set_num_threads(args.threads)
+    target = embedded.target_dir()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    rows = draft_prompts.build_prompts(args.prompts_per_domain, seed=args.seed)
+    args.data.mkdir(parents=True, exist_ok=True)
+    start, tokens = time.time(), 0
+    batches = range(0, len(rows), args.batch_size)
+    bar = tqdm(batches, desc="target greedy answers", unit="batch")
+    for i in bar:
+        shard = args.data / f"shard_{i // args.batch_size:05d}.pt"
+        if shard.exists():
+            continue
+        if time.time() - start > args.gen_seconds:
+            break
+        t0 = time.time()
+        records = answer_batch(model, tokenizer, rows[i:i + args.batch_size], args.max_new_tokens, args.topk)
+        torch.save(records, shard)
+        n = sum(len(r["answer_ids"]) for r in records)
+        tokens += n
+        bar.set_postfix(tokens=tokens, tok_s=f"{n / (time.time() - t0):.1f}")
+    print(f"generated {tokens} answer tokens in {time.time() - start:.0f} s into {args.data}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    gen = sub.add_parser("generate", help="record the target's greedy answers")
+    gen.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    gen.add_argument("--gen-seconds", type=float, default=900)
+    gen.add_argument("--prompts-per-domain", type=int, default=2000)
+    gen.add_argument("--batch-size", type=int, default=24)
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--topk", type=int, default=8)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--threads", type=int, default=2)
+    gen.set_defaults(func=cmd_generate)
+    draft_train.add_parser(sub)
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()
