@@ -102,8 +102,10 @@ def run(args) -> int:
 
     try:
         data = app_args_from(args)
+        if data["models"]["target"] is None and data["engine"] != "fake":
+            data["models"]["target"], data["models"]["draft"] = _embedded_pair()
         app_args, _ = split_args(data)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
     import ray
@@ -111,10 +113,11 @@ def run(args) -> int:
 
     s = app_args.serving
     joined = bool(os.environ.get("RAY_ADDRESS"))
-    if joined:
-        ray.init(address=os.environ["RAY_ADDRESS"])
-    else:
-        ray.init(address="local", num_cpus=args.num_cpus, include_dashboard=False)
+    try:
+        _init_ray(joined, args.num_cpus)
+    except Exception as e:
+        print(f"error: cannot start or join Ray: {e}", file=sys.stderr)
+        return EXIT_ERROR
     stop = _Stop()  # after ray.init, which installs its own SIGTERM handler in the driver
     try:
         serve.start(http_options={"host": s.host, "port": s.port},
@@ -130,11 +133,42 @@ def run(args) -> int:
         stop.event.wait()
         print("specflash: shutting down", flush=True)
         return 0
-    except TimeoutError as e:
+    except (TimeoutError, RuntimeError) as e:  # RuntimeError: Serve could not deploy the app
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
     finally:
         _shutdown(joined)
+
+
+def _embedded_pair() -> tuple[str, str]:
+    """The embedded default pair, built here (once, with progress) rather than in a replica."""
+    from models import embedded
+
+    try:
+        target, draft = embedded.default_pair()
+    except embedded.EmbeddedModelError as e:
+        raise RuntimeError(f"the embedded model pair is not available: {e}; "
+                           "name a checkpoint with --target/--draft") from e
+    return str(target), str(draft)
+
+
+def _init_ray(joined: bool, num_cpus: int | None, attempts: int = 3) -> None:
+    """Join RAY_ADDRESS, or start a local Ray; a local start that times out on an
+    overloaded machine (GCS slow to answer) is retried after a clean shutdown."""
+    import ray
+
+    if joined:
+        ray.init(address=os.environ["RAY_ADDRESS"])
+        return
+    for attempt in range(attempts):
+        try:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+            return
+        except Exception as e:
+            ray.shutdown()
+            if attempt == attempts - 1 or "timed out" not in str(e):
+                raise
+            print(f"specflash: Ray start failed ({e}); retrying", file=sys.stderr, flush=True)
 
 
 def _shutdown(joined: bool) -> None:
