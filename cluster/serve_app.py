@@ -176,3 +176,8 @@ def build_app(args: dict[str, Any] | None = None):
         health_check_period_s=10, health_check_timeout_s=30,
     )
     return deployment.bind(app_args.model_dump(mode="json"), extra)
+
+
+# An Application object for tools that want one rather than a builder (`serve build
+# cluster.serve_app:app`); binding is cheap and starts nothing.
+app = build_app({})

@@ -25,6 +25,15 @@ def test_build_app_is_importable_by_path_and_wires_one_ingress():
     assert app_args["serving"]["max_queue"] == 256
 
 
+def test_module_level_app_is_an_application_for_serve_build():
+    from ray.serve import Application
+
+    from cluster import serve_app
+
+    assert isinstance(serve_app.app, Application)
+    assert serve_app.app._bound_deployment.name == INGRESS_DEPLOYMENT
+
+
 def test_build_app_takes_the_configs_app_args_plus_builder_keys():
     args = ClusterConfig.local_default().app_args()
     args["serving"]["max_queue"] = 7
