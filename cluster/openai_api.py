@@ -19,7 +19,7 @@ import inspect
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -27,8 +27,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from cluster.detokenizer import IncrementalDetokenizer, StopStrings
-from cluster.openai_models import (APIError, ChatCompletionRequest, CompletionRequest,
-                                   SamplingFields, validation_error)
+from cluster.openai_models import (APIError, ChatCompletionRequest, CompletionRequest, Delta,
+                                   EngineError, Prepared, SamplingFields, engine_api_error,
+                                   validation_error)
 from cluster.prom import CONTENT_TYPE, PrometheusExporter, ServingStats
 from cluster.protocol import Engine, GenerationRequest, SpeculationOptions
 from models.sampling import SamplingParams
@@ -59,36 +60,6 @@ class ServerSettings:
     default_max_tokens: int = 16       # /v1/completions without max_tokens (OpenAI's default)
     disconnect_poll_s: float = 1.0     # non-streamed requests: how often to check the client
     api_key: str | None = None         # when set, /v1/* and gRPC need `Authorization: Bearer <key>`
-
-
-@dataclass
-class Delta:
-    """New text of one choice; the last one of a choice carries `finish_reason`."""
-
-    index: int
-    text: str
-    finish_reason: str | None = None
-    completion_tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    token_ids: list[int] = field(default_factory=list)   # the tokens behind `text`
-
-
-@dataclass
-class Prepared:
-    """A validated request, ready for the engine: one entry per choice."""
-
-    prompts: list[list[int]]           # token ids per prompt
-    sampling: list[SamplingParams]     # per choice (prompt-major, n per prompt)
-    prompt_of: list[int]               # choice index -> prompt index
-    speculation: SpeculationOptions
-    stops: list[str]
-
-
-class EngineError(Exception):
-    def __init__(self, message: str, retryable: bool) -> None:
-        super().__init__(message)
-        self.retryable = retryable
 
 
 class OpenAIServer:
@@ -428,13 +399,6 @@ class OpenAIServer:
         except Exception:
             engine_stats = {}
         return self.exporter.render(engine_stats)
-
-
-def engine_api_error(e: EngineError, retry_after_s: int) -> APIError:
-    if e.retryable:
-        return APIError(503, str(e), type="server_error", code="engine_overloaded",
-                        headers={"Retry-After": str(retry_after_s)})
-    return APIError(500, str(e), type="server_error", code="engine_error")
 
 
 def _with_ids(choice: dict, d: Delta, return_token_ids: bool) -> dict:

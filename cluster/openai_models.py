@@ -1,4 +1,4 @@
-"""Pydantic models of the OpenAI-compatible request bodies, and the API error type.
+"""Pydantic models of the OpenAI-compatible request bodies, and the API layer's data types.
 
 Requests are validated in strict mode (`"max_tokens": "5"` is a type error, as in
 OpenAI's API); unknown top-level fields are ignored, the way clients that send
@@ -8,11 +8,13 @@ length, vocabulary) happen in `cluster.openai_api`, which knows the model.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from cluster.protocol import SpeculationOptions
+from models.sampling import SamplingParams
 
 
 class APIError(Exception):
@@ -154,3 +156,41 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- between request handling and response shaping ------------------------------------
+@dataclass
+class Delta:
+    """New text of one choice; the last one of a choice carries `finish_reason`."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    token_ids: list[int] = field(default_factory=list)   # the tokens behind `text`
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready for the engine: one entry per choice."""
+
+    prompts: list[list[int]]           # token ids per prompt
+    sampling: list[SamplingParams]     # per choice (prompt-major, n per prompt)
+    prompt_of: list[int]               # choice index -> prompt index
+    speculation: SpeculationOptions
+    stops: list[str]
+
+
+class EngineError(Exception):
+    def __init__(self, message: str, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+def engine_api_error(e: EngineError, retry_after_s: int) -> APIError:
+    if e.retryable:
+        return APIError(503, str(e), type="server_error", code="engine_overloaded",
+                        headers={"Retry-After": str(retry_after_s)})
+    return APIError(500, str(e), type="server_error", code="engine_error")
