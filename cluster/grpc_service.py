@@ -22,8 +22,8 @@ from cluster.protos import specflash_pb2 as pb
 from cluster.protos import specflash_pb2_grpc as pb_grpc
 
 STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
-          404: grpc.StatusCode.NOT_FOUND, 408: grpc.StatusCode.DEADLINE_EXCEEDED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-          503: grpc.StatusCode.UNAVAILABLE}
+          404: grpc.StatusCode.NOT_FOUND, 408: grpc.StatusCode.DEADLINE_EXCEEDED,
+          429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
 SERVICER_FUNCTION = "cluster.protos.specflash_pb2_grpc.add_SpecflashServicer_to_server"
 
 
