@@ -11,7 +11,10 @@ For each concurrency (default 1, 4, 16, 64) and each speculation mode (default `
 - throughput: output tokens received in the window ÷ window length (tokens/s);
 - TTFT: request sent → first token received, p50 / p99 (requests started in the window);
 - ITL: per token — a chunk of k tokens arriving d seconds after the previous one counts as k
-  gaps of d/k (speculation commits several tokens per step); p50 / p99.
+  gaps of d/k (speculation commits several tokens per step); p50 / p99. Ray Serve's proxy
+  may deliver chunks that were ready together in one read, which shows as gaps near 0;
+- TPOT: per request, (last token time − first token time) ÷ (tokens after the first), p50 / p99
+  — the same quantity averaged per request, immune to that coalescing.
 
 Writes `bench/results/load-<UTC time>.json` and prints a table. `--quick` is a smoke run.
 """
@@ -77,15 +80,19 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, window_en
                 rec["tokens"] += k
             if last is None:
                 rec["ttft"].append(now - start)
+                first, n = now, 0
             else:
                 rec["itl"].extend([(now - last) / k] * k)
+                n += k
             last = now
+    if last is not None and n:
+        rec["tpot"].append((last - first) / n)
     rec["requests"] += 1
 
 
 async def run_cell(url: str, concurrency: int, mode: str, duration: float, max_tokens: int,
                    spec_len: int | None) -> dict:
-    rec = {"tokens": 0, "ttft": [], "itl": [], "requests": 0, "errors": 0}
+    rec = {"tokens": 0, "ttft": [], "itl": [], "tpot": [], "requests": 0, "errors": 0}
     speculation = {"mode": mode}
     if spec_len and mode in ("chain", "tree"):
         speculation["spec_len"] = spec_len
@@ -113,7 +120,8 @@ async def run_cell(url: str, concurrency: int, mode: str, duration: float, max_t
             "requests": rec["requests"], "errors": rec["errors"], "tokens": rec["tokens"],
             "throughput_tok_s": rec["tokens"] / duration,
             "ttft_p50_s": percentile(rec["ttft"], 50), "ttft_p99_s": percentile(rec["ttft"], 99),
-            "itl_p50_s": percentile(rec["itl"], 50), "itl_p99_s": percentile(rec["itl"], 99)}
+            "itl_p50_s": percentile(rec["itl"], 50), "itl_p99_s": percentile(rec["itl"], 99),
+            "tpot_p50_s": percentile(rec["tpot"], 50), "tpot_p99_s": percentile(rec["tpot"], 99)}
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
@@ -144,11 +152,12 @@ def print_table(cells: list[dict]) -> None:
     def ms(x):
         return "-" if x is None else f"{1000 * x:8.1f}"
     print(f"{'conc':>4} {'mode':>5} {'reqs':>5} {'err':>4} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p99':>9}"
-          f" {'ITL p50':>8} {'ITL p99':>8}   (ms)")
+          f" {'ITL p50':>8} {'ITL p99':>8} {'TPOT p50':>8} {'TPOT p99':>8}   (ms)")
     for c in cells:
         print(f"{c['concurrency']:>4} {c['mode']:>5} {c['requests']:>5} {c['errors']:>4} "
               f"{c['throughput_tok_s']:>8.1f} {ms(c['ttft_p50_s']):>9} {ms(c['ttft_p99_s']):>9} "
-              f"{ms(c['itl_p50_s']):>8} {ms(c['itl_p99_s']):>8}")
+              f"{ms(c['itl_p50_s']):>8} {ms(c['itl_p99_s']):>8} {ms(c['tpot_p50_s']):>8} "
+              f"{ms(c['tpot_p99_s']):>8}")
 
 
 def summary(cells: list[dict], on: str) -> dict:
@@ -159,8 +168,9 @@ def summary(cells: list[dict], on: str) -> dict:
         a, b = by.get((conc, on)), by.get((conc, "off"))
         if a and b and b["throughput_tok_s"]:
             out[f"c{conc}_throughput_ratio"] = a["throughput_tok_s"] / b["throughput_tok_s"]
-        if a and b and a["itl_p50_s"] and b["itl_p50_s"]:
-            out[f"c{conc}_itl_p50_ratio"] = a["itl_p50_s"] / b["itl_p50_s"]
+        for key in ("itl_p50_s", "tpot_p50_s"):
+            if a and b and a[key] and b[key]:
+                out[f"c{conc}_{key[:-2]}_ratio"] = a[key] / b[key]
     return out
 
 
