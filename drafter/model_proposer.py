@@ -35,6 +35,8 @@ class ModelProposer:
         self.vocab_size = vocab_size or model.config.vocab_size
         device = model.embed_tokens.weight.device
         self.logit_rows = None if logit_rows is None else torch.tensor(list(logit_rows), device=device)
+        # the reduced LM head, selected once: [V', hidden]
+        self.lm_head = None if logit_rows is None else model.lm_head_weight.index_select(0, self.logit_rows)
         self._committed: dict[Hashable, int] = {}   # committed tokens whose K/V the draft cache holds
         self._layout: dict[Hashable, list[int]] = {}   # builder node ids cached after them, in order
         self._node_ids: dict[Hashable, list[int]] = {}   # tree node index -> builder node id
@@ -141,7 +143,7 @@ class ModelProposer:
     def _forward(self, seq_ids, ids, positions, masks, picks) -> list[torch.Tensor]:
         """Draft logits at the picked positions, scattered into the full vocabulary."""
         logits = ragged_tree_forward(self.model, self.cache, seq_ids, ids, positions, masks, picks,
-                                     logit_rows=self.logit_rows)                  # B x [L, V']
+                                     lm_head=self.lm_head)                        # B x [L, V']
         if self.logit_rows is None:
             return [x.cpu() for x in logits]
         rows = self.logit_rows.cpu()

@@ -102,11 +102,15 @@ def ragged_tree_forward(
     tree_masks: Sequence[torch.Tensor],      # B x [T_b, T_b] bool
     logit_positions: Sequence[torch.Tensor], # B x [L_b] int64 indices into T_b
     logit_rows: torch.Tensor | None = None,  # [V'] int64 rows of the LM head
+    lm_head: torch.Tensor | None = None,     # [V', hidden]: those rows, selected once by the caller
 ) -> list[torch.Tensor]:                     # B x [L_b, V or V'] float32
     """One forward over B trees of different sizes; each sequence grows by exactly T_b.
 
     Rows are padded to the longest; a padding token sees only the prefix and
     itself, no real token sees it, and its K/V slots are truncated away after.
+    With `lm_head` (a reduced head kept by the caller, e.g. a draft's
+    `logit_rows`) the logits come from the returned hidden states, so the rows
+    are not gathered again on every call.
     """
     B = len(seq_ids)
     T = max(int(x.shape[0]) for x in input_ids)
@@ -123,8 +127,16 @@ def ragged_tree_forward(
         rows[b, :m] = logit_positions[b]
     device = model.embed_tokens.weight.device
     before = [cache.seq_len(s) for s in seq_ids]
-    logits = model(ids.to(device), pos.to(device), cache, seq_ids, mask.to(device),
-                   logit_rows=logit_rows, logit_positions=rows.to(device))   # [B, L, V']
+    rows = rows.to(device)
+    if lm_head is None:
+        logits = model(ids.to(device), pos.to(device), cache, seq_ids, mask.to(device),
+                       logit_rows=logit_rows, logit_positions=rows)           # [B, L, V']
+    else:   # the model's own head on one row only; ours on the hidden states
+        one_row = torch.zeros(1, dtype=torch.long, device=device)
+        _, hidden = model(ids.to(device), pos.to(device), cache, seq_ids, mask.to(device),
+                          logit_rows=one_row, logit_positions=one_row, return_hidden=True)
+        picked = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))   # [B, L, H]
+        logits = torch.nn.functional.linear(picked, lm_head).float()              # [B, L, V']
     out = []
     for b, s in enumerate(seq_ids):
         if T > input_ids[b].shape[0]:
