@@ -45,8 +45,7 @@ class DrafterActor:
         set_threads(self.settings.num_cpus)
         self.index, self.verifier = index, verifier
         self.incarnation = uuid.uuid4().hex
-        self.side = DraftSide(draft_dir, target_dir, self.settings.num_blocks, self.settings.block_size,
-                              self.settings.proposer, self.settings.device, self.settings.dtype)
+        self.side = DraftSide(draft_dir, target_dir, self.settings)
         self.streams: dict[str, DraftStream] = {}
         self.counters = {"trees": 0, "nodes": 0, "rollbacks": 0, "wasted_nodes": 0, "draft_s": 0.0}
         self._attached = threading.Event()
@@ -68,19 +67,27 @@ class DrafterActor:
                 "kv_free": None if cache is None else cache.num_free_blocks,
                 "kv_total": None if cache is None else cache.num_blocks}
 
+    def set_replay_corruption(self, corruption: float) -> None:
+        """BENCHMARK ONLY: the corruption rate of the replay proposer (cluster/replay.py)."""
+        self.side.proposer.corruption = corruption
+
+    def set_replay(self, references: list[list[int]]) -> None:
+        """BENCHMARK ONLY: the recorded target continuations the replay proposer replays."""
+        self.side.proposer.references = [list(r) for r in references]
+
     def stop(self) -> None:
         self._stopped.set()
         self._thread.join(timeout=5)
 
     # -- the loop ----------------------------------------------------------------------
     def _run(self) -> None:
-        puts, draft_s, levels = [], 0.0, 0
+        puts, draft_s, levels, resync = [], 0.0, 0, []
         while not self._stopped.is_set():
             busy = bool(puts) or any(s.ready(self.settings.ring_slots) for s in self.streams.values())
             try:
                 reply = ray.get(self.verifier.exchange.remote(
                     self.index, self.incarnation, puts, 0.0 if busy else self.settings.poll_s,
-                    draft_s, levels))
+                    draft_s, levels, resync))
             except ray.exceptions.RayActorError as e:
                 self._error = f"verifier unreachable: {e}"
                 log.warning("drafter %d: %s; stopping", self.index, self._error)
@@ -90,8 +97,17 @@ class DrafterActor:
                 time.sleep(0.1)
                 continue
             self._attached.set()
-            self._apply(decode_signals(reply))
-            puts, draft_s, levels = self._draft()
+            puts, draft_s, levels, resync = [], 0.0, 0, []
+            try:
+                self._apply(decode_signals(reply))
+                puts, draft_s, levels = self._draft()
+            except Exception as e:      # a bug or a bad frame: drop our state, ask to be resynced
+                log.exception("drafter %d: step failed; resynchronising its streams", self.index)
+                self._error = f"{type(e).__name__}: {e}"
+                resync = list(self.streams)
+                for stream in resync:
+                    self.side.release(stream)
+                self.streams.clear()
 
     def _apply(self, signals: list[Signal]) -> None:
         for sig in signals:
@@ -109,12 +125,13 @@ class DrafterActor:
                 if self.streams.pop(sig.stream, None) is not None:
                     self.side.release(sig.stream)
             elif s is not None:          # "step"
-                rolled, keep, wasted = s.on_step(sig)
+                bumped, keep, wasted = s.on_step(sig)
                 s.budget = sig.budget
-                if rolled:
+                if keep is not None:
+                    self.side.rollback(sig.stream, keep)
+                if bumped:
                     self.counters["rollbacks"] += 1
                     self.counters["wasted_nodes"] += wasted
-                    self.side.rollback(sig.stream, keep)
                 if len(s.confirmed) != sig.prefix_len:   # lost a signal: start over from scratch
                     log.error("drafter %d: stream %s out of step; dropping it", self.index, sig.stream)
                     self.streams.pop(sig.stream)
@@ -126,30 +143,32 @@ class DrafterActor:
         ready = ready[: self.settings.max_batch_size]
         if not ready:
             return [], 0.0, 0
-        items, prefixes = [], []
+        items = []
         for s in ready:
-            prefix = s.position()
-            prefixes.append(prefix)
             k, width = s.budget
-            items.append((s.stream, prefix, s.params, s.generator, k, width, s.epoch))
+            items.append((s.stream, s.position(), s.params, s.generator, k, width, s.epoch, s.bridge))
         drafted, seconds = self.side.propose(items)
         self.counters["draft_s"] += seconds
         puts = []
-        for s, prefix, d in zip(ready, prefixes, drafted):
+        for s, item, d in zip(ready, items, drafted):
+            bridged, s.bridge = s.bridge, False
             t = d.tree.num_nodes
-            if t == 0:                   # nothing to propose (e.g. no n-gram match): wait for a signal
-                s.budget = (0, s.budget[1])
+            if t == 0 or (bridged and d.bridge_token is None):
+                s.budget = (0, s.budget[1])      # nothing to propose (no n-gram match): wait for a signal
                 continue
-            f = s.record(len(prefix), d.outcome, t)
+            if bridged:
+                s.record_bridge(d.bridge_token)
+            prefix = s.position()
+            f = s.record(len(prefix), d.outcome, t, None if d.outcome is not None else d.cached)
             anchor = len(s.confirmed)
             probs = d.tree.draft_probs
             header = TreeHeader(s.stream, s.epoch, f.tree_id, len(prefix), anchor, prefix[anchor:], t,
-                                0 if probs is None else int(probs.shape[-1]))
+                                0 if probs is None else int(probs.shape[-1]), d.outcome)
             ref = ray.put(encode_tree(header, d.tree.token_ids, d.tree.parent_ids, d.tree.depths, probs))
             puts.append((pack_header(header), [ref]))
             self.counters["trees"] += 1
             self.counters["nodes"] += t
-        levels = max(k for _, _, _, _, k, _, _ in items) + 1
+        levels = max(item[4] + 1 + int(item[7]) for item in items)
         return puts, seconds, levels
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.streams import cut_tree, greedy_outcome
+from cluster.streams import cut_tree, greedy_outcome, reroot
 
 MAX_SPEC_LEN = 16
 MAX_TREE_WIDTH = 8
@@ -41,8 +41,10 @@ class PipelineSettings:
     device: str = "cpu"
     dtype: str = "float32"
     drafter_timeout_s: float = 2.0   # a drafter silent this long is treated as dead
-    max_tree_wait_s: float = 0.25    # longest a sequence is held back for a late tree
+    max_tree_wait_s: float = 0.5     # longest a sequence is held back for a late tree
     poll_s: float = 0.05             # drafter long-poll when it has nothing to draft
+    replay_file: str | None = None   # BENCHMARK ONLY (proposer "replay", cluster/replay.py)
+    replay_corruption: float = 0.0
 
 
 def set_threads(num_cpus: float) -> None:
@@ -50,9 +52,34 @@ def set_threads(num_cpus: float) -> None:
     torch.set_num_threads(max(1, int(num_cpus)))
 
 
+def _load(spec: str, device: str, dtype: str):
+    """A checkpoint directory, or `random:<preset>` (benchmark only, cluster/replay.py)."""
+    from cluster.replay import is_random, random_model
+
+    if is_random(spec):
+        return random_model(spec, device, getattr(torch, dtype))
+    from models import load_model
+
+    return load_model(spec, device=device, dtype=getattr(torch, dtype))
+
+
+def _config_of(spec: str):
+    from cluster.replay import is_random, random_config
+
+    if is_random(spec):
+        return random_config(spec)
+    from models.loader import load_config
+
+    return load_config(spec)
+
+
 def eos_ids_of(target_dir: str | Path) -> list[int]:
     """EOS ids of the target: config.json's plus the tokenizer's, when it has one."""
+    from cluster.replay import is_random
     from models.loader import load_config
+
+    if is_random(str(target_dir)):
+        return []
 
     eos = set(load_config(target_dir).eos_token_ids)
     if any((Path(target_dir) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -69,10 +96,9 @@ class TargetSide:
 
     def __init__(self, target_dir: str, num_blocks: int, block_size: int = 16,
                  device: str = "cpu", dtype: str = "float32") -> None:
-        from models import load_model
         from verifier import Verifier
 
-        model = load_model(target_dir, device=device, dtype=getattr(torch, dtype))
+        model = _load(target_dir, device, dtype)
         self.config = model.config
         self.vocab_size = model.config.vocab_size
         self.max_context = model.config.max_position_embeddings
@@ -99,61 +125,75 @@ class TargetSide:
 class Drafted:
     tree: object               # models.tree.TokenTree cut to the requested depth
     outcome: list[int] | None  # assumed committed tokens: greedy path + bonus guess
-    path: list[int]            # node indices of that path (for the draft KV)
+    bridge_token: int | None = None   # bridge: the guessed token the tree is drafted after
+    cached: list[int] | None = None   # tokens whose draft K/V were kept (the assumed path)
 
 
 class DraftSide:
     """A proposer driven on assumed prefixes (draft-ahead) with explicit rollback."""
 
-    def __init__(self, draft_dir: str | None, target_dir: str, num_blocks: int, block_size: int = 16,
-                 proposer: str = "model", device: str = "cpu", dtype: str = "float32") -> None:
+    def __init__(self, draft_dir: str | None, target_dir: str, settings: PipelineSettings) -> None:
         from cluster.engine import read_logit_rows
+        from cluster.replay import CorruptedReplayProposer, is_random
         from drafter import DraftRequest, ModelProposer, NgramProposer
-        from models.loader import load_config
 
+        st = settings
         self._request_cls = DraftRequest
         self._has_width = "tree_width" in {f.name for f in fields(DraftRequest)}
-        vocab = load_config(target_dir).vocab_size
-        if proposer == "ngram" or draft_dir is None:
+        vocab = _config_of(target_dir).vocab_size
+        if st.proposer == "ngram" or draft_dir is None:
             self.proposer = NgramProposer(vocab, MAX_SPEC_LEN + 1)
             self.kind = "ngram"
-        else:
-            from models import load_model
-
-            model = load_model(draft_dir, device=device, dtype=getattr(torch, dtype))
-            cache = model.new_cache(num_blocks, block_size)
-            self.proposer = ModelProposer(model, cache, MAX_SPEC_LEN + 1, 1, None,
-                                          read_logit_rows(draft_dir, vocab), vocab)
-            self.kind = "model"
+            return
+        model = _load(draft_dir, st.device, st.dtype)
+        rows = None if is_random(draft_dir) else read_logit_rows(draft_dir, vocab)
+        self.proposer = ModelProposer(model, model.new_cache(st.num_blocks, st.block_size),
+                                      MAX_SPEC_LEN + 1, 1, None, rows, vocab)
+        self.kind = "model"
+        if st.proposer == "replay":       # BENCHMARK ONLY: controlled acceptance (cluster/replay.py)
+            self.proposer = CorruptedReplayProposer.from_file(self.proposer, st.replay_file,
+                                                              st.replay_corruption, vocab)
+            self.kind = "replay"
 
     @property
     def cache(self):
         return getattr(self.proposer, "cache", None)
 
     def propose(self, items: list[tuple]) -> tuple[list[Drafted], float]:
-        """`items`: (seq_id, prefix tokens, params, generator, spec_len, width, epoch).
+        """`items`: (seq_id, prefix tokens, params, generator, spec_len, width, epoch, bridge).
 
-        One batched call drafts every sequence to depth spec_len + 1; each tree is
-        cut to spec_len and the extra level gives the bonus guess. Returns the
+        One batched call drafts every sequence to depth spec_len + 1 (+ 1 more for a
+        bridge); each tree is cut to spec_len and the extra level gives the bonus
+        guess. A bridge tree is the subtree under the first child of the root,
+        drafted after prefix + that child's token (cluster/streams.py). Returns the
         drafts and the seconds the batch took.
         """
         start = time.perf_counter()
         batch = []
-        for seq_id, tokens, params, gen, k, width, epoch in items:
+        for seq_id, tokens, params, gen, k, width, epoch, bridge in items:
             kw = {"epoch": epoch}
             if self._has_width:
                 kw["tree_width"] = width
-            batch.append(self._request_cls(seq_id, tokens, params, gen, k + 1, **kw))
+            batch.append(self._request_cls(seq_id, tokens, params, gen, k + 1 + int(bridge), **kw))
         trees = self.proposer.propose(batch)
         out = []
-        for (seq_id, *_, k, _w, _e), tree in zip(items, trees):
-            path, path_tokens, guess = greedy_outcome(tree, k)
-            # assume the greedy path of the *cut* tree: the draft keeps its K/V (and the guess's
-            # parent), exactly what a fully accepted tree would leave behind
-            self.proposer.on_verified(seq_id, tree, path)
-            outcome = None if guess is None else path_tokens + [guess]
-            out.append(Drafted(cut_tree(tree, k), outcome, path))
+        for (seq_id, *_, k, _w, _e, bridge), tree in zip(items, trees):
+            out.append(self._assume(seq_id, tree, k, bridge))
         return out, time.perf_counter() - start
+
+    def _assume(self, seq_id: str, tree, k: int, bridge: bool) -> Drafted:
+        """Cut the tree, work out its assumed outcome, and keep the assumed path's draft K/V."""
+        full, bridge_token, prefix_nodes, index = tree, None, [], None
+        if bridge and tree.num_nodes:
+            root_child = int((tree.parent_ids == -1).nonzero()[0])
+            bridge_token, prefix_nodes = int(tree.token_ids[root_child]), [root_child]
+            tree, index = reroot(tree, root_child)
+        path, path_tokens, guess = greedy_outcome(tree, k)
+        # the draft keeps the K/V of the assumed path, exactly what full acceptance leaves
+        full_path = prefix_nodes + (path if index is None else [index[i] for i in path])
+        self.proposer.on_verified(seq_id, full, full_path)
+        outcome = None if guess is None else path_tokens + [guess]
+        return Drafted(cut_tree(tree, k), outcome, bridge_token, path_tokens)
 
     def rollback(self, seq_id: str, keep_len: int) -> None:
         """Forget draft state past the first keep_len tokens (epoch change, DESIGN §3 step 4)."""

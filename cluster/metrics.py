@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 class SpecStats:
     num_steps: int = 0                # sequence-steps verified (one sequence, one step)
     num_spec_steps: int = 0           # of those, with a tree of >= 1 node
+    num_rejected_steps: int = 0       # of those, where the accepted path stopped short of the tree's depth
     num_drafted: int = 0              # draft nodes verified
     num_accepted: int = 0             # draft nodes accepted (bonus not counted)
     num_committed: int = 0            # tokens committed (accepted + bonus / correction)
@@ -54,6 +55,7 @@ class SpecStats:
         if num_nodes == 0:
             return
         self.num_spec_steps += 1
+        self.num_rejected_steps += int(accepted_depth < max_depth)
         self.num_drafted += num_nodes
         self.num_accepted += num_accepted
         self._grow(max_depth)

@@ -95,19 +95,23 @@ class PipelineEngine:
     async def stats(self) -> dict:
         total = SpecStats()
         drafters = []
+        costs = []
         for p in self.pipelines:
             try:
-                total = total.merge(SpecStats.from_dict(await _timed(p.verifier.get_stats.remote(), 5)))
+                raw = await _timed(p.verifier.get_stats.remote(), 5)
             except Exception:    # a dead verifier contributes nothing
-                pass
+                continue
+            total = total.merge(SpecStats.from_dict(raw))
+            costs.append({k: raw[k] for k in ("verify_cost_a_s", "verify_cost_b_s", "draft_level_s")})
             for d in p.drafters:
                 try:
                     drafters.append(await _timed(d.info.remote(), 5))
                 except Exception:
                     pass
         out = total.as_dict()
+        out["costs"] = costs
         out["drafters"] = drafters
-        out["drafter_rollbacks"] = sum(d["rollbacks"] for d in drafters)
+        out["drafter_rollbacks"] = out["rollbacks"] = sum(d["rollbacks"] for d in drafters)
         out["drafter_tokens_wasted"] = total.drafter_tokens_wasted + sum(d["wasted_nodes"] for d in drafters)
         return out
 
@@ -246,3 +250,87 @@ def _placement(config) -> tuple[object, dict, list[dict]]:
 
     return pg, opts(placement.verifier, 0), [opts(placement.drafter, 1 + j) for j in range(n)]
 
+
+
+# ---------------------------------------------------------------- specflash generate --mode async
+def run_async_generate(args) -> int:
+    """`specflash generate --mode async`: a local Ray, one pipeline, one request; same flags and
+    JSON as the in-process modes (issue 2 item 5). Raises ValueError / OSError on bad input."""
+    import json
+    import sys
+    import time
+
+    from cluster.protocol import SpeculationOptions
+    from models.sampling import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    proposer = getattr(args, "proposer", "model")
+    spec = SpeculationOptions(mode="tree" if args.tree_width > 1 else "chain", spec_len=args.spec_len,
+                              tree_width=args.tree_width, proposer=proposer)
+    target_dir, draft_dir = _cli_model_dirs(args, proposer)
+    from models import load_tokenizer
+
+    tokenizer = load_tokenizer(target_dir)
+    prompt_ids = _cli_prompt_ids(tokenizer, args.prompt, getattr(args, "chat", False))
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    engine = None
+    try:
+        engine = build_pipeline_engine(None, target_dir=target_dir, draft_dir=draft_dir,
+                                       spec_len=args.spec_len, tree_width=args.tree_width, proposer=proposer)
+        start = time.perf_counter()
+        tokens, last = asyncio.run(_collect(engine, GenerationRequest("cli", prompt_ids, params, spec)))
+        seconds = time.perf_counter() - start
+        if last is not None and last.finish_reason == "error":
+            raise RuntimeError(last.error)
+        stats = asyncio.run(engine.stats())
+    finally:
+        if engine is not None:
+            engine.kill_pipeline_actors()
+        ray.shutdown()
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    drafted, accepted = last.num_drafted, last.num_accepted
+    out_stats = {"drafted": drafted, "accepted": accepted,
+                 "acceptance_rate": accepted / drafted if drafted else 0.0,
+                 "mean_accepted_len": stats["mean_accepted_len"],
+                 "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0,
+                 "verifier_idle_fraction": stats["verifier_idle_fraction"]}
+    if args.json:
+        print(json.dumps({"text": text, "token_ids": tokens, "target": target_dir, "draft": draft_dir,
+                          "stats": out_stats}))
+    else:
+        print(text)
+        print(f"[{len(tokens)} tokens, {out_stats['tokens_per_s']:.1f} tokens/s, mode async, acceptance "
+              f"{out_stats['acceptance_rate']:.2f}, verifier idle {out_stats['verifier_idle_fraction']:.2f}, "
+              f"finish: {last.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+async def _collect(engine, request: GenerationRequest):
+    tokens, last = [], None
+    async for chunk in engine.generate(request):
+        tokens += chunk.token_ids
+        last = chunk
+    return tokens, last
+
+
+def _cli_model_dirs(args, proposer: str) -> tuple[str, str | None]:
+    if args.target is None and args.draft is not None:
+        raise ValueError("--draft needs --target (the draft must match a named target)")
+    if args.target is not None:
+        if proposer == "model" and args.draft is None:
+            raise ValueError("--mode async with the model proposer needs --draft; or use --proposer ngram")
+        return str(args.target), None if args.draft is None else str(args.draft)
+    from models import embedded
+
+    target, draft = embedded.default_pair()
+    return str(target), str(draft)
+
+
+def _cli_prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
+    if not chat:
+        return list(tokenizer(prompt)["input_ids"])
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -12,6 +12,15 @@ equals the head tree's assumption changes nothing (the next tree in flight is
 already valid); any other signal bumps the epoch, drops every tree in flight
 and rolls the draft KV back to the longest prefix still true.
 
+Bridging a rollback. Re-drafting from the true prefix after a contradicted
+assumption would leave the verifier idle for a whole draft. Instead both sides
+follow one rule: after a verified tree whose outcome differs from the one the
+drafter announced (`TreeHeader.outcome`), the verifier decodes the next token
+alone at once (a tree of zero nodes, the *bridge*), and the drafter drafts its
+restart tree after the committed prefix plus its own guess `g` of that token.
+If the target's token equals `g`, the restart tree is valid when the bridge
+step ends; if not, it is dropped as stale and the drafter restarts plainly.
+
 Verifier side, `VerifyStream`: the committed tokens, the request's output and
 counters, and the stop conditions.
 """
@@ -31,6 +40,11 @@ class InFlight:
     prefix_len: int
     outcome: list[int] | None    # assumed committed tokens of the tree; None = no guess possible
     num_nodes: int
+    cached: list[int] | None = None   # tokens whose draft K/V were kept for it (default: outcome)
+
+    @property
+    def assumed(self) -> list[int]:
+        return self.cached if self.cached is not None else (self.outcome or [])
 
 
 class DraftStream:
@@ -43,6 +57,7 @@ class DraftStream:
         self.inflight: deque[InFlight] = deque()
         self.next_tree_id = 0
         self.budget: tuple[int, int] = (0, 0)      # (spec_len, tree_width) from the verifier
+        self.bridge = False                        # next tree drafted after the bridge token
 
     def position(self) -> list[int] | None:
         """Tokens the next tree is drafted after, or None when an outcome can't be assumed."""
@@ -56,40 +71,49 @@ class DraftStream:
     def ready(self, slots: int) -> bool:
         return self.budget[0] > 0 and len(self.inflight) < slots and self.position() is not None
 
-    def record(self, prefix_len: int, outcome: list[int] | None, num_nodes: int) -> InFlight:
-        f = InFlight(self.next_tree_id, prefix_len, outcome, num_nodes)
+    def record(self, prefix_len: int, outcome: list[int] | None, num_nodes: int,
+               cached: list[int] | None = None) -> InFlight:
+        f = InFlight(self.next_tree_id, prefix_len, outcome, num_nodes, cached)
         self.next_tree_id += 1
         self.inflight.append(f)
         return f
 
+    def record_bridge(self, token: int) -> None:
+        """The verifier's bridge step (a tree of zero nodes, id -1) is assumed to commit `token`."""
+        self.inflight.append(InFlight(-1, len(self.confirmed), [token], 0))
+
     def on_step(self, sig: Signal) -> tuple[bool, int | None, int]:
-        """Apply a step signal. Returns (rolled back, keep_len for the draft KV or None, wasted nodes).
+        """Apply a step signal. Returns (epoch bumped, keep_len for the draft KV or None, wasted nodes).
 
         `keep_len`: the draft cache must be truncated to this many tokens (the
-        longest prefix of what it assumed that is still true); None = keep all.
+        longest prefix of what it holds that is still true); None = keep all.
         """
-        before = self.position()
-        old_len = len(self.confirmed)
+        held = self.confirmed + [t for f in self.inflight for t in f.assumed]   # what the draft KV assumed
         self.confirmed.extend(sig.token_ids)
+        self.bridge = False
+        # the root (last committed token) is always fed afresh with the next tree
+        keep = min(common_prefix(held, self.confirmed), len(self.confirmed) - 1)
         head = self.inflight[0] if self.inflight else None
-        if head is not None and head.tree_id == sig.tree_id:
+        if head is None:
+            return False, None, 0                          # nothing was assumed past `confirmed`
+        if head.tree_id == sig.tree_id:
             self.inflight.popleft()
             if head.outcome == list(sig.token_ids):
                 return False, None, 0                      # the assumption held: nothing to undo
-        elif head is None:
-            return False, None, 0                          # nothing was assumed past `confirmed`
+            if head.outcome is None:                       # nothing was drafted past it: no new epoch,
+                return False, keep, 0                      # but its assumed path leaves the draft KV
+            # a verified tree contradicted its announced outcome: the verifier bridges
+            self.bridge = sig.tree_id >= 0
         wasted = sum(f.num_nodes for f in self.inflight)
         self.inflight.clear()
         self.epoch += 1
-        assumed = before if before is not None else self.confirmed[:old_len]
-        # the root (last committed token) is always fed afresh with the next tree
-        keep = min(common_prefix(assumed, self.confirmed), len(self.confirmed) - 1)
         return True, keep, wasted
 
     def resync(self, tokens: list[int], epoch: int) -> int:
         """Restart from the whole committed prefix; returns the nodes dropped."""
         wasted = sum(f.num_nodes for f in self.inflight)
         self.inflight.clear()
+        self.bridge = False
         self.confirmed = list(tokens)
         self.epoch = max(self.epoch + 1, epoch)
         return wasted
@@ -140,6 +164,30 @@ def cut_tree(tree, depth: int):
                      tree.prefix_len, tree.epoch)
 
 
+def reroot(tree, node: int):
+    """The subtree under `node` as a tree of its own, drafted after prefix + [node's token].
+
+    Returns (subtree, original index of each subtree node). Level order is kept.
+    """
+    from models.tree import TokenTree
+
+    parents = tree.parent_ids.tolist()
+    inside, order = {node}, []
+    for i in range(node + 1, tree.num_nodes):
+        if parents[i] in inside:
+            inside.add(i)
+            order.append(i)
+    new_index = {old: new for new, old in enumerate(order)}
+    new_index[node] = -1
+    idx = torch.tensor(order, dtype=torch.long)
+    probs = None
+    if tree.draft_probs is not None:
+        probs = tree.draft_probs[torch.tensor([node + 1] + [i + 1 for i in order])]    # [T'+1, V]
+    sub = TokenTree(tree.token_ids[idx], torch.tensor([new_index[parents[i]] for i in order], dtype=torch.long),
+                    tree.depths[idx] - int(tree.depths[node]), probs, tree.prefix_len + 1, tree.epoch)
+    return sub, order
+
+
 @dataclass
 class VerifyStream:
     """Verifier-side state of one request."""
@@ -161,6 +209,8 @@ class VerifyStream:
     prefilled: bool = False
     finish_reason: str | None = None
     waiting_since: float | None = None  # waiting for a tree since (monotonic seconds)
+    bridge: bool = False                # decode the next token alone at once (see module doc)
+    first_tree: bool = True             # no tree verified since the drafter was (re)synced
     budget: tuple[int, int] = (0, 0)
 
     def commit(self, token_ids: list[int]) -> list[int]:

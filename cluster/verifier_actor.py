@@ -98,7 +98,7 @@ class VerifierActor:
         return True
 
     async def exchange(self, drafter: int, incarnation: str, puts: list, wait_s: float,
-                       draft_s: float = 0.0, draft_levels: int = 0) -> bytes:
+                       draft_s: float = 0.0, draft_levels: int = 0, resync: list | tuple = ()) -> bytes:
         """Drafter -> verifier: file its trees in the ring; return the signals queued for it."""
         self._ensure_loop()
         now = time.monotonic()
@@ -112,6 +112,10 @@ class VerifierActor:
             info["tree_s"] = 0.7 * info["tree_s"] + 0.3 * draft_s
         for header_bytes, refs in puts:
             self._put(drafter, unpack_header(header_bytes), refs[0])
+        for stream in resync:            # the drafter lost its state for these streams
+            s = self.streams.get(stream)
+            if s is not None and s.prefilled and s.drafter == drafter:
+                self._resync(s)
         self._wake.set()
         mail = self._mail[drafter]
         if not self.outbox.get(drafter) and wait_s > 0:
@@ -130,7 +134,9 @@ class VerifierActor:
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     async def get_stats(self) -> dict:
-        return self.stats.as_dict()
+        a, b = self.adaptive.costs.coefficients
+        return {**self.stats.as_dict(), "verify_cost_a_s": a, "verify_cost_b_s": b,
+                "draft_level_s": self.adaptive.costs.d}
 
     async def kv_usage(self) -> dict:
         cache = self.side.cache
@@ -208,6 +214,7 @@ class VerifierActor:
         self._resync(s)
 
     def _resync(self, s: VerifyStream) -> None:
+        s.first_tree = True
         ring = self.ring.stream(s.request_id)
         self._drop(ring.bump(ring.epoch + 1))
         params = _sampling_dict(s.params)
@@ -364,11 +371,11 @@ class VerifierActor:
             ring = self.ring.stream(s.request_id)
             entry, dropped = ring.head_valid(s.committed)
             self._drop(dropped)
-            wants = s.budget[0] > 0 and self._live(s.drafter)
+            wants = s.budget[0] > 0 and self._live(s.drafter) and not s.bridge
             if entry is not None and entry.frame is not None:
                 ring.pop()
-                batch.append((s, self._tree_of(entry), entry.header.tree_id))
-                s.waiting_since = None
+                batch.append((s, self._tree_of(entry), entry.header))
+                s.waiting_since, s.first_tree = None, False
                 continue
             if wants:
                 s.waiting_since = s.waiting_since or now
@@ -378,11 +385,15 @@ class VerifierActor:
                     continue
                 self.stats.observe_fallback()
             s.waiting_since = None
-            batch.append((s, TokenTree.empty(len(s.committed)), -1))
+            s.bridge = False
+            batch.append((s, TokenTree.empty(len(s.committed)), None))
         return batch, deadline
 
     def _patience(self, s: VerifyStream) -> float:
-        """How long a sequence may wait for its drafter's tree: a few of its tree times."""
+        """How long a sequence may wait for its drafter's tree: a few of its tree times, or
+        `max_tree_wait_s` for the first tree after a (re)sync (the drafter prefills first)."""
+        if s.first_tree:
+            return self.settings.max_tree_wait_s
         tree_s = self.drafters[s.drafter]["tree_s"]
         return min(self.settings.max_tree_wait_s, 3.0 * tree_s + 0.02)
 
@@ -402,9 +413,12 @@ class VerifierActor:
     def _publish(self, batch: list, results: list) -> None:
         """Commit, stream the tokens out, plan the next budgets, signal the drafters."""
         steps = []
-        for (s, tree, tree_id), res in zip(batch, results):
+        for (s, tree, header), res in zip(batch, results):
             if s.request_id not in self.streams:     # aborted while the target ran
                 continue
+            tree_id = -1 if header is None else header.tree_id
+            # the drafter announced what it assumed; a contradiction makes it bridge, so do we
+            s.bridge = header is not None and header.outcome is not None and header.outcome != res.token_ids
             kept = s.commit(res.token_ids)
             s.num_drafted += tree.num_nodes
             s.num_accepted += res.num_accepted

@@ -4,8 +4,10 @@ Two kinds of message cross the actor boundary:
 
 - **Token trees** (drafter -> verifier). A `TreeFrame` is a small msgpack
   *header* (version, stream id, epoch, prefix length, the tokens the drafter
-  assumed beyond what it knows to be committed, node count, vocabulary size)
-  plus the tree's *tensors* as numpy arrays. The frame is stored with
+  assumed beyond what it knows to be committed, node count, vocabulary size,
+  and the outcome it assumes for this tree, so that both sides agree on when
+  to bridge a rollback: cluster/streams.py) plus the tree's *tensors* as numpy
+  arrays. The frame is stored with
   `ray.put`; Ray serialises numpy arrays as out-of-band pickle-5 buffers, so
   the tensors sit in the object store and the reader maps them without a copy
   (no pickled Python lists). Only the ObjectRef and a copy of the header go
@@ -47,6 +49,7 @@ class TreeHeader:
     assumed: list[int]      # prefix[anchor_len:prefix_len]: tokens assumed, not yet confirmed
     num_nodes: int          # T; 0 = plain decoding
     vocab_size: int         # V of draft_probs (0 when draft_probs is None)
+    outcome: list[int] | None = None   # tokens the drafter assumes this tree commits; None = no guess
 
     def __post_init__(self) -> None:
         if self.prefix_len - self.anchor_len != len(self.assumed):
@@ -66,7 +69,7 @@ class TreeFrame:
 
 
 _HEADER_FIELDS = ("stream", "epoch", "tree_id", "prefix_len", "anchor_len", "assumed",
-                  "num_nodes", "vocab_size")
+                  "num_nodes", "vocab_size", "outcome")
 
 
 def pack_header(h: TreeHeader) -> bytes:
@@ -83,8 +86,9 @@ def unpack_header(data: bytes) -> TreeHeader:
     for name, value in fields.items():
         if name == "stream":
             ok = isinstance(value, str)
-        elif name == "assumed":
-            ok = isinstance(value, list) and all(isinstance(t, int) for t in value)
+        elif name in ("assumed", "outcome"):
+            ok = isinstance(value, list) and all(isinstance(t, int) for t in value) or (
+                name == "outcome" and value is None)
         else:   # counters and lengths; the epoch may be any int
             ok = isinstance(value, int) and (value >= 0 or name == "epoch")
         if not ok:

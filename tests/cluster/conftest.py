@@ -1,10 +1,10 @@
 """One local multi-node Ray cluster for the pipeline tests (issue 4).
 
-`ray.cluster_utils.Cluster` starts, on this machine, a head node that runs no
-model and two worker "nodes", each with its own raylet and object store: one
-offers the custom resource `specflash_drafter`, the other `specflash_verifier`,
-so drafter and verifier actors pinned by those resources run on different
-nodes and their trees cross object stores. The cluster is started once per
+`ray.cluster_utils.Cluster` starts, on this machine, two Ray nodes, each with
+its own raylet and object store: the head offers the custom resource
+`specflash_verifier`, the worker `specflash_drafter`, so drafter and verifier
+actors pinned by those resources run on different nodes and their trees cross
+object stores. The cluster is started once per
 session (it costs ~20-40 s here) and shut down at the end, raylets included.
 """
 from __future__ import annotations
@@ -21,22 +21,38 @@ VERIFIER_RESOURCE = "specflash_verifier"
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
-    from ray.cluster_utils import Cluster
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    store = 96 * 2**20
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": store, "include_dashboard": False})
-    drafter_node = cluster.add_node(num_cpus=4, resources={DRAFTER_RESOURCE: 4}, object_store_memory=store)
-    verifier_node = cluster.add_node(num_cpus=4, resources={VERIFIER_RESOURCE: 4}, object_store_memory=store)
-    cluster.wait_for_nodes()
+    cluster, drafter_node = _start_cluster()
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         yield SimpleNamespace(cluster=cluster, drafter_node=drafter_node.node_id,
-                              verifier_node=verifier_node.node_id)
+                              verifier_node=cluster.head_node.node_id)
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def _start_cluster(attempts: int = 3):
+    """Two raylets: the head hosts verifiers, the worker hosts drafters (a third node would only
+    add start-up time). Retried whole: on an overloaded machine a raylet can miss Ray's fixed
+    30 s start-up window, and a half-started cluster is shut down before the next try."""
+    from ray.cluster_utils import Cluster
+
+    store = 96 * 2**20
+    for attempt in range(attempts):
+        cluster = Cluster()
+        try:
+            cluster.add_node(num_cpus=4, resources={VERIFIER_RESOURCE: 4}, object_store_memory=store,
+                             include_dashboard=False)
+            drafter_node = cluster.add_node(num_cpus=4, resources={DRAFTER_RESOURCE: 4},
+                                            object_store_memory=store)
+            cluster.wait_for_nodes()
+            return cluster, drafter_node
+        except Exception:
+            cluster.shutdown()
+            if attempt + 1 == attempts:
+                raise
 
 
 def pipeline_args(drafters: int = 1, strategy: str = "NONE", **speculation):

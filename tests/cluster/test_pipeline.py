@@ -116,16 +116,16 @@ def test_strict_spread_placement_group(make_engine, tiny_target, close_draft, hf
 def test_rollback_storm_far_draft_exact(make_engine, tiny_target, far_draft, hf_target):
     """A draft far from the target: most trees are rejected and rolled back; output stays exact."""
     engine = make_engine(tiny_target, far_draft, drafters=2)
-    ps = prompts(4, seed=11)
+    ps = prompts(3, seed=11)
 
     async def all_of():
-        return await asyncio.gather(*(collect(engine, request(f"far{i}", p, 48, "chain", 6))
+        return await asyncio.gather(*(collect(engine, request(f"far{i}", p, 32, "chain", 5))
                                       for i, p in enumerate(ps)))
 
     for (tokens, last), p in zip(run(all_of(), timeout=180), ps):
-        assert tokens == hf_greedy(hf_target, p, 48)
+        assert tokens == hf_greedy(hf_target, p, 32)
         assert last.num_drafted > 0
     stats = run(engine.stats())
     assert stats["acceptance_rate"] < 0.5
-    assert stats["drafter_rollbacks"] > 10, stats
+    assert stats["drafter_rollbacks"] > 5, stats
     assert {d["streams"] for d in stats["drafters"]} == {0}

@@ -101,3 +101,30 @@ def test_draft_stream_plain_decoding_step_invalidates_assumptions():
     assert rolled and keep == 2 and s.position() == [1, 2, 4]
     rolled, keep, _ = s.on_step(Signal("step", "s", 1, -1, 4, [9]))   # nothing in flight: no rollback
     assert not rolled and keep is None
+
+
+def test_tree_without_a_guess_rolls_the_draft_kv_back_without_a_new_epoch():
+    """A tree whose greedy path ends early has no assumed outcome: nothing is drafted past it,
+    but the draft KV holds its path and must be cut back to what was committed."""
+    s = DraftStream("s", [1, 2], 0, SamplingParams(temperature=0), 0)
+    s.budget = (3, 2)
+    f = s.record(2, None, 5, cached=[7, 8])
+    assert s.position() is None and not s.ready(slots=2)
+    bumped, keep, _ = s.on_step(Signal("step", "s", 0, f.tree_id, 4, [7, 9]))
+    assert not bumped and s.epoch == 0
+    assert keep == 3                              # [1, 2, 7] still true; 9 is the next root
+    assert s.ready(slots=2) and s.position() == [1, 2, 7, 9]
+
+
+def test_contradicted_tree_makes_the_drafter_bridge_and_a_bridge_step_is_checked():
+    s = DraftStream("s", [1, 2], 0, SamplingParams(temperature=0), 0)
+    f = s.record(2, [5, 6], 1)
+    bumped, keep, _ = s.on_step(Signal("step", "s", 0, f.tree_id, 4, [5, 4]))
+    assert bumped and s.bridge
+    s.record_bridge(9)                            # drafted after [1, 2, 5, 4] + guess 9
+    s.record(5, [3, 3], 1)
+    assert s.position() == [1, 2, 5, 4, 9, 3, 3]
+    bumped, _, _ = s.on_step(Signal("step", "s", 1, -1, 5, [9]))   # the bridge step confirmed 9
+    assert not bumped and not s.bridge and len(s.inflight) == 1
+    bumped, _, _ = s.on_step(Signal("step", "s", 1, 1, 7, [3, 7]))  # next tree contradicted
+    assert bumped and s.bridge
