@@ -9,7 +9,8 @@ For each concurrency (default 1, 4, 16, 64) and each speculation mode (default `
 `speculation` field. Reported per cell:
 
 - throughput: output tokens received in the window ÷ window length (tokens/s);
-- TTFT: request sent → first token received, p50 / p99 (requests started in the window);
+- TTFT: request sent → first token received, p50 / p99 (requests that got a token in the window;
+  requests still running when the window closes are cut and aborted);
 - ITL: per token — a chunk of k tokens arriving d seconds after the previous one counts as k
   gaps of d/k (speculation commits several tokens per step); p50 / p99. Ray Serve's proxy
   may deliver chunks that were ready together in one read, which shows as gaps near 0;
@@ -114,7 +115,13 @@ async def run_cell(url: str, concurrency: int, mode: str, duration: float, max_t
 
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-        await asyncio.gather(*(client_loop(i, client) for i in range(concurrency)))
+        tasks = [asyncio.ensure_future(client_loop(i, client)) for i in range(concurrency)]
+        # Requests still running at the end of the window are cut (their streams closed, which
+        # aborts them in the server): tokens after the window do not count anyway.
+        await asyncio.wait(tasks, timeout=duration)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
     elapsed = time.perf_counter() - t0
     return {"concurrency": concurrency, "mode": mode, "window_s": duration, "elapsed_s": elapsed,
             "requests": rec["requests"], "errors": rec["errors"], "tokens": rec["tokens"],
