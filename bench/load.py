@@ -60,35 +60,38 @@ def percentile(values: list[float], q: float) -> float | None:
 async def one_request(client: httpx.AsyncClient, url: str, body: dict, window_end: float,
                       rec: dict) -> None:
     start = time.perf_counter()
-    last = None
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            rec["errors"] += 1
-            await r.aread()
-            return
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if "error" in event:
+    first = last = None
+    n = 0   # tokens after the first chunk
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
                 rec["errors"] += 1
+                await r.aread()
                 return
-            k = sum(len(c.get("token_ids") or []) for c in event.get("choices", []))
-            if not k:
-                continue
-            now = time.perf_counter()
-            if now <= window_end:
-                rec["tokens"] += k
-            if last is None:
-                rec["ttft"].append(now - start)
-                first, n = now, 0
-            else:
-                rec["itl"].extend([(now - last) / k] * k)
-                n += k
-            last = now
-    if last is not None and n:
-        rec["tpot"].append((last - first) / n)
-    rec["requests"] += 1
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    rec["errors"] += 1
+                    return
+                k = sum(len(c.get("token_ids") or []) for c in event.get("choices", []))
+                if not k:
+                    continue
+                now = time.perf_counter()
+                if now <= window_end:
+                    rec["tokens"] += k
+                if last is None:
+                    rec["ttft"].append(now - start)
+                    first = now
+                else:
+                    rec["itl"].extend([(now - last) / k] * k)
+                    n += k
+                last = now
+        rec["requests"] += 1
+    finally:  # a request cut at the end of the window still has its TPOT so far
+        if n:
+            rec["tpot"].append((last - first) / n)
 
 
 async def run_cell(url: str, concurrency: int, mode: str, duration: float, max_tokens: int,
@@ -209,8 +212,9 @@ def main(argv=None) -> int:
         health = httpx.get(f"{url}/health", timeout=30).json()
         modes = args.modes.split(",")
         cells = []
-        for conc in [int(c) for c in args.concurrency.split(",")]:
-            for mode in modes:
+        for level, conc in enumerate(int(c) for c in args.concurrency.split(",")):
+            # alternate which mode goes first, so a drift in machine load favours neither
+            for mode in (modes if level % 2 == 0 else modes[::-1]):
                 cell = asyncio.run(run_cell(url, conc, mode, args.duration, args.max_tokens,
                                             args.spec_len))
                 cells.append(cell)
