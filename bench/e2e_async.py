@@ -1,0 +1,316 @@
+"""The asynchronous Ray pipeline against the target alone and classic sync speculation (issue 4).
+
+    python bench/e2e_async.py                          # the embedded pair, greedy chat prompts
+    python bench/e2e_async.py --target DIR --draft DIR --max-tokens 64 --spec-len 4
+    python bench/e2e_async.py --sweep 0,0.02,0.05,0.1  # + speedup vs acceptance (draft noise levels)
+
+Methods, interleaved prompt by prompt (order rotating), one run, same prompts:
+- `off`: the in-process engine, target alone (the baseline of every speedup);
+- `sync`: the in-process engine, draft-then-verify with a chain of K;
+- `async`: `cluster.pipeline.PipelineEngine` on a local Ray, the drafter and the
+  verifier each an actor given **one core** (`num_cpus=1`, one torch thread);
+  mode `auto` (adaptive) unless `--async-mode` says otherwise.
+Columns: tokens/s (prefill included), speedup over `off`, acceptance rate,
+mean accepted length (bonus included), verifier idle fraction (time the
+verifier waited for a tree with a sequence active, over its wall time).
+
+`--sweep` makes drafts of decreasing quality (the draft's weights plus Gaussian
+noise of the given relative size) and plots speedup against the measured
+per-level acceptance γ beside Eq. 3.2's model, E = (1 - γ^(K+1)) / (1 - γ),
+divided by the measured cost of a verification of K+1 tokens in target steps
+(the async ideal: drafting fully hidden). PNG and JSON go to bench/results/.
+
+`measure_async(...)` is the `async` method alone, for bench/e2e.py to call.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]   # bench/kernels.py shadows `kernels`
+RESULTS = ROOT / "results"
+
+
+class AsyncMethod:
+    """`method(prompt_ids, max_tokens) -> dict` in bench/e2e.py's `Run` fields, over a local pipeline."""
+
+    def __init__(self, target_dir: str, draft_dir: str | None, spec_len: int = 4, tree_width: int = 1,
+                 mode: str = "auto", proposer: str = "model", start_ray: bool = True, **settings) -> None:
+        import ray
+
+        from cluster.pipeline import build_pipeline_engine
+        from cluster.protocol import SpeculationOptions
+
+        self._own_ray = start_ray and not ray.is_initialized()
+        if self._own_ray:
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                     configure_logging=False)
+        self.engine = build_pipeline_engine(None, target_dir=target_dir, draft_dir=draft_dir,
+                                            spec_len=spec_len, tree_width=tree_width, mode=mode,
+                                            proposer=proposer, **settings)
+        width = None if mode == "chain" else tree_width
+        self.spec = SpeculationOptions(mode=mode, spec_len=spec_len, tree_width=width, proposer=proposer)
+        self._n = 0
+
+    def __call__(self, prompt_ids: list[int], max_tokens: int) -> dict:
+        from cluster.protocol import GenerationRequest
+        from models.sampling import SamplingParams
+
+        self._n += 1
+        request = GenerationRequest(f"bench-{self._n}", list(prompt_ids),
+                                    SamplingParams(temperature=0.0, max_tokens=max_tokens), self.spec)
+        before = self.stats()
+        start = time.perf_counter()
+        tokens, last = asyncio.run(_collect(self.engine, request))
+        seconds = time.perf_counter() - start
+        after = self.stats()
+        delta = {k: after[k] - before[k] for k in ("num_spec_steps", "num_rejected_steps", "num_steps",
+                                                   "verifier_idle_s", "verifier_wall_s", "verifier_busy_s")}
+        return dict(token_ids=tokens, seconds=seconds, drafted=last.num_drafted, accepted=last.num_accepted,
+                    steps=delta["num_spec_steps"], rejected_steps=delta["num_rejected_steps"],
+                    verify_s=delta["verifier_busy_s"], idle_s=delta["verifier_idle_s"],
+                    wall_s=delta["verifier_wall_s"])
+
+    def stats(self) -> dict:
+        return asyncio.run(self.engine.stats())
+
+    def close(self) -> None:
+        import ray
+
+        self.engine.kill_pipeline_actors()
+        if self._own_ray:
+            ray.shutdown()
+
+
+def measure_async(target_dir: str, draft_dir: str | None, spec_len: int = 4, tree_width: int = 1,
+                  mode: str = "auto", **kw) -> AsyncMethod:
+    """The `async` column of bench/e2e.py: call it per prompt, `.close()` at the end."""
+    return AsyncMethod(target_dir, draft_dir, spec_len, tree_width, mode, **kw)
+
+
+async def _collect(engine, request):
+    tokens, last = [], None
+    async for chunk in engine.generate(request):
+        tokens += chunk.token_ids
+        last = chunk
+    if last is None or last.finish_reason == "error":
+        raise RuntimeError(f"async request failed: {last.error if last else 'no output'}")
+    return tokens, last
+
+
+# ---------------------------------------------------------------- in-process baselines
+def sync_methods(target_dir: str, draft_dir: str, spec_len: int, threads: int) -> dict:
+    from cluster.engine import build_engine, speculation_for
+    from cluster.protocol import GenerationRequest
+    from models import SamplingParams
+
+    torch.set_num_threads(threads)
+    pair = build_engine(target_dir, draft_dir, spec_len=spec_len)
+
+    def method(mode: str):
+        spec = speculation_for(mode, spec_len, 1)
+
+        def run(prompt_ids: list[int], max_tokens: int) -> dict:
+            req = GenerationRequest("bench", prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                                    spec)
+            start = time.perf_counter()
+            out = pair.engine.generate([req])[0]
+            st = out.stats
+            return dict(token_ids=out.token_ids, seconds=time.perf_counter() - start, drafted=st.num_drafted,
+                        accepted=st.num_accepted, steps=st.num_steps,
+                        rejected_steps=getattr(st, "num_rejected_steps", 0))
+        return run
+
+    return {"off": method("off"), "sync": method("sync")}, pair
+
+
+def chat_prompts(tokenizer, per_category: int) -> list[tuple[str, list[int]]]:
+    sys.path.insert(0, str(ROOT))
+    from e2e import PROMPTS, prompt_ids   # bench/e2e.py (issue 2): the shared prompt set
+
+    sys.path.pop(0)
+    return [(c, prompt_ids(tokenizer, t)) for c, texts in PROMPTS.items() for t in texts[:per_category]]
+
+
+# ---------------------------------------------------------------- the run
+def run_interleaved(methods: dict, work: list[tuple[str, list[int]]], max_tokens: int) -> dict[str, list]:
+    from tqdm import tqdm
+
+    names = list(methods)
+    for name in names:                      # warm-up: first calls pay one-off costs
+        methods[name](work[0][1], 4)
+    runs: dict[str, list] = {n: [] for n in names}
+    with tqdm(total=len(work) * len(names), desc="e2e-async", unit="run") as bar:
+        for k, (category, ids) in enumerate(work):
+            for name in names[k % len(names):] + names[:k % len(names)]:
+                bar.set_postfix_str(f"{category} {name}")
+                runs[name].append({"category": category, **methods[name](ids, max_tokens)})
+                bar.update()
+    return runs
+
+
+def summarize(runs: dict[str, list]) -> list[dict]:
+    def tps(rs):
+        return sum(len(r["token_ids"]) for r in rs) / max(sum(r["seconds"] for r in rs), 1e-9)
+
+    base = tps(runs["off"])
+    rows = []
+    for name, rs in runs.items():
+        drafted, accepted = sum(r.get("drafted", 0) for r in rs), sum(r.get("accepted", 0) for r in rs)
+        steps, rejected = sum(r.get("steps", 0) for r in rs), sum(r.get("rejected_steps", 0) for r in rs)
+        wall = sum(r.get("wall_s", 0.0) for r in rs)
+        rows.append({
+            "method": name, "tokens_per_s": tps(rs), "speedup": tps(rs) / base if base else 0.0,
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_len": (accepted + steps) / steps if steps else None,
+            "gamma": accepted / (accepted + rejected) if accepted + rejected else None,
+            "verifier_idle_fraction": sum(r.get("idle_s", 0.0) for r in rs) / wall if wall else None,
+            "exact_vs_off": sum(a["token_ids"] == b["token_ids"] for a, b in zip(rs, runs["off"])) / len(rs),
+        })
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    def f(x, fmt):
+        return "–" if x is None else format(x, fmt)
+
+    out = ["| method | tokens/s | speedup vs off | acceptance | mean accepted len | γ | verifier idle | "
+           "exact vs off |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        out.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
+                   f"{f(r['acceptance_rate'], '.2f')} | {f(r['mean_accepted_len'], '.2f')} | "
+                   f"{f(r['gamma'], '.2f')} | {f(r['verifier_idle_fraction'], '.1%')} | {r['exact_vs_off']:.0%} |")
+    return "\n".join(out)
+
+
+def noisy_draft(draft_dir: str, noise: float, out: Path) -> str:
+    """A copy of the draft with Gaussian noise of relative size `noise` on its layer weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(draft_dir, out)
+    g = torch.Generator().manual_seed(0)
+    for f in out.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        for name, t in tensors.items():
+            if "layers." in name and t.is_floating_point():
+                t32 = t.float()
+                tensors[name] = (t32 + noise * t32.std() * torch.randn(t32.shape, generator=g)).to(t.dtype)
+        save_file(tensors, str(f), metadata={"format": "pt"})
+    return str(out)
+
+
+def eq32(gamma: float, K: int) -> float:
+    return (1 - gamma ** (K + 1)) / (1 - gamma) if gamma < 1 else K + 1.0
+
+
+def plot(points: list[dict], K: int, verify_ratio: float, sync_ratio: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    g = [i / 100 for i in range(0, 100)]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(g, [eq32(x, K) / verify_ratio for x in g], label=f"Eq. 3.2, async ideal (K={K})")
+    ax.plot(g, [eq32(x, K) / sync_ratio for x in g], "--", label="Eq. 3.2, sync (K drafts + verify)")
+    for name, marker in (("async", "o"), ("sync", "s")):
+        pts = [p for p in points if p["method"] == name and p["gamma"] is not None]
+        ax.scatter([p["gamma"] for p in pts], [p["speedup"] for p in pts], marker=marker, label=f"measured {name}")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("per-token acceptance γ")
+    ax.set_ylabel("speedup over the target alone")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target"), p.add_argument("--draft")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--spec-len", type=int, default=4)
+    p.add_argument("--prompts", type=int, default=3, help="prompts per category (at most 3)")
+    p.add_argument("--categories", default="code,math,chat")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process methods")
+    p.add_argument("--async-mode", default="auto", choices=("auto", "chain"))
+    p.add_argument("--sweep", default="", help="draft noise levels for the speedup-vs-acceptance plot")
+    p.add_argument("--tag", default="cpu")
+    args = p.parse_args(argv)
+    target_dir, draft_dir = args.target, args.draft
+    if target_dir is None:
+        from models import embedded
+
+        target_dir, draft_dir = map(str, embedded.default_pair())
+    from models import load_tokenizer
+
+    work = [w for w in chat_prompts(load_tokenizer(target_dir), args.prompts)
+            if w[0] in args.categories.split(",")]
+    methods, pair = sync_methods(target_dir, draft_dir, args.spec_len, args.threads)
+    methods["async"] = measure_async(target_dir, draft_dir, args.spec_len, 1, args.async_mode)
+    try:
+        runs = run_interleaved(methods, work, args.max_tokens)
+    finally:
+        methods["async"].close()
+    rows = summarize(runs)
+    print(markdown(rows))
+    result = {"args": vars(args), "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if args.sweep:
+        result["sweep"] = sweep(args, target_dir, draft_dir, work, methods, runs)
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"e2e_async_{args.tag}.json"
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print(f"wrote {out}")
+    return 0
+
+
+def sweep(args, target_dir, draft_dir, work, methods, runs) -> dict:
+    """Speedup vs acceptance: drafts of decreasing quality, async (chain) and sync, vs Eq. 3.2."""
+    import tempfile
+
+    sys.path.insert(0, str(ROOT))
+    from e2e import forward_ms
+
+    sys.path.pop(0)
+    from models import load_model
+
+    torch.set_num_threads(1)
+    target = load_model(target_dir)
+    t1, tk = forward_ms(target, 128, 1), forward_ms(target, 128, args.spec_len + 1)
+    draft = load_model(draft_dir)
+    d1 = forward_ms(draft, 128, 1)
+    points = [{"noise": 0.0, **{k: v for k, v in r.items() if k != "by_category"}}
+              for r in summarize(runs) if r["method"] in ("async", "sync")]
+    off = [r for r in summarize(runs) if r["method"] == "off"][0]["tokens_per_s"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for noise in [float(x) for x in args.sweep.split(",") if float(x) > 0]:
+            noisy = noisy_draft(draft_dir, noise, Path(tmp) / f"draft-{noise}")
+            sync_m, _ = sync_methods(target_dir, noisy, args.spec_len, args.threads)
+            am = measure_async(target_dir, noisy, args.spec_len, 1, "chain")
+            try:
+                sub = run_interleaved({"off": lambda ids, n: {"token_ids": [], "seconds": 1.0},
+                                       "sync": sync_m["sync"], "async": am}, work, args.max_tokens)
+            finally:
+                am.close()
+            for r in summarize(sub):
+                if r["method"] != "off":
+                    r["speedup"] = r["tokens_per_s"] / off
+                    points.append({"noise": noise, **r})
+    png = RESULTS / f"e2e_async_speedup_vs_acceptance_{args.tag}.png"
+    plot(points, args.spec_len, tk / t1, (args.spec_len * d1 + tk) / t1, png)
+    print(f"wrote {png}")
+    return {"points": points, "target_1_ms": t1, "verify_ms": tk, "draft_1_ms": d1}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
