@@ -3,13 +3,13 @@
     serve run cluster.serve_app:build_app            # the embedded pair, local defaults
     serve build cluster.serve_app:build_app -o serve-config.yaml
 
-`args` is a `cluster.config.AppArgs` (models, placement, speculation, serving)
-plus two builder-only keys: `engine` — "pipeline" (the Ray drafter/verifier
-pipeline, `cluster.pipeline.PipelineEngine`), "local" (the in-process engine on
-a worker thread, `cluster.local_engine.LocalEngine`), "fake" (the scripted
-`cluster.testing.FakeEngine`, no model) or a `module:factory` import path;
-"auto" (default) is the pipeline where it can be built, else local — and
-`model_name`, the id clients send as `model` (default "specflash").
+`args` is a `cluster.config.AppArgs` (models, placement, speculation, serving,
+`engine`, `model_name`). `engine` picks what runs behind the ingress: "pipeline"
+(the Ray drafter/verifier pipeline, `cluster.pipeline.PipelineEngine`), "local"
+(the in-process engine on a worker thread, `cluster.local_engine.LocalEngine`),
+"fake" (the scripted `cluster.testing.FakeEngine`, no model) or a
+`module:factory` import path; "auto" (default) is the pipeline where it can be
+built, else local. `model_name` is the id clients send as `model`.
 
 The one deployment, `SpecflashIngress`, holds the engine and serves the
 OpenAI-compatible HTTP routes (`cluster.openai_api`) and the gRPC methods
@@ -30,20 +30,12 @@ from ray import serve
 from cluster.config import INGRESS_DEPLOYMENT, AppArgs
 
 log = logging.getLogger("specflash.serve")
-ENGINES = ("auto", "pipeline", "local", "fake")
-BUILDER_KEYS = ("engine", "model_name")
 
 
 def split_args(args: dict | None) -> tuple[AppArgs, dict]:
-    """(AppArgs, builder-only options) from a Serve `args` mapping."""
-    args = dict(args or {})
-    extra = {k: args.pop(k) for k in BUILDER_KEYS if k in args}
-    extra.setdefault("engine", "auto")
-    extra.setdefault("model_name", "specflash")
-    engine = extra["engine"]
-    if engine not in ENGINES and ":" not in engine:
-        raise ValueError(f"engine must be one of {ENGINES} or a 'module:factory' path, got {engine!r}")
-    return AppArgs.model_validate(args), extra
+    """(AppArgs, {"engine", "model_name"}) from a Serve `args` mapping."""
+    app_args = AppArgs.model_validate(dict(args or {}))
+    return app_args, {"engine": app_args.engine, "model_name": app_args.model_name}
 
 
 def model_dirs(app_args: AppArgs) -> tuple[str, str | None]:
@@ -119,11 +111,11 @@ class WithKVUsage:
 class SpecflashIngress:
     """HTTP (FastAPI, built per replica) and gRPC front over one injected engine."""
 
-    async def __init__(self, app_args: dict, options: dict) -> None:
+    async def __init__(self, app_args: dict) -> None:
         from cluster.grpc_service import GrpcService
         from cluster.openai_api import OpenAIServer, ServerSettings
 
-        args, extra = split_args({**app_args, **options})
+        args, extra = split_args(app_args)
         self.engine, tokenizer, max_context = await asyncio.to_thread(make_engine, extra["engine"], args)
         s = args.serving
         api_key = os.environ.get(s.api_key_env) if s.api_key_env else None
@@ -166,7 +158,7 @@ class SpecflashIngress:
 
 def build_app(args: dict[str, Any] | None = None):
     """The Serve application for `serve run` / `serve build` / a Serve config file."""
-    app_args, extra = split_args(args)
+    app_args, _ = split_args(args)
     s = app_args.serving
     deployment = serve.deployment(
         SpecflashIngress, name=INGRESS_DEPLOYMENT,
@@ -175,7 +167,7 @@ def build_app(args: dict[str, Any] | None = None):
         ray_actor_options=app_args.placement.ingress.ray_options(),
         health_check_period_s=10, health_check_timeout_s=30,
     )
-    return deployment.bind(app_args.model_dump(mode="json"), extra)
+    return deployment.bind(app_args.model_dump(mode="json"))
 
 
 # An Application object for tools that want one rather than a builder (`serve build

@@ -2,7 +2,9 @@
 and the committed generated modules being current."""
 from __future__ import annotations
 
+import ast
 import asyncio
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,16 +103,38 @@ def test_queue_full_is_resource_exhausted():
     assert len(aborted) == 1 and outstanding == 0   # the cancelled stream was aborted
 
 
+def _descriptor_bytes(source: str) -> bytes:
+    """The serialized FileDescriptorProto a generated _pb2 module registers."""
+    m = re.search(r"AddSerializedFile\((b'.*?')\)\n", source, re.S)
+    assert m, "not a protoc-generated _pb2 module"
+    return ast.literal_eval(m.group(1))
+
+
+def _rpcs(source: str) -> list[tuple[str, str]]:
+    """(kind, method path) of every RPC a generated _pb2_grpc stub declares."""
+    return re.findall(r"channel\.(unary_unary|unary_stream|stream_unary|stream_stream)\(\s*'([^']+)'",
+                      source)
+
+
 def test_generated_modules_are_current(tmp_path):
+    """Regenerate from the .proto and compare what the modules define (the descriptor and the
+    RPCs), not their text, which varies with the grpcio-tools version."""
     proto = "cluster/protos/specflash.proto"
     (tmp_path / "cluster" / "protos").mkdir(parents=True)
     (tmp_path / proto).write_bytes((ROOT / proto).read_bytes())
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.",
                     "--grpc_python_out=.", proto], cwd=tmp_path, check=True)
-    for name in ("specflash_pb2.py", "specflash_pb2_grpc.py"):
-        fresh = (tmp_path / "cluster" / "protos" / name).read_text()
-        assert fresh == (ROOT / "cluster" / "protos" / name).read_text(), \
-            f"cluster/protos/{name} is stale: regenerate it (command in specflash.proto)"
+    fresh = {n: (tmp_path / "cluster" / "protos" / n).read_text()
+             for n in ("specflash_pb2.py", "specflash_pb2_grpc.py")}
+    committed = {n: (ROOT / "cluster" / "protos" / n).read_text() for n in fresh}
+    stale = "cluster/protos/{} is stale: regenerate it (the command is in specflash.proto)"
+    assert _descriptor_bytes(fresh["specflash_pb2.py"]) == \
+        _descriptor_bytes(committed["specflash_pb2.py"]), stale.format("specflash_pb2.py")
+    rpcs = _rpcs(fresh["specflash_pb2_grpc.py"])
+    assert rpcs == [("unary_unary", "/specflash.Specflash/Generate"),
+                    ("unary_stream", "/specflash.Specflash/GenerateStream")]
+    assert _rpcs(committed["specflash_pb2_grpc.py"]) == rpcs, stale.format("specflash_pb2_grpc.py")
+
 
 
 def test_api_key_is_checked_on_grpc_metadata():

@@ -20,8 +20,8 @@ def test_build_app_is_importable_by_path_and_wires_one_ingress():
     deployment = app._bound_deployment
     assert deployment.name == INGRESS_DEPLOYMENT
     assert deployment.max_ongoing_requests > ClusterConfig.local_default().serving.max_queue
-    app_args, extra = deployment.init_args
-    assert extra == {"engine": "auto", "model_name": "specflash"}
+    (app_args,) = deployment.init_args
+    assert (app_args["engine"], app_args["model_name"]) == ("auto", "specflash")
     assert app_args["serving"]["max_queue"] == 256
 
 
@@ -38,8 +38,9 @@ def test_build_app_takes_the_configs_app_args_plus_builder_keys():
     args = ClusterConfig.local_default().app_args()
     args["serving"]["max_queue"] = 7
     app = build_app({**args, "engine": "local", "model_name": "mine"})
-    app_args, extra = app._bound_deployment.init_args
-    assert app_args["serving"]["max_queue"] == 7 and extra == {"engine": "local", "model_name": "mine"}
+    (app_args,) = app._bound_deployment.init_args
+    assert app_args["serving"]["max_queue"] == 7
+    assert (app_args["engine"], app_args["model_name"]) == ("local", "mine")
 
 
 @pytest.mark.parametrize("bad", [{"engine": "warp"}, {"servng": {}}, {"serving": {"port": 0}}])
