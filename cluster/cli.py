@@ -6,9 +6,10 @@
         [--chat] [--proposer model|ngram]
 
 `generate` runs the in-process engine (`cluster.engine`): `off` is the target
-alone, `sync` is draft-then-verify with a chain (width 1) or an EAGLE-2 tree.
+alone, `sync` is draft-then-verify with a chain (width 1) or an EAGLE-2 tree;
+`async` runs the Ray drafter/verifier pipeline (`cluster.pipeline`) on a local Ray.
+`serve` (`cluster.serve_cli`) and `manifests` (`cluster.manifests_cli`) share the parser.
 Without --target / --draft it uses the embedded pair (`models.embedded`).
-Other subcommands (`serve`, `manifests`) register on the same subparsers.
 Bad input ends with one `error: ...` line on stderr and exit status 1.
 """
 from __future__ import annotations
@@ -21,7 +22,6 @@ from dataclasses import dataclass
 from cluster.engine import MAX_SPEC_LEN, MAX_TREE_WIDTH, EngineError, build_engine, speculation_for
 
 EXIT_ERROR = 1
-EXIT_UNAVAILABLE = 2
 
 
 class CliError(Exception):
@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specflash", description=__doc__.split("\n\n")[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_generate_parser(subparsers)
+    from cluster import manifests_cli, serve_cli
+
+    serve_cli.add_parser(subparsers)
+    manifests_cli.add_parser(subparsers)
     return parser
 
 
@@ -64,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except CliError as e:
         return _fail(str(e))
-    except (EngineError, ValueError, OSError) as e:   # ModelLoadError is a ValueError
+    except (EngineError, ValueError, OSError, RuntimeError) as e:   # ModelLoadError is a ValueError
         return _fail(str(e))
     except KeyboardInterrupt:
         return 130
@@ -87,9 +91,9 @@ def run_generate(args) -> int:
     from models.sampling import SamplingParams
 
     if args.mode == "async":
-        print("error: --mode async needs the asynchronous Ray pipeline, which is not available yet; "
-              "use --mode sync or --mode off", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+        from cluster.pipeline import run_async_generate
+
+        return run_async_generate(args)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     speculation = speculation_for(args.mode, args.spec_len, args.tree_width, args.proposer)

@@ -49,9 +49,19 @@ def test_modes_and_proposers_agree_greedily(capsys, pair_args):
     assert outputs[3] != outputs[0]             # the chat template changes the prompt
 
 
-def test_async_mode_says_it_is_not_there_yet(capsys, pair_args):
-    code, _, err = generate(capsys, *pair_args, "--prompt", "hi", "--mode", "async")
-    assert code == 2 and "not available yet" in err
+def test_async_mode_runs_the_ray_pipeline_exactly(capsys, pair_args):
+    """`--mode async` starts a local Ray and the drafter/verifier actors: same tokens as `off`."""
+    common = [*pair_args, "--prompt", "def f(x):", "--max-tokens", "10", "--ignore-eos", "--json"]
+    code, out, _ = generate(capsys, *common, "--mode", "off")
+    assert code == 0
+    expected = json.loads(out.strip().splitlines()[-1])["token_ids"]
+    # A subprocess: the pipeline tests of this session may hold a Ray connection in this one.
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "generate", *common, "--mode", "async",
+                           "--spec-len", "3"], capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["token_ids"] == expected
+    assert result["stats"]["drafted"] > 0
 
 
 @pytest.mark.parametrize("args,message", [
