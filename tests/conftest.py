@@ -10,8 +10,15 @@ by the tests, so the loader is part of every path under test.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without CUDA the Triton kernels run under the interpreter; it must be chosen
+# before anything imports triton, and conftest.py loads before the test modules.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 BYTE_VOCAB = 256
 BOS, EOS, PAD = 256, 257, 258
