@@ -53,7 +53,8 @@ def served(tiny_target, far_draft, tmp_path_factory):
     port, gport = free_port(), free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    cmd = [sys.executable, "-m", "cluster.serve_cli", "--target", str(tiny_target), "--draft",
+    # `specflash serve`, through the console script's entry point (cluster.cli:main)
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--target", str(tiny_target), "--draft",
            str(far_draft), "--port", str(port), "--grpc-port", str(gport), "--engine", ENGINE]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
