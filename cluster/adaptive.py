@@ -19,7 +19,9 @@ when none does). Consequences, all wanted by the issue:
   a + b · rows and draft time per level from the actors' own timings.
 
 A sequence held at 0 is probed with a short tree every `probe_every` steps so
-its γ can recover. Requests that fix their mode ("chain" / "tree" / "off")
+its γ can recover. The cost model learns its slope from the batch shapes it
+sees (bridge and fallback steps are plain ones); while it has seen only one, it
+assumes b = `slope_ratio` · a rather than a free slope. Requests that fix their mode ("chain" / "tree" / "off")
 bypass the optimiser.
 """
 from __future__ import annotations
@@ -38,16 +40,15 @@ def expected_tokens(gamma: float, k: int) -> float:
 
 class CostModel:
     """verify(rows) ≈ a + b · rows and draft(levels) ≈ d · levels, fitted by
-    exponentially-weighted least squares with a weak prior (so a slope exists
-    before the batch size has varied)."""
+    exponentially-weighted least squares; a prior until the first measurement,
+    and b = slope_ratio · a while only one batch shape has been seen."""
 
     def __init__(self, a: float = 0.02, b: float = 0.002, d: float = 0.004,
-                 decay: float = 0.98, prior_weight: float = 2.0) -> None:
+                 decay: float = 0.98, slope_ratio: float = 0.1) -> None:
         self.decay = decay
-        # weighted sums for y = a + b x, seeded by two prior points
-        self._s = [0.0] * 5            # [w, wx, wy, wxx, wxy]
-        for x in (1.0, 9.0):
-            self._add(x, a + b * x, prior_weight)
+        self.prior = (a, b)              # used until the first measurement
+        self.slope_ratio = slope_ratio   # b / a assumed while the data cannot tell the slope
+        self._s = [0.0] * 5              # weighted sums for y = a + b x: [w, wx, wy, wxx, wxy]
         self.d = d
 
     def _add(self, x: float, y: float, w: float) -> None:
@@ -66,9 +67,14 @@ class CostModel:
     @property
     def coefficients(self) -> tuple[float, float]:
         w, wx, wy, wxx, wxy = self._s
-        var = wxx * w - wx * wx
-        b = (wxy * w - wx * wy) / var if var > 1e-12 else 0.0
-        b = max(b, 0.0)
+        if w <= 0:
+            return self.prior
+        var = (wxx * w - wx * wx) / (w * w)           # weighted variance of the row counts
+        if var < 0.25:   # one batch shape seen so far: keep the level, assume the slope ratio
+            r = self.slope_ratio
+            a = max(wy / w / (1.0 + r * wx / w), 1e-6)
+            return a, r * a
+        b = max((wxy * w - wx * wy) / (var * w * w), 0.0)
         a = max((wy - b * wx) / w, 1e-6)
         return a, b
 

@@ -1,0 +1,58 @@
+"""Adaptive speculation (cluster/adaptive.py): Eq. 3.2 and measured costs decide the budgets."""
+from __future__ import annotations
+
+from cluster.adaptive import AdaptiveSpeculation, CostModel, expected_tokens
+
+
+def feed(costs: CostModel, a: float, b: float) -> None:
+    for rows in (1, 5, 1, 5, 3, 5, 1, 5) * 4:
+        costs.observe_verify(rows, a + b * rows)
+
+
+def controller(gamma_hits: tuple[int, int], a: float, b: float, d: float = 0.001) -> AdaptiveSpeculation:
+    ad = AdaptiveSpeculation(max_spec_len=8)
+    ad.add("s", "auto", 8, 1)
+    feed(ad.costs, a, b)
+    for _ in range(10):
+        ad.costs.observe_draft(1, d)
+    accepted, depth = gamma_hits
+    for _ in range(40):
+        ad.observe("s", depth, accepted)
+    return ad
+
+
+def test_eq_3_2():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert abs(expected_tokens(0.5, 2) - 1.75) < 1e-9
+    assert expected_tokens(1.0, 3) == 4.0
+
+
+def test_cost_model_recovers_a_and_b():
+    c = CostModel()
+    feed(c, 0.09, 0.16)
+    a, b = c.coefficients
+    assert abs(a - 0.09) < 0.01 and abs(b - 0.16) < 0.01
+
+
+def test_speculation_off_when_verifying_more_tokens_costs_too_much():
+    # a CPU where a 5-token verification costs 3.5x one token, and gamma ~ 0.35: plain decoding wins
+    ad = controller((1, 3), a=0.09, b=0.16)
+    assert ad.plan(["s"]) == {"s": (0, 0)}
+
+
+def test_deep_chains_when_verification_is_nearly_free_and_acceptance_high():
+    # a GPU-like memory-bound target: 5 tokens cost ~ 1; gamma ~ 0.9
+    ad = controller((9, 10), a=0.03, b=0.0005)
+    k, width = ad.plan(["s"])["s"]
+    assert k >= 4 and width == 1
+
+
+def test_fixed_modes_bypass_the_optimiser_and_off_sequences_are_probed():
+    ad = AdaptiveSpeculation(probe_every=3)
+    ad.add("c", "chain", 5, 4)
+    ad.add("o", "off", 5, 1)
+    assert ad.plan(["c", "o"]) == {"c": (5, 1), "o": (0, 0)}
+    ad2 = controller((0, 4), a=0.09, b=0.16)   # gamma ~ 0: held off ...
+    ad2.probe_every = 3
+    plans = [ad2.plan(["s"])["s"] for _ in range(3)]
+    assert plans[:2] == [(0, 0), (0, 0)] and plans[2][0] > 0   # ... but probed now and then
