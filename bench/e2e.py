@@ -36,8 +36,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent
-# `python bench/e2e.py` puts bench/ first on sys.path, where bench/kernels.py would shadow the
-# `kernels` package: drop it, the project is imported as installed.
+# `python bench/e2e.py` puts bench/ first on sys.path: drop it, so that the project is always
+# imported as installed and no script here can shadow one of its packages.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 PROMPTS = {
     "code": [

@@ -1,4 +1,4 @@
-"""Random, valid inputs for the kernels: shared by tests/kernels, tests/gpu and bench/kernels.py.
+"""Random, valid inputs for the kernels: shared by tests/kernels, tests/gpu and bench/kernel_bench.py.
 
 `make_paged_inputs` builds what a verifier step hands `tree_decode_attention`:
 a paged KV cache whose pages are scattered over the pool, an over-wide block

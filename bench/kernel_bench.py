@@ -194,7 +194,7 @@ def table(rows, copy_bw) -> str:
 def main():
     args = parse_args()
     if not args.dry_run and not torch.cuda.is_available():
-        sys.exit("bench/kernels.py needs CUDA; use --dry-run to check the harness on the CPU")
+        sys.exit("bench/kernel_bench.py needs CUDA; use --dry-run to check the harness on the CPU")
     device = torch.device("cpu" if args.dry_run else "cuda")
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     out_dir = Path(args.out)
