@@ -66,6 +66,7 @@ class VerifierActor:
         self._mail: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
         self._task: asyncio.Task | None = None
         self._error: str | None = None
+        self._idle_carry = 0.0                       # idle seconds since the last verify step
 
     # -- public methods (called through Ray) ------------------------------------------
     async def ready(self) -> bool:
@@ -303,16 +304,20 @@ class VerifierActor:
             waited = time.monotonic() - start
             self.stats.observe_idle(waited)
             self.stats.observe_wall(waited)
+            self._idle_carry += waited
             return
         from verifier import VerifyRequest
 
         requests = [VerifyRequest(s.request_id, s.committed[-1], tree, s.params, s.generator)
                     for s, tree, _ in batch]
         results, seconds = await asyncio.to_thread(self.side.verify, requests)
-        self.adaptive.costs.observe_verify(sum(1 + t.num_nodes for _, t, _ in batch), seconds)
         self.stats.observe_batch(seconds)
         self._publish(batch, results)
-        self.stats.observe_wall(time.monotonic() - start)
+        wall = time.monotonic() - start
+        self.stats.observe_wall(wall)
+        # the planner pays what a step really costs: its wall time plus the idle waits before it
+        self.adaptive.costs.observe_verify(sum(1 + t.num_nodes for _, t, _ in batch), wall + self._idle_carry)
+        self._idle_carry = 0.0
 
     async def _sleep(self, seconds: float) -> None:
         try:
