@@ -26,6 +26,7 @@ K8S_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?
 INGRESS_DEPLOYMENT = "SpecflashIngress"
 # Ray's built-in resources are requested through num_cpus / num_gpus, never as custom names.
 RAY_BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
+DEFAULT_VERIFIER_POLICY = "cluster.autoscaling:PipelineLoadPolicy"
 
 
 class _Model(BaseModel):
@@ -141,6 +142,9 @@ class SpeculationDefaults(_Model):
 
 
 class ReplicaScaling(_Model):
+    """Verifier replicas: each replica of the Serve ingress deployment hosts one verifier pipeline, so
+    this is the deployment's `autoscaling_config` (cluster.autoscaling.PipelineLoadPolicy by default)."""
+
     min_replicas: int = Field(1, ge=0, description="Fewest replicas the Serve autoscaler keeps.")
     max_replicas: int = Field(1, ge=1, description="Most replicas the Serve autoscaler starts.")
     initial_replicas: int | None = Field(None, ge=0, description="Replicas at deploy time; None = min_replicas.")
@@ -150,9 +154,10 @@ class ReplicaScaling(_Model):
     upscale_delay_s: float = Field(30.0, ge=0, description="Load must stay high this long before scaling up.")
     downscale_delay_s: float = Field(600.0, ge=0, description="Load must stay low this long before scaling down.")
     policy: str | None = Field(
-        None,
-        description="Custom Serve autoscaling policy as `module:function` (e.g. one driven by the verifier "
-        "idle fraction and ring occupancy); None = Serve's default, on ongoing requests.",
+        DEFAULT_VERIFIER_POLICY,
+        description="Serve autoscaling policy as `module:function` or `module:Class`. The default scales on "
+        "ongoing requests and on the verifiers' busy fraction, which each replica reports through "
+        "`record_autoscaling_stats`; None = Serve's built-in policy, on ongoing requests only.",
     )
     policy_kwargs: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments of `policy`.")
 
@@ -183,6 +188,34 @@ class ReplicaScaling(_Model):
         if self.policy is not None:
             cfg["policy"] = {"policy_function": self.policy, "policy_kwargs": dict(self.policy_kwargs)}
         return cfg
+
+
+class DrafterScaling(_Model):
+    """Drafters per verifier, adjusted inside each replica by `cluster.autoscaling.DrafterAutoscaler`
+    from that verifier's own signals; `drafters_per_verifier` is the starting count."""
+
+    min_per_verifier: int = Field(1, ge=1, le=8, description="Fewest drafters feeding one verifier.")
+    max_per_verifier: int = Field(1, ge=1, le=8, description="Most drafters feeding one verifier.")
+    starved_idle_fraction: float = Field(
+        0.2, gt=0, lt=1, description="Add a drafter while the verifier spends more than this fraction of its "
+        "time waiting for trees with requests pending (drafting is the bottleneck).")
+    full_ring_occupancy: float = Field(
+        0.9, gt=0, le=1, description="Remove a drafter while the rings stay fuller than this on average and the "
+        "verifier is not starved (drafters wait on backpressure: one fewer keeps up).")
+    period_s: float = Field(10.0, gt=0, description="How often each replica reads its verifier's signals.")
+    upscale_delay_s: float = Field(30.0, ge=0, description="A starved verifier must stay starved this long.")
+    downscale_delay_s: float = Field(300.0, ge=0, description="Full rings must stay full this long.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DrafterScaling:
+        if self.min_per_verifier > self.max_per_verifier:
+            raise ValueError(f"need min_per_verifier <= max_per_verifier, got "
+                             f"{self.min_per_verifier} > {self.max_per_verifier}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_per_verifier > self.min_per_verifier
 
 
 class Toleration(_Model):
@@ -338,9 +371,10 @@ class AppArgs(_Model):
     models: ModelPairConfig = Field(default_factory=ModelPairConfig, description="The model pair.")
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Actor resources.")
     speculation: SpeculationDefaults = Field(default_factory=SpeculationDefaults, description="Server defaults.")
-    drafters_per_verifier: int = Field(1, ge=1, le=8, description="Drafter actors feeding one verifier.")
-    verifier_scaling: ReplicaScaling = Field(default_factory=ReplicaScaling, description="Verifier replicas.")
-    drafter_scaling: ReplicaScaling = Field(default_factory=ReplicaScaling, description="Drafter replicas.")
+    drafters_per_verifier: int = Field(1, ge=1, le=8, description="Drafter actors feeding one verifier at start.")
+    verifier_scaling: ReplicaScaling = Field(
+        default_factory=ReplicaScaling, description="Verifier replicas = replicas of the Serve deployment.")
+    drafter_scaling: DrafterScaling = Field(default_factory=DrafterScaling, description="Drafters per verifier.")
     serving: ServingConfig = Field(default_factory=ServingConfig, description="HTTP / gRPC front.")
 
     @field_validator("engine")
@@ -361,16 +395,11 @@ class AppArgs(_Model):
         return self
 
     def _check_ratio(self) -> None:
-        n, v, d = self.drafters_per_verifier, self.verifier_scaling, self.drafter_scaling
-        if d.max_replicas < n * v.min_replicas:
+        n, d = self.drafters_per_verifier, self.drafter_scaling
+        if not d.min_per_verifier <= n <= d.max_per_verifier:
             raise ValueError(
-                f"drafter_scaling.max_replicas={d.max_replicas} cannot feed verifier_scaling.min_replicas="
-                f"{v.min_replicas} x drafters_per_verifier={n}"
-            )
-        if d.max_replicas > n * v.max_replicas or d.min_replicas > n * v.min_replicas:
-            raise ValueError(
-                f"drafter replicas [{d.min_replicas}, {d.max_replicas}] exceed drafters_per_verifier={n} x "
-                f"verifier replicas [{v.min_replicas}, {v.max_replicas}]: the extra drafters would feed no verifier"
+                f"drafters_per_verifier={n} is outside drafter_scaling [min_per_verifier={d.min_per_verifier}, "
+                f"max_per_verifier={d.max_per_verifier}]"
             )
 
 
@@ -381,7 +410,6 @@ class ClusterConfig(AppArgs):
     image: str = Field(description="Container image with specflash installed (same Ray version).")
     ray_version: str = Field(description="Ray version of the image, e.g. 2.60.0.")
     import_path: str = Field("cluster.serve_app:build_app", description="The Serve app builder.")
-    ingress_scaling: ReplicaScaling = Field(default_factory=ReplicaScaling, description="Ingress replicas.")
     head: NodeType = Field(
         description="The head node: GCS, Serve controller and proxy; runs no model in a cluster "
         "(its worker counts are ignored)."
@@ -400,19 +428,25 @@ class ClusterConfig(AppArgs):
     def _dns_1035(cls, v: str) -> str:
         return _check_dns_1035(v)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_ingress_scaling(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "ingress_scaling" in data:
+            raise ValueError("ingress_scaling is gone: each ingress replica hosts one verifier pipeline, so "
+                             "verifier_scaling is the Serve deployment's autoscaling; move its settings there")
+        return data
+
     @model_validator(mode="after")
     def _consistent(self) -> ClusterConfig:
         names = [self.head.name, self.drafter_nodes.name, self.verifier_nodes.name]
         if len(set(names)) != 3:
             raise ValueError(f"head, drafter_nodes and verifier_nodes need distinct names, got {names}")
-        if self.ingress_scaling.min_replicas < 1:
-            raise ValueError("ingress_scaling.min_replicas must be >= 1: nothing serves without an ingress")
         if self.model_volume is not None:
             root = self.model_volume.mount_path.rstrip("/") + "/"
             for path in (self.models.target, self.models.draft):
                 if path is not None and not path.startswith(root):
                     raise ValueError(f"model {path!r} is not under model_volume.mount_path {root!r}")
-        for side in ("drafter", "verifier"):
+        for side in ("verifier", "drafter"):
             self._check_fit(side)
         return self
 
@@ -423,7 +457,9 @@ class ClusterConfig(AppArgs):
 
     def _check_fit(self, side: Literal["drafter", "verifier"]) -> None:
         actor: ActorPlacement = getattr(self.placement, side)
-        scaling: ReplicaScaling = getattr(self, f"{side}_scaling")
+        most = self.verifier_scaling.max_replicas
+        if side == "drafter":
+            most *= self.drafter_scaling.max_per_verifier
         host = self.host_of(side)
         missing = host.missing_for(actor)
         if missing:
@@ -434,11 +470,11 @@ class ClusterConfig(AppArgs):
             if name in self.head.resources:
                 raise ValueError(f"the head offers {side} resource {name!r}: the head must run no model")
         capacity = host.actors_per_node(actor) * host.max_workers
-        if scaling.max_replicas > capacity:
-            raise ValueError(
-                f"{side}_scaling.max_replicas={scaling.max_replicas} exceeds what {host.max_workers} "
-                f"{host.name!r} nodes hold ({capacity})"
-            )
+        if most > capacity:
+            what = ("verifier_scaling.max_replicas" if side == "verifier" else
+                    "verifier_scaling.max_replicas x drafter_scaling.max_per_verifier")
+            raise ValueError(f"{what}={most} {side}s exceed what {host.max_workers} {host.name!r} nodes hold "
+                             f"({capacity})")
 
     def app_args(self) -> dict[str, Any]:
         """The Serve app's `args` (an `AppArgs` as JSON-compatible data)."""

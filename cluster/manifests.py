@@ -41,14 +41,16 @@ FILES = {
 def serve_config(cfg: ClusterConfig) -> dict[str, Any]:
     """The Serve config (`ray.serve.schema.ServeDeploySchema`): one application built by `cfg.import_path`.
 
-    The ingress is the Serve deployment (autoscaled by Serve on ongoing requests); the drafter and
-    verifier actors behind it are placed and counted by the pipeline from `args` (AppArgs).
+    The ingress is the Serve deployment; each of its replicas hosts one verifier pipeline, so Serve
+    autoscales it by `verifier_scaling` (cluster.autoscaling.PipelineLoadPolicy: ongoing requests and the
+    verifiers' busy fraction). The drafters of each pipeline are placed from `args` (AppArgs) and
+    counted inside the replica by `drafter_scaling`.
     """
     s = cfg.serving
     # max_ongoing_requests is left to the app (its own queue bound answers 429/503)
     ingress = {
         "name": INGRESS_DEPLOYMENT,
-        "autoscaling_config": cfg.ingress_scaling.autoscaling_config(),
+        "autoscaling_config": cfg.verifier_scaling.autoscaling_config(),
         "ray_actor_options": cfg.placement.ingress.ray_options(),
     }
     grpc: dict[str, Any] = {"port": s.grpc_port, "grpc_servicer_functions": list(s.grpc_servicer_functions)}

@@ -41,6 +41,8 @@ class Pipeline:
     drafters: list = field(default_factory=list)
     placement_group: object = None
     active: int = 0                    # requests in flight (routing)
+    spawn_drafter: object = None       # index -> a new DrafterActor of this pipeline (drafter autoscaling)
+    drafter_indices: list = field(default_factory=list)   # the verifier's id of each of `drafters`
 
 
 class PipelineEngine:
@@ -207,10 +209,13 @@ def build_pipeline_engine(config=None, *, target_dir: str | None = None, draft_d
         d_settings = replace(settings, num_cpus=placement.drafter.num_cpus,
                              device="cuda" if placement.drafter.num_gpus > 0 else "cpu")
         verifier = verifier_cls.options(**v_opts).remote(target_dir, asdict(v_settings))
-        drafters = [drafter_cls.options(**d_opts[j]).remote(j, verifier, draft_dir, target_dir,
-                                                             asdict(d_settings))
-                    for j in range(config.drafters_per_verifier)]
-        pipelines.append(Pipeline(verifier, drafters, pg))
+        def spawn(j: int, verifier=verifier, d_opts=d_opts, d_settings=d_settings):
+            return drafter_cls.options(**d_opts[j % len(d_opts)]).remote(
+                j, verifier, draft_dir, target_dir, asdict(d_settings))
+
+        n = config.drafters_per_verifier
+        pipelines.append(Pipeline(verifier, [spawn(j) for j in range(n)], pg, spawn_drafter=spawn,
+                                  drafter_indices=list(range(n))))
     engine = PipelineEngine(pipelines, settings, chunk_timeout_s)
     try:
         ray.get([p.verifier.ready.remote() for p in pipelines], timeout=ready_timeout_s)
@@ -235,7 +240,9 @@ def _model_dirs(config, target_dir, draft_dir) -> tuple[str, str | None]:
 
 def _placement(config) -> tuple[object, dict, list[dict]]:
     """(placement group or None, verifier options, options of each drafter)."""
-    placement, n = config.placement, config.drafters_per_verifier
+    placement = config.placement
+    # a placement group reserves room for the most drafters drafter autoscaling may run
+    n = max(config.drafters_per_verifier, config.drafter_scaling.max_per_verifier)
     if placement.strategy == "NONE":
         return None, placement.verifier.ray_options(), [placement.drafter.ray_options()] * n
     from ray.util.placement_group import placement_group

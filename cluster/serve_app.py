@@ -16,6 +16,11 @@ OpenAI-compatible HTTP routes (`cluster.openai_api`) and the gRPC methods
 `Generate` / `GenerateStream` (`cluster.grpc_service`) that Serve's gRPC proxy
 routes to it. The pipeline's actors are placed by `PipelineEngine` from
 `placement` (Ray resources or a placement group).
+
+Each replica hosts one verifier pipeline, so Serve scales verifiers by scaling
+the deployment (`verifier_scaling`, policy `cluster.autoscaling.PipelineLoadPolicy`
+fed by `record_autoscaling_stats`); inside a replica a `DrafterAutoscaler` adjusts
+that verifier's drafters (`drafter_scaling`).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from typing import Any
 
 from ray import serve
 
+from cluster.autoscaling import SignalWindow, replica_signals, start_drafter_autoscaler
 from cluster.config import INGRESS_DEPLOYMENT, AppArgs
 
 log = logging.getLogger("specflash.serve")
@@ -126,6 +132,8 @@ class SpecflashIngress:
                                   api_key=api_key)
         self.server = OpenAIServer(self.engine, tokenizer, settings)
         self.grpc = GrpcService(self.server)
+        self.signals = SignalWindow()
+        self.drafter_scaler = start_drafter_autoscaler(self.engine, args)
 
     def __serve_build_asgi_app__(self):
         from cluster.openai_api import build_fastapi_app
@@ -140,6 +148,14 @@ class SpecflashIngress:
     async def GenerateStream(self, request, grpc_context=None):  # noqa: N802
         async for msg in self.grpc.generate_stream(request, grpc_context):
             yield msg
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom-metrics hook: this replica's load for `cluster.autoscaling.PipelineLoadPolicy`."""
+        try:
+            stats = await self.engine.stats()
+        except Exception:   # an engine that cannot answer: report only what the ingress knows
+            stats = {}
+        return replica_signals(self.signals, stats, self.server.outstanding)
 
     async def check_health(self) -> None:
         """Serve's replica health check: the engine must say it can serve."""
@@ -164,6 +180,8 @@ def build_app(args: dict[str, Any] | None = None):
         SpecflashIngress, name=INGRESS_DEPLOYMENT,
         # Serve must not queue in front of the ingress: admission (429) happens inside.
         max_ongoing_requests=s.max_queue + 16,
+        # one verifier pipeline per replica: the verifier count is this deployment's replica count
+        autoscaling_config=app_args.verifier_scaling.autoscaling_config(),
         ray_actor_options=app_args.placement.ingress.ray_options(),
         health_check_period_s=10, health_check_timeout_s=30,
     )

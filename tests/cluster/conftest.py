@@ -57,14 +57,14 @@ def _start_cluster(attempts: int = 3):
 
 def pipeline_args(drafters: int = 1, strategy: str = "NONE", **speculation):
     """AppArgs pinning drafters and verifiers to their nodes (by resource or placement group)."""
-    from cluster.config import ActorPlacement, AppArgs, PlacementConfig, ReplicaScaling, SpeculationDefaults
+    from cluster.config import ActorPlacement, AppArgs, DrafterScaling, PlacementConfig, SpeculationDefaults
 
     placement = PlacementConfig(
         drafter=ActorPlacement(num_cpus=1, resources={DRAFTER_RESOURCE: 1}),
         verifier=ActorPlacement(num_cpus=1, resources={VERIFIER_RESOURCE: 1}),
         strategy=strategy)
     return AppArgs(placement=placement, drafters_per_verifier=drafters,
-                   drafter_scaling=ReplicaScaling(max_replicas=drafters),
+                   drafter_scaling=DrafterScaling(max_per_verifier=drafters),
                    speculation=SpeculationDefaults(**speculation))
 
 

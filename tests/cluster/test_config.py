@@ -80,11 +80,13 @@ def test_autoscaling_config_is_what_serve_accepts():
         ("placement.verifier.resources", {"GPU": 1}, "built-in resource"),
         ("verifier_nodes.gpus", 0, "GPU=1"),
         ("head.resources", {"specflash_verifier": 1}, "head must run no model"),
-        ("verifier_scaling.max_replicas", 5, "exceeds what 4 'verifier' nodes hold"),
+        ("verifier_scaling.max_replicas", 5, "verifiers exceed what 4 'verifier' nodes hold"),
         ("verifier_scaling.initial_replicas", 9, "min_replicas <= initial_replicas <= max_replicas"),
         ("verifier_scaling.min_replicas", 0, "nothing serves without a verifier"),
-        ("drafters_per_verifier", 5, "cannot feed"),
-        ("drafter_scaling.min_replicas", 2, "the extra drafters would feed no verifier"),
+        ("drafters_per_verifier", 2, "outside drafter_scaling"),
+        ("drafter_scaling.min_per_verifier", 2, "min_per_verifier <= max_per_verifier"),
+        ("drafter_scaling.max_per_verifier", 2, "drafter_scaling.max_per_verifier=8 drafters exceed"),
+        ("ingress_scaling", {"min_replicas": 1}, "verifier_scaling is the Serve deployment"),
         ("verifier_nodes.name", "Verifier_GPU", "DNS-1035"),
         ("drafter_nodes.name", "verifier", "distinct names"),
         ("drafter_nodes.memory", "32 GB", "Kubernetes quantity"),
@@ -94,7 +96,7 @@ def test_autoscaling_config_is_what_serve_accepts():
         ("models.target", None, "needs its target"),
         ("serving.grpc_port", 8000, "different ports"),
         ("verifier_scaling.policy", "not an import path", "module:function"),
-        ("verifier_scaling.policy_kwargs", {"target_idle_fraction": 0.1}, "without a policy"),
+        ("verifier_scaling.policy", None, "policy_kwargs given without a policy"),
         ("engine", "sync", "engine must be"),
         ("models.draft", "/elsewhere/draft", "not under model_volume.mount_path"),
         ("model_volume.mount_path", "models", "must be absolute"),
@@ -114,8 +116,8 @@ def test_target_without_draft_needs_ngram_or_off(example):
 
 def test_more_drafters_per_verifier_when_replicas_follow(example):
     data = _set(example, "drafters_per_verifier", 2)
-    data = _set(data, "drafter_scaling.min_replicas", 2)
-    data = _set(data, "drafter_scaling.max_replicas", 8)
+    data = _set(data, "drafter_scaling.min_per_verifier", 2)
+    data = _set(data, "drafter_scaling.max_per_verifier", 2)
     data = _set(data, "drafter_nodes.max_workers", 8)
     cfg = ClusterConfig.model_validate(data)
     assert cfg.drafters_per_verifier == 2
@@ -143,8 +145,3 @@ def test_app_args_are_the_serve_app_part_of_the_config():
     assert AppArgs.model_validate({}) == AppArgs()  # `serve run cluster.serve_app:build_app` with no args
     with pytest.raises(pydantic.ValidationError, match="nothing serves without a verifier"):
         AppArgs.model_validate({"verifier_scaling": {"min_replicas": 0}})
-
-
-def test_ingress_must_keep_one_replica(example):
-    with pytest.raises(pydantic.ValidationError, match="without an ingress"):
-        ClusterConfig.model_validate(_set(example, "ingress_scaling.min_replicas", 0))

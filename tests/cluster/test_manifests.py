@@ -357,8 +357,9 @@ def test_serve_config_carries_the_scaling_and_placement_of_the_config(committed,
     assert ingress["name"] == INGRESS_DEPLOYMENT
     assert ingress["ray_actor_options"] == cfg.placement.ingress.ray_options()
     scaling = ingress["autoscaling_config"]
-    assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 2)
-    assert scaling["target_ongoing_requests"] == cfg.ingress_scaling.target_ongoing_requests
+    assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 4)
+    assert scaling == cfg.verifier_scaling.autoscaling_config()    # one verifier pipeline per replica
+    assert scaling["policy"]["policy_function"] == "cluster.autoscaling:PipelineLoadPolicy"
     assert app["import_path"] == "cluster.serve_app:build_app"
     args = AppArgs.model_validate(app["args"])  # the pipeline places its actors from these
     assert args.placement == cfg.placement and args.verifier_scaling == cfg.verifier_scaling
@@ -470,7 +471,8 @@ def _cpu_cluster_config(cfg: ClusterConfig, target: Path, draft: Path) -> Cluste
     for side in ("drafter", "verifier"):
         data["placement"][side].update(num_cpus=1, num_gpus=0)
         data[f"{side}_nodes"].update(cpus=1, gpus=0, min_workers=1, max_workers=1)
-        data[f"{side}_scaling"].update(min_replicas=1, max_replicas=1)
+    data["verifier_scaling"].update(min_replicas=1, max_replicas=1)
+    data["drafter_scaling"].update(min_per_verifier=1, max_per_verifier=1)
     data["placement"]["ingress"]["num_cpus"] = 0
     data["serving"]["grpc_servicer_functions"] = []
     return ClusterConfig.model_validate(data)
