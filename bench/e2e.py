@@ -9,6 +9,8 @@ machine hurts all of them alike:
 
 - `off`: our engine, the target alone (the baseline of every speedup);
 - `sync-chain`, `sync-tree`: draft-then-verify with a chain of K / an EAGLE-2 tree;
+- `sync-auto`: the same engine choosing each step's depth (0 = decode alone) from the
+  running acceptance and the measured step costs (the server's default mode, "auto");
 - `ngram`: prompt lookup decoding (no draft model);
 - `hf-target`, `hf-assisted`: Hugging Face `generate`, the target alone and assisted
   generation (`assistant_model`, constant K, no confidence cutoff) on the same checkpoints.
@@ -79,7 +81,12 @@ def ours(engine, mode: str, spec_len: int, tree_width: int, proposer: str = "mod
     from cluster.protocol import GenerationRequest
     from models import SamplingParams
 
-    spec = speculation_for(mode, spec_len, tree_width, proposer)
+    if mode == "auto":
+        from cluster.protocol import SpeculationOptions
+
+        spec = SpeculationOptions(mode="auto", spec_len=spec_len, tree_width=tree_width, proposer=proposer)
+    else:
+        spec = speculation_for(mode, spec_len, tree_width, proposer)
 
     def run(prompt_ids: list[int], max_tokens: int) -> dict:
         request = GenerationRequest("bench", prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens),
@@ -261,6 +268,7 @@ def build_methods(args, pair, hf_target, hf_draft) -> dict:
     if engine.draft is not None:
         methods["sync-chain"] = ours(engine, "sync", args.spec_len, 1)
         methods["sync-tree"] = ours(engine, "sync", args.spec_len, args.tree_width)
+        methods["sync-auto"] = ours(engine, "auto", args.spec_len, 1)
     methods["ngram"] = ours(engine, "sync", args.spec_len, 1, "ngram")
     if not args.no_hf:
         methods["hf-target"] = hf(hf_target, eos_token_ids=eos)

@@ -7,7 +7,8 @@ tokens per verification. In the asynchronous pipeline drafting overlaps
 verification, so one step of a batch costs
     T(k) = max(verify(rows), draft(max_i k_i)),   rows = Σ_i (1 + k_i · W_i)
 (the verifier's target forward over all trees, or the drafter's K levels when
-it is the slower side). We choose the budgets k_i that maximise the batch's
+it is the slower side). In the synchronous engine (`overlap=False`) drafting and
+verification take turns, so T(k) = verify(rows) + draft(max_i k_i) instead. We choose the budgets k_i that maximise the batch's
 committed tokens per second  R(k) = Σ_i E(γ_i, k_i) / T(k)  by greedy ascent
 from k = 0 (each move adds one level to the sequence that raises R most; stop
 when none does). Consequences, all wanted by the issue:
@@ -44,8 +45,9 @@ class CostModel:
     and b = slope_ratio · a while only one batch shape has been seen."""
 
     def __init__(self, a: float = 0.02, b: float = 0.002, d: float = 0.004,
-                 decay: float = 0.98, slope_ratio: float = 0.1) -> None:
+                 decay: float = 0.98, slope_ratio: float = 0.1, overlap: bool = True) -> None:
         self.decay = decay
+        self.overlap = overlap           # drafting runs beside verification (async) or before it (sync)
         self.prior = (a, b)              # used until the first measurement
         self.slope_ratio = slope_ratio   # b / a assumed while the data cannot tell the slope
         self._s = [0.0] * 5              # weighted sums for y = a + b x: [w, wx, wy, wxx, wxy]
@@ -80,7 +82,9 @@ class CostModel:
 
     def step_time(self, rows: int, max_levels: int) -> float:
         a, b = self.coefficients
-        return max(a + b * rows, self.d * max_levels)
+        if self.overlap:
+            return max(a + b * rows, self.d * max_levels)
+        return a + b * rows + self.d * max_levels
 
 
 @dataclass
@@ -100,11 +104,12 @@ class SeqState:
 class AdaptiveSpeculation:
     """Per-sequence budgets for the next tree, from running acceptance and costs."""
 
-    def __init__(self, max_spec_len: int = 8, probe_every: int = 16, decay: float = 0.9) -> None:
+    def __init__(self, max_spec_len: int = 8, probe_every: int = 16, decay: float = 0.9,
+                 overlap: bool = True) -> None:
         self.max_spec_len = max_spec_len
         self.probe_every = probe_every
         self.decay = decay
-        self.costs = CostModel()
+        self.costs = CostModel(overlap=overlap)
         self.seqs: dict[str, SeqState] = {}
 
     def add(self, stream: str, mode: str, spec_len: int, width: int) -> None:

@@ -1,10 +1,14 @@
 """The synchronous in-process engine: prefill, then draft-and-verify until done.
 
 Modes per request (`SpeculationOptions.mode`): "off" is the target decoding
-alone (trees of zero nodes); "chain", "tree" and "auto" are classic
-draft-then-verify (Leviathan et al. 2023; Chen et al. 2023), with an EAGLE-2
-tree (Li et al. 2024) when the width is above 1, or prompt lookup decoding
-with the n-gram proposer. Requests of one `generate` call step in lockstep:
+alone (trees of zero nodes); "chain" and "tree" are classic draft-then-verify
+(Leviathan et al. 2023; Chen et al. 2023), with an EAGLE-2 tree (Li et al.
+2024) when the width is above 1, or prompt lookup decoding with the n-gram
+proposer. "auto" with the draft model chooses each sequence's depth every step
+(`cluster.adaptive`, with draft and verify costs added since they take turns
+here): a sequence whose drafts are rarely accepted decodes alone, probed now
+and then, so speculation that does not pay costs little. "auto" with the
+n-gram proposer drafts at full depth wherever the prompt has a match. Requests of one `generate` call step in lockstep:
 one batched draft pass and one batched target forward per step.
 
 No Ray here: `cluster/` wraps this in actors and the Serve app.
@@ -20,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cluster.adaptive import AdaptiveSpeculation
 from cluster.protocol import GenerationRequest, SpeculationOptions
 from drafter import DraftRequest, ModelProposer, NgramProposer
 from models.tree import TokenTree
@@ -142,6 +147,9 @@ class Engine:
         self._capacity = 0                                  # tokens the current caches hold
         self.verifier: Verifier | None = None
         self.proposer: ModelProposer | None = None
+        # per-sequence depths of "auto" requests; draft and verify take turns here (no overlap)
+        self.adaptive = AdaptiveSpeculation(max_spec_len=MAX_SPEC_LEN, overlap=False)
+        self._planned: dict[str, tuple[int, int]] = {}
 
     # -- public -------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
@@ -166,12 +174,15 @@ class Engine:
     def step(self, seqs: Sequence[_Sequence]) -> None:
         """One speculative step for every sequence: draft, verify, commit."""
         start = time.perf_counter()
+        planned = [s.seq_id for s in seqs if s.seq_id in self.adaptive.seqs]
+        self._planned = self.adaptive.plan(planned) if planned else {}
         trees = self._propose(seqs)
         drafted = time.perf_counter()
         results = self.verifier.verify([
             VerifyRequest(s.seq_id, s.token_ids[-1], tree, s.request.sampling, s.generator)
             for s, tree in zip(seqs, trees)])
         verified = time.perf_counter()
+        self._observe_costs(seqs, trees, results, drafted - start, verified - drafted)
         for s, tree, res in zip(seqs, trees, results):
             self._proposer_of(s).on_verified(s.seq_id, tree, res.accepted_nodes)
             last = res.accepted_nodes[-1] if res.accepted_nodes else -1
@@ -181,6 +192,19 @@ class Engine:
             s.stats.observe_time("draft", (drafted - start) / len(seqs))
             s.stats.observe_time("verify", (verified - drafted) / len(seqs))
             s.stats.observe_time("elapsed", (verified - start) / len(seqs))
+
+    def _observe_costs(self, seqs, trees, results, draft_s: float, verify_s: float) -> None:
+        """Feed the adaptive planner: each auto sequence's acceptance, and the step's costs."""
+        if not self._planned:
+            return
+        levels = 0
+        for s, tree, res in zip(seqs, trees, results):
+            depth = int(tree.depths.max()) if tree.num_nodes else 0
+            if s.seq_id in self._planned:
+                self.adaptive.observe(s.seq_id, depth, res.num_accepted)
+                levels = max(levels, depth)
+        self.adaptive.costs.observe_verify(sum(1 + t.num_nodes for t in trees), verify_s)
+        self.adaptive.costs.observe_draft(levels, draft_s)
 
     # -- steps --------------------------------------------------------------------------
     def _prefill(self, requests: Sequence[GenerationRequest]) -> list[_Sequence]:
@@ -195,6 +219,10 @@ class Engine:
             if not r.sampling.ignore_eos:
                 stop_ids |= self.eos_token_ids
             seqs.append(_Sequence(r, generator, stop_ids, list(r.prompt_token_ids)))
+            spec = r.speculation
+            if spec.mode == "auto" and spec.proposer == "model":
+                self.adaptive.add(r.request_id, "auto", spec.spec_len or self.spec_len,
+                                  spec.tree_width or self.tree_width)
         self.verifier.prefill_batch([s.seq_id for s in seqs], [s.token_ids for s in seqs])
         seconds = (time.perf_counter() - start) / len(seqs)
         for s in seqs:
@@ -221,8 +249,12 @@ class Engine:
     def _draft_request(self, s: _Sequence) -> DraftRequest:
         spec = s.request.speculation
         remaining = s.request.sampling.max_tokens - len(s.output)
-        depth = min(spec.spec_len or self.spec_len, remaining - 1, self.max_context - len(s.token_ids) - 1)
+        depth = spec.spec_len or self.spec_len
         width = 1 if spec.mode == "chain" else (spec.tree_width or self.tree_width)
+        if s.seq_id in self._planned:                 # "auto": the planner's depth (0 = decode alone)
+            depth, planned_width = self._planned[s.seq_id]
+            width = planned_width or width
+        depth = min(depth, remaining - 1, self.max_context - len(s.token_ids) - 1)
         return DraftRequest(s.seq_id, s.token_ids, s.request.sampling, s.generator, depth,
                             tree_width=width)
 
@@ -267,6 +299,8 @@ class Engine:
         self._capacity = need
 
     def _release(self, seq_id: str) -> None:
+        self.adaptive.remove(seq_id)
+        self._planned.pop(seq_id, None)
         self.verifier.release(seq_id)
         if self.proposer is not None:
             self.proposer.release(seq_id)
