@@ -10,9 +10,11 @@ which Ray Serve's gRPC proxy routes to; `SpecflashServicer` serves it on a plain
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 
 from cluster.openai_api import OpenAIServer
@@ -24,7 +26,39 @@ from cluster.protos import specflash_pb2_grpc as pb_grpc
 STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
           404: grpc.StatusCode.NOT_FOUND, 408: grpc.StatusCode.DEADLINE_EXCEEDED,
           429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}
-SERVICER_FUNCTION = "cluster.protos.specflash_pb2_grpc.add_SpecflashServicer_to_server"
+# What Serve's gRPC proxy registers: the generated service, except that bytes that are not a
+# GenerateRequest reach the method as `Malformed` and get INVALID_ARGUMENT, where the generated
+# deserializer (GENERATED_SERVICER_FUNCTION, which configs may still name) fails them as INTERNAL.
+SERVICER_FUNCTION = "cluster.grpc_service.add_servicer_to_server"
+GENERATED_SERVICER_FUNCTION = "cluster.protos.specflash_pb2_grpc.add_SpecflashServicer_to_server"
+
+
+@dataclass
+class Malformed:
+    """A request whose bytes did not parse as a GenerateRequest."""
+
+    reason: str
+
+
+def parse_request(data: bytes) -> pb.GenerateRequest | Malformed:
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except (DecodeError, RuntimeWarning, ValueError) as e:
+        return Malformed(str(e) or type(e).__name__)
+
+
+def add_servicer_to_server(servicer, server) -> None:
+    """`add_SpecflashServicer_to_server` with `parse_request` as the request deserializer."""
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            servicer.Generate, request_deserializer=parse_request,
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            servicer.GenerateStream, request_deserializer=parse_request,
+            response_serializer=pb.GenerateStreamResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("specflash.Specflash",
+                                                                          handlers),))
 
 
 class GrpcService:
@@ -51,9 +85,19 @@ class GrpcService:
         self.server._check_model(parsed)
         return parsed
 
-    def _authorize(self, context) -> None:
+    def _authorize(self, context) -> str:
+        """The client (cluster.access) named by the `authorization` metadata; 401 otherwise."""
         metadata = dict(context.invocation_metadata() or ()) if context is not None else {}
-        self.server.check_api_key(metadata.get("authorization"))
+        return self.server.check_api_key(metadata.get("authorization"))
+
+    def _prepare(self, req, context):
+        client = self._authorize(context)
+        if isinstance(req, Malformed):
+            raise APIError(400, f"malformed GenerateRequest: {req.reason}", code="invalid_request")
+        self.server.check_admitting()
+        prep = self.server.prepare_completion(self.to_completion(req))
+        prep.client = client
+        return prep
 
     def _usage(self, prep, completion: int, drafted: int, accepted: int) -> pb.Usage:
         return pb.Usage(prompt_tokens=sum(len(p) for p in prep.prompts), completion_tokens=completion,
@@ -62,8 +106,7 @@ class GrpcService:
     async def generate(self, req: pb.GenerateRequest, context=None) -> pb.GenerateResponse:
         t0, status = time.monotonic(), 200
         try:
-            self._authorize(context)
-            prep = self.server.prepare_completion(self.to_completion(req))
+            prep = self._prepare(req, context)
             (d,) = await self.server.collect(prep)
             return pb.GenerateResponse(text=d.text, token_ids=d.token_ids,
                                        finish_reason=d.finish_reason or "",
@@ -79,8 +122,7 @@ class GrpcService:
                               ) -> AsyncIterator[pb.GenerateStreamResponse]:
         t0, status = time.monotonic(), 200
         try:
-            self._authorize(context)
-            prep = self.server.prepare_completion(self.to_completion(req))
+            prep = self._prepare(req, context)
             async for d in self.server.run(prep):
                 msg = pb.GenerateStreamResponse(text=d.text, token_ids=d.token_ids)
                 if d.finish_reason:

@@ -83,12 +83,29 @@ def _labels(cfg: ClusterConfig, component: str) -> dict[str, str]:
     }
 
 
+def api_key_secret(cfg: ClusterConfig) -> str:
+    """The Kubernetes Secret holding the API key(s), under the key `api-key` (created by the operator:
+    `kubectl create secret generic <name>-api-key --from-literal=api-key=...`)."""
+    return f"{cfg.name}-api-key"
+
+
 def _env(cfg: ClusterConfig) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": "HF_HOME", "value": "/home/ray/.cache/huggingface"}]
     if cfg.serving.api_key_env:
-        secret = {"name": f"{cfg.name}-api-key", "key": "api-key"}
+        secret = {"name": api_key_secret(cfg), "key": "api-key"}
         env.append({"name": cfg.serving.api_key_env, "valueFrom": {"secretKeyRef": secret}})
     return env
+
+
+def _secret_volume(cfg: ClusterConfig) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(volume, mount) putting the Secret's `api-key` at `serving.api_key_file`, read-only; None if unset."""
+    path = cfg.serving.api_key_file
+    if path is None:
+        return None
+    folder, _, name = path.rpartition("/")
+    volume = {"name": "api-key", "secret": {"secretName": api_key_secret(cfg), "defaultMode": 0o440,
+                                             "items": [{"key": "api-key", "path": name}]}}
+    return volume, {"name": "api-key", "mountPath": folder or "/", "readOnly": True}
 
 
 def _container(cfg: ClusterConfig, node: NodeType, name: str, ports: list[tuple[str, int]]) -> dict[str, Any]:
@@ -106,6 +123,8 @@ def _container(cfg: ClusterConfig, node: NodeType, name: str, ports: list[tuple[
     if cfg.model_volume is not None:
         mount = {"name": "models", "mountPath": cfg.model_volume.mount_path, "readOnly": True}
         container["volumeMounts"] = [mount]
+    if (secret := _secret_volume(cfg)) is not None:
+        container.setdefault("volumeMounts", []).append(secret[1])
     return container
 
 
@@ -114,6 +133,8 @@ def _pod_template(cfg: ClusterConfig, node: NodeType, container: dict[str, Any],
     if cfg.model_volume is not None:
         claim = {"claimName": cfg.model_volume.claim_name, "readOnly": True}
         spec["volumes"] = [{"name": "models", "persistentVolumeClaim": claim}]
+    if (secret := _secret_volume(cfg)) is not None:
+        spec.setdefault("volumes", []).append(secret[0])
     if node.node_selector:
         spec["nodeSelector"] = dict(node.node_selector)
     if node.tolerations:

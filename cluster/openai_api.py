@@ -14,23 +14,22 @@ gone, timeout, error) is aborted in the engine, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import inspect
 import json
+import re
 import time
 import uuid
-from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Awaitable, Callable, Sequence
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from cluster.access import ANONYMOUS, ApiKeys, KeyLimiter, load_api_keys
 from cluster.detokenizer import IncrementalDetokenizer, StopStrings
 from cluster.openai_models import (APIError, ChatCompletionRequest, CompletionRequest, Delta,
                                    EngineError, Prepared, SamplingFields, engine_api_error,
                                    validation_error)
-from cluster.prom import CONTENT_TYPE, PrometheusExporter, ServingStats
+from cluster.prom import PrometheusExporter, ServingStats
 from cluster.protocol import Engine, GenerationRequest, SpeculationOptions
 from models.sampling import SamplingParams
 
@@ -59,7 +58,24 @@ class ServerSettings:
     retry_after_s: int = 1
     default_max_tokens: int = 16       # /v1/completions without max_tokens (OpenAI's default)
     disconnect_poll_s: float = 1.0     # non-streamed requests: how often to check the client
-    api_key: str | None = None         # when set, /v1/* and gRPC need `Authorization: Bearer <key>`
+    # When set (one key or several), /v1/* and gRPC need `Authorization: Bearer <key>`; never in repr.
+    api_key: str | Sequence[str] | None = field(default=None, repr=False)
+    auth_health: bool = False          # /health needs the key too
+    auth_metrics: bool = False         # /metrics needs the key too
+    max_concurrent_per_key: int | None = None   # generations one key may have admitted at once
+    max_request_bytes: int = 4 << 20   # larger bodies get 413
+    drain_timeout_s: float = 30.0      # on shutdown, how long in-flight requests may still run
+
+    @classmethod
+    def from_config(cls, serving, model_name: str, max_context: int) -> ServerSettings:
+        """From a `cluster.config.ServingConfig`; reads the API key(s) from their env var or file."""
+        return cls(model_name=model_name, max_context=max_context, max_queue=serving.max_queue,
+                   request_timeout_s=serving.request_timeout_s,
+                   api_key=load_api_keys(serving.api_key_env, serving.api_key_file) or None,
+                   auth_health=serving.auth_health, auth_metrics=serving.auth_metrics,
+                   max_concurrent_per_key=serving.max_concurrent_per_key,
+                   max_request_bytes=serving.max_request_bytes,
+                   drain_timeout_s=serving.drain_timeout_s)
 
 
 class OpenAIServer:
@@ -73,18 +89,16 @@ class OpenAIServer:
         self.exporter = PrometheusExporter(self.stats)
         self.chat_template = getattr(tokenizer, "chat_template", None) or DEFAULT_CHAT_TEMPLATE
         self.outstanding = 0           # admitted generations not yet finished
+        self.keys = ApiKeys.of(self.settings.api_key)
+        self.limiter = KeyLimiter(self.settings.max_concurrent_per_key, self.settings.retry_after_s)
+        self.draining = False          # set by begin_shutdown: nothing new is admitted
+        self._cuts: set[asyncio.Future] = set()  # one per running choice; done = fail it now
         self.vocab_size = len(tokenizer)
         self.created = int(time.time())
 
-    def check_api_key(self, authorization: str | None) -> None:
-        """Raises 401 unless `authorization` is `Bearer <the key>` (or no key is configured)."""
-        key = self.settings.api_key
-        if key is None:
-            return
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), key.encode()):
-            raise APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+    def check_api_key(self, authorization: str | None) -> str:
+        """The client (`key-<i>`, or "anonymous" when no key is configured); 401 for a bad key."""
+        return self.keys.identify(authorization)
 
     # -- request preparation -----------------------------------------------------------
     def _check_model(self, req: SamplingFields) -> None:
@@ -121,6 +135,10 @@ class OpenAIServer:
                 raise APIError(400, f"This model's maximum context length is {ctx} tokens; the "
                                f"prompt has {len(ids)}", code="context_length_exceeded",
                                param="prompt")
+        if len(prompts) * req.n > self.settings.max_queue:
+            raise APIError(400, f"The request asks for {len(prompts) * req.n} generations (prompts "
+                           f"x n); this server admits at most {self.settings.max_queue} at once",
+                           code="invalid_value", param="n")
         sampling, prompt_of = [], []
         for p, ids in enumerate(prompts):
             room = ctx - len(ids)
@@ -145,17 +163,73 @@ class OpenAIServer:
         return Prepared(prompts, sampling, prompt_of, spec, list(req.stop or []))
 
     # -- admission and generation --------------------------------------------------------
-    def admit(self, n: int) -> None:
+    def check_admitting(self) -> None:
+        """503 with Retry-After once shutdown began: another replica (or the restarted
+        server) takes the retry."""
+        if self.draining:
+            self.stats.observe_rejected("shutting_down")
+            raise APIError(503, "The server is shutting down and admits no new requests; retry",
+                           type="server_error", code="server_shutting_down",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+
+    def admit(self, n: int, client: str = ANONYMOUS) -> None:
+        self.check_admitting()
         if self.outstanding + n > self.settings.max_queue:
             self.stats.observe_rejected("queue_full")
             raise APIError(429, f"The server is busy ({self.outstanding} generations queued, the "
                            f"limit is {self.settings.max_queue}); retry later",
                            type="rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
+        try:
+            self.limiter.acquire(client, n)
+        except APIError:
+            self.stats.observe_rejected("key_concurrency_limit")
+            raise
         self.outstanding += n
 
-    def release(self, n: int) -> None:
+    def release(self, n: int, client: str = ANONYMOUS) -> None:
         self.outstanding -= n
+        self.limiter.release(client, n)
+
+    # -- shutdown ------------------------------------------------------------------------
+    def begin_shutdown(self) -> None:
+        """Stop admitting: new requests get 503, /health says "draining"."""
+        self.draining = True
+
+    async def drain(self, timeout_s: float | None = None, poll_s: float = 0.05) -> dict:
+        """Stop admitting, give in-flight requests `timeout_s` (default `drain_timeout_s`) to
+        finish, then fail the rest with a clear error (a stream gets an error event, then
+        [DONE]) and wait for those errors to be sent. Returns what happened, for the log."""
+        self.begin_shutdown()
+        timeout_s = self.settings.drain_timeout_s if timeout_s is None else timeout_s
+        running = self.outstanding
+        deadline = time.monotonic() + timeout_s
+        while self.outstanding > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        cut = list(self._cuts)
+        for fut in cut:  # each belongs to the event loop its request runs on
+            fut.get_loop().call_soon_threadsafe(_finish, fut)
+        grace = time.monotonic() + max(5.0, 10 * poll_s)
+        while self.outstanding > 0 and time.monotonic() < grace:
+            await asyncio.sleep(poll_s)
+        return {"in_flight": running, "failed": len(cut), "left": self.outstanding}
+
+    async def _next_chunk(self, iterator, deadline: float, cut: asyncio.Future):
+        """The engine's next chunk; TimeoutError past `deadline`, _Cut once `cut` is done."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise asyncio.TimeoutError
+        nxt = asyncio.ensure_future(iterator.__anext__())
+        try:
+            done, _ = await asyncio.wait((nxt, cut), timeout=remaining,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not nxt.done():
+                nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)
+        if nxt in done:
+            return nxt.result()
+        raise _Cut if cut.done() else asyncio.TimeoutError
 
     async def generate_choice(self, index: int, request_id: str, prompt_ids: list[int],
                               sampling: SamplingParams, spec: SpeculationOptions,
@@ -165,6 +239,8 @@ class OpenAIServer:
         start = last = time.monotonic()
         n_tokens = drafted = accepted = 0
         finished, queued, abort_reason = False, True, "client"
+        cut = asyncio.get_running_loop().create_future()
+        self._cuts.add(cut)
         self.stats.observe_queued(+1)
         stream = self.engine.generate(GenerationRequest(request_id, prompt_ids, sampling, spec))
         try:
@@ -172,17 +248,21 @@ class OpenAIServer:
                 stream = await stream
             iterator = stream.__aiter__()
             while True:
-                remaining = deadline - time.monotonic()
                 try:
-                    if remaining <= 0:
-                        raise asyncio.TimeoutError
-                    chunk = await asyncio.wait_for(iterator.__anext__(), remaining)
+                    chunk = await self._next_chunk(iterator, deadline, cut)
                 except StopAsyncIteration:
                     raise EngineError("the engine ended the request without finishing it", False)
                 except asyncio.TimeoutError:
                     abort_reason = "timeout"
                     raise APIError(408, f"request timed out after {self.settings.request_timeout_s}"
                                    " s", type="timeout_error", code="request_timeout") from None
+                except _Cut:
+                    abort_reason = "shutdown"
+                    raise APIError(503, "The server shut down before this request finished "
+                                   f"(drain deadline {self.settings.drain_timeout_s:g} s); retry it",
+                                   type="server_error", code="server_shutting_down",
+                                   headers={"Retry-After": str(self.settings.retry_after_s)}
+                                   ) from None
                 if chunk.finish_reason == "error":
                     finished = True
                     msg = chunk.error or "engine error"
@@ -215,6 +295,7 @@ class OpenAIServer:
                 if text or ids:
                     yield Delta(index, text, None, n_tokens, drafted, accepted, ids)
         finally:
+            self._cuts.discard(cut)
             if queued:
                 self.stats.observe_queued(-1)
             else:
@@ -234,7 +315,7 @@ class OpenAIServer:
                   ) -> AsyncIterator[Delta]:
         """All choices of a request, interleaved; admission held for the whole request."""
         n = len(prep.sampling)
-        self.admit(n)
+        self.admit(n, prep.client)
         deadline = time.monotonic() + self.settings.request_timeout_s
         base = uuid.uuid4().hex
         gens = [self.generate_choice(i, f"{base}-{i}", prep.prompts[prep.prompt_of[i]],
@@ -252,7 +333,7 @@ class OpenAIServer:
             finally:
                 await merged.aclose()
         finally:
-            self.release(n)
+            self.release(n, prep.client)
 
     async def collect(self, prep: Prepared, is_disconnected: Disconnected | None = None
                       ) -> list[Delta]:
@@ -275,8 +356,14 @@ class OpenAIServer:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from e
+        except RecursionError:
+            raise APIError(400, "malformed JSON body: nested too deeply",
+                           code="invalid_json") from None
         if not isinstance(body, dict):
             raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+        if _has_lone_surrogate(body):  # "\ud800" escapes: not text any tokenizer can take
+            raise APIError(400, "malformed JSON body: a string holds an unpaired UTF-16 surrogate",
+                           code="invalid_json")
         for name, allowed in UNSUPPORTED.items():
             if body.get(name) not in allowed:
                 raise APIError(400, f"{name}={body[name]!r} is not supported by this server",
@@ -306,8 +393,10 @@ class OpenAIServer:
                 "drafted_tokens": sum(d.drafted for d in deltas),
                 "accepted_tokens": sum(d.accepted for d in deltas)}
 
-    async def completions(self, req: CompletionRequest, is_disconnected: Disconnected | None = None):
+    async def completions(self, req: CompletionRequest, is_disconnected: Disconnected | None = None,
+                          client: str = ANONYMOUS):
         prep = self.prepare_completion(req)
+        prep.client = client
         rid, model = f"cmpl-{uuid.uuid4().hex}", self.settings.model_name
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
 
@@ -319,8 +408,10 @@ class OpenAIServer:
         deltas = await self.collect(prep, is_disconnected)
         return {**head, "choices": [choice(d) for d in deltas], "usage": self.usage(prep, deltas)}
 
-    async def chat(self, req: ChatCompletionRequest, is_disconnected: Disconnected | None = None):
+    async def chat(self, req: ChatCompletionRequest, is_disconnected: Disconnected | None = None,
+                   client: str = ANONYMOUS):
         prep = self.prepare_chat(req)
+        prep.client = client
         rid, model = f"chatcmpl-{uuid.uuid4().hex}", self.settings.model_name
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
         if req.stream:
@@ -383,6 +474,9 @@ class OpenAIServer:
             "owned_by": "specflash", "max_model_len": self.settings.max_context}]}
 
     async def health(self) -> tuple[int, dict]:
+        if self.draining:
+            return 503, {"status": "draining", "model": self.settings.model_name,
+                         "outstanding": self.outstanding}
         try:
             h = dict(await self.engine.health())
         except Exception as e:
@@ -399,6 +493,35 @@ class OpenAIServer:
         except Exception:
             engine_stats = {}
         return self.exporter.render(engine_stats)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(body) -> bool:
+    """Whether any string (key or value) in parsed JSON holds a surrogate code point; json.loads
+    joins escaped pairs, so any left is unpaired."""
+    stack = [body]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+class _Cut(Exception):
+    """A choice failed by `drain` at its deadline."""
+
+
+def _finish(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _with_ids(choice: dict, d: Delta, return_token_ids: bool) -> dict:
@@ -455,54 +578,8 @@ async def merge(gens: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def build_fastapi_app(server: OpenAIServer) -> FastAPI:
-    """The route table: each route parses, hands off to `server`, and shapes the response."""
-    app = FastAPI(title="specflash", docs_url=None, redoc_url=None)
+def build_fastapi_app(server: OpenAIServer):
+    """The route table (`cluster.openai_routes`), kept importable from here."""
+    from cluster.openai_routes import build_fastapi_app as build
 
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        server.stats.observe_request(request.url.path, exc.status, 0.0)
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    async def _generate(request: Request, model, handler):
-        t0 = time.monotonic()
-        server.check_api_key(request.headers.get("authorization"))
-        req = server.parse(await request.body(), model)
-        result = await handler(req, request.is_disconnected)
-        if isinstance(result, dict):
-            server.stats.observe_request(request.url.path, 200, time.monotonic() - t0)
-            return JSONResponse(result)
-
-        async def body():
-            try:
-                async for event in result:
-                    yield event
-            finally:
-                server.stats.observe_request(request.url.path, 200, time.monotonic() - t0)
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await _generate(request, CompletionRequest, server.completions)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await _generate(request, ChatCompletionRequest, server.chat)
-
-    @app.get("/v1/models")
-    async def models(request: Request):
-        server.check_api_key(request.headers.get("authorization"))
-        return server.models()
-
-    @app.get("/health")
-    async def health():
-        status, body = await server.health()
-        return JSONResponse(body, status_code=status,
-                            headers={} if status == 200 else {"Retry-After": "1"})
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(await server.metrics(), media_type=CONTENT_TYPE)
-
-    return app
+    return build(server)

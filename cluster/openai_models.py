@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal, Union
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -37,12 +37,16 @@ class APIError(Exception):
 
 
 # Parts of a pydantic error location that name a union member or validator, not a field.
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|function-.*|.*\[.*\]|[A-Z]\w*)$")
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|function-.*|constrained-\w+|.*\[.*\]|[A-Z]\w*)$")
 
 
 def validation_error(exc: ValidationError) -> APIError:
-    """The first pydantic error as a 400, naming the offending field."""
-    err = exc.errors()[0]
+    """The first pydantic error as a 400, naming the offending field. Of a union's members'
+    errors, one that is not a type mismatch says best what is wrong (a list of 17 stop
+    strings is too long, not "not a string")."""
+    errors = exc.errors()
+    err = next((e for e in errors if not e.get("type", "").endswith(("_type", "_parsing"))),
+               errors[0])
     loc = ".".join(str(p) for p in err.get("loc", ()) if not _TYPE_TAG.match(str(p)))
     kind = err.get("type", "")
     code = "invalid_type" if ("type" in kind or kind.endswith("_parsing")) else "invalid_value"
@@ -67,6 +71,11 @@ class SpeculationModel(BaseModel):
                                   tree_width=self.tree_width, proposer=self.proposer)
 
 
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1024   # a stop string longer than this is refused (a hostile 1 MB one too)
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -76,12 +85,13 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
-    max_tokens: int | None = Field(None, description="default: 16 (completions), rest of context (chat)")
+    max_tokens: int | None = Field(None, ge=1,
+                                   description="default: 16 (completions), rest of context (chat)")
     temperature: float = Field(1.0, ge=0.0, description="0 = greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=-1, description="0 or -1 = off")
-    seed: int | None = None
-    stop: Union[str, list[str], None] = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="a 64-bit integer")
+    stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOPS)], None] = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1, le=16)
     ignore_eos: bool = False
@@ -91,19 +101,12 @@ class SamplingFields(BaseModel):
     return_token_ids: bool = Field(False, description="add each choice's token ids (vLLM's extension)")
     user: str | None = None
 
-    @field_validator("max_tokens")
-    @classmethod
-    def _positive(cls, v: int | None) -> int | None:
-        if v is not None and v <= 0:
-            raise ValueError("max_tokens must be at least 1")
-        return v
-
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> list[str]:
         stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop strings")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
         return [s for s in stops if s]
 
     @property
@@ -111,7 +114,9 @@ class SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-PromptType = Union[str, list[str], list[int], list[list[int]]]
+TokenIds = Annotated[list[int], Field(min_length=1)]
+PromptType = Union[str, Annotated[list[str], Field(min_length=1)], TokenIds,
+                   Annotated[list[TokenIds], Field(min_length=1)]]
 
 
 class CompletionRequest(SamplingFields):
@@ -181,6 +186,7 @@ class Prepared:
     prompt_of: list[int]               # choice index -> prompt index
     speculation: SpeculationOptions
     stops: list[str]
+    client: str = "anonymous"          # who asked: `key-<i>` or anonymous (cluster.access)
 
 
 class EngineError(Exception):

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
-import os
 from typing import Any
 
 from ray import serve
@@ -118,18 +117,14 @@ class SpecflashIngress:
     """HTTP (FastAPI, built per replica) and gRPC front over one injected engine."""
 
     async def __init__(self, app_args: dict) -> None:
+        from cluster.access import load_api_keys
         from cluster.grpc_service import GrpcService
         from cluster.openai_api import OpenAIServer, ServerSettings
 
         args, extra = split_args(app_args)
+        load_api_keys(args.serving.api_key_env, args.serving.api_key_file)  # fail before loading models
         self.engine, tokenizer, max_context = await asyncio.to_thread(make_engine, extra["engine"], args)
-        s = args.serving
-        api_key = os.environ.get(s.api_key_env) if s.api_key_env else None
-        if s.api_key_env and not api_key:
-            raise RuntimeError(f"serving.api_key_env names {s.api_key_env!r}, which is not set")
-        settings = ServerSettings(model_name=extra["model_name"], max_context=max_context,
-                                  max_queue=s.max_queue, request_timeout_s=s.request_timeout_s,
-                                  api_key=api_key)
+        settings = ServerSettings.from_config(args.serving, extra["model_name"], max_context)
         self.server = OpenAIServer(self.engine, tokenizer, settings)
         self.grpc = GrpcService(self.server)
         self.signals = SignalWindow()
@@ -157,6 +152,14 @@ class SpecflashIngress:
             stats = {}
         return replica_signals(self.signals, stats, self.server.outstanding)
 
+    async def drain(self, timeout_s: float | None = None) -> dict:
+        """Stop admitting (503, /health "draining"), let in-flight requests finish within
+        `timeout_s` (default serving.drain_timeout_s), fail the rest with a clear error.
+        `specflash serve` calls it on every replica on SIGTERM, before Serve stops them."""
+        report = await self.server.drain(timeout_s)
+        log.info("specflash ingress drained: %s", report)
+        return {**report, "replica": serve.get_replica_context().replica_tag}
+
     async def check_health(self) -> None:
         """Serve's replica health check: the engine must say it can serve."""
         h = await self.engine.health()
@@ -164,6 +167,9 @@ class SpecflashIngress:
             raise RuntimeError(f"engine unhealthy: {h}")
 
     def __del__(self):
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.begin_shutdown()
         shutdown = getattr(getattr(self, "engine", None), "shutdown", None)
         if shutdown is not None:
             try:
@@ -184,6 +190,7 @@ def build_app(args: dict[str, Any] | None = None):
         autoscaling_config=app_args.verifier_scaling.autoscaling_config(),
         ray_actor_options=app_args.placement.ingress.ray_options(),
         health_check_period_s=10, health_check_timeout_s=30,
+        **s.graceful_shutdown_options(),  # never kills a replica with a request still running
     )
     return deployment.bind(app_args.model_dump(mode="json"))
 

@@ -6,8 +6,11 @@
 Without --target it serves the embedded default pair (`models.embedded`). With
 `RAY_ADDRESS` set it deploys onto that cluster and, on exit, deletes only its
 own application; otherwise it starts a local Ray and shuts it down on exit.
-The URL is printed once `/health` answers 200. Ctrl-C or SIGTERM shuts down
-cleanly. Until `cluster/cli.py` registers it, `python -m cluster.serve_cli ...`
+The URL is printed once `/health` answers 200. Ctrl-C or SIGTERM drains, then
+shuts down: every ingress replica stops admitting (503 with Retry-After, /health
+"draining"), in-flight requests get `--drain-timeout` seconds to finish, the rest
+end with a clear error (a stream: an error event, then [DONE]); a second signal
+skips the wait. Until `cluster/cli.py` registers it, `python -m cluster.serve_cli ...`
 runs the same command.
 """
 from __future__ import annotations
@@ -44,6 +47,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="ClusterConfig YAML (default: local defaults)")
     p.add_argument("--engine", default="auto", help="auto | pipeline | local | fake | module:factory")
     p.add_argument("--model-name", default="specflash", help="the model id clients send")
+    p.add_argument("--drain-timeout", type=float, default=None, metavar="S",
+                   help="on SIGTERM / Ctrl-C, let in-flight requests finish for S seconds "
+                        "(default: the config's serving.drain_timeout_s, 30)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a locally started Ray")
     p.add_argument("--ready-timeout", type=float, default=900.0, metavar="S",
                    help="give up if the app does not answer /health within S seconds")
@@ -52,7 +58,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 def app_args_from(args) -> dict:
     """The Serve app's args: the config (or local defaults) with the flags applied."""
     from cluster.config import ClusterConfig
-    from cluster.grpc_service import SERVICER_FUNCTION
+    from cluster.grpc_service import GENERATED_SERVICER_FUNCTION, SERVICER_FUNCTION
 
     cfg = ClusterConfig.from_yaml(args.config) if args.config else ClusterConfig.local_default()
     data = cfg.app_args()
@@ -60,11 +66,14 @@ def app_args_from(args) -> dict:
         data["models"]["target"], data["models"]["draft"] = args.target, args.draft
     elif args.draft is not None:
         raise ValueError("--draft needs --target (the embedded pair is all-or-nothing)")
-    for flag, key in (("host", "host"), ("port", "port"), ("grpc_port", "grpc_port")):
+    for flag, key in (("host", "host"), ("port", "port"), ("grpc_port", "grpc_port"),
+                      ("drain_timeout", "drain_timeout_s")):
         if getattr(args, flag) is not None:
             data["serving"][key] = getattr(args, flag)
-    if SERVICER_FUNCTION not in data["serving"]["grpc_servicer_functions"]:
-        data["serving"]["grpc_servicer_functions"].append(SERVICER_FUNCTION)
+    servicers = [f for f in data["serving"]["grpc_servicer_functions"]
+                 if f != GENERATED_SERVICER_FUNCTION]  # the same service, minus malformed-input care
+    data["serving"]["grpc_servicer_functions"] = servicers + [SERVICER_FUNCTION] * (
+        SERVICER_FUNCTION not in servicers)
     data["engine"], data["model_name"] = args.engine, args.model_name
     return data
 
@@ -94,6 +103,8 @@ class _Stop:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
+        if self.event.is_set():  # the second signal: stop waiting for the drain
+            raise KeyboardInterrupt
         self.event.set()
 
 
@@ -131,6 +142,13 @@ def run(args) -> int:
               f"gRPC on {host}:{s.grpc_port}; speculation "
               f"{'on' if health.get('speculation') else 'off'}. Ctrl-C to stop.", flush=True)
         stop.event.wait()
+        print(f"specflash: draining (up to {s.drain_timeout_s:g} s; signal again to skip)", flush=True)
+        try:
+            print(f"specflash: drained {drain(s.drain_timeout_s)}", flush=True)
+        except KeyboardInterrupt:
+            pass
+        except Exception as e:  # shutting down anyway
+            print(f"specflash: drain failed: {e!r}", file=sys.stderr, flush=True)
         print("specflash: shutting down", flush=True)
         return 0
     except (TimeoutError, RuntimeError) as e:  # RuntimeError: Serve could not deploy the app
@@ -138,6 +156,29 @@ def run(args) -> int:
         return EXIT_ERROR
     finally:
         _shutdown(joined)
+
+
+def drain(timeout_s: float) -> list[dict]:
+    """`SpecflashIngress.drain` on every running replica of the app; their reports.
+
+    A handle routes each call to some replica, so calls go out until every replica has
+    answered (each drain after the first returns at once)."""
+    from ray import serve
+
+    from cluster.config import INGRESS_DEPLOYMENT
+
+    status = serve.status().applications[APP_NAME].deployments[INGRESS_DEPLOYMENT]
+    replicas = max(1, status.replica_states.get("RUNNING", 0))
+    handle = serve.get_deployment_handle(INGRESS_DEPLOYMENT, APP_NAME)
+    reports: dict[str, dict] = {}
+    for _ in range(4 * replicas):
+        calls = [handle.drain.remote(timeout_s) for _ in range(replicas - len(reports))]
+        for call in calls:
+            report = call.result(timeout_s=timeout_s + 30)
+            reports[report["replica"]] = report
+        if len(reports) >= replicas:
+            break
+    return list(reports.values())
 
 
 def _embedded_pair() -> tuple[str, str]:

@@ -12,11 +12,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.grpc_service import GrpcService, SpecflashServicer
-from cluster.openai_api import OpenAIServer, ServerSettings
 from cluster.protos import specflash_pb2 as pb
 from cluster.protos import specflash_pb2_grpc as pb_grpc
 from cluster.testing import SAMPLE_TEXT, FakeEngine, tiny_byte_tokenizer
+
+from . import serving_helpers
 
 ROOT = Path(__file__).resolve().parents[2]
 TOK = tiny_byte_tokenizer()
@@ -28,17 +28,11 @@ def decode(ids):
 
 
 async def with_server(fn, engine=None, **settings):
-    engine = engine or FakeEngine(script=lambda r: OUT)
-    server = OpenAIServer(engine, TOK, ServerSettings(**{"max_context": 256, **settings}))
-    grpc_server = grpc.aio.server()
-    pb_grpc.add_SpecflashServicer_to_server(SpecflashServicer(GrpcService(server)), grpc_server)
-    port = grpc_server.add_insecure_port("127.0.0.1:0")
-    await grpc_server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            return await fn(pb_grpc.SpecflashStub(channel), engine, server)
-    finally:
-        await grpc_server.stop(None)
+    """The generated servicer function, as configs that predate the lenient one name it."""
+    return await serving_helpers.with_grpc(
+        lambda channel, stub, engine, server: fn(stub, engine, server),
+        engine or FakeEngine(script=lambda r: OUT), TOK,
+        add_to_server=pb_grpc.add_SpecflashServicer_to_server, **settings)
 
 
 def test_generate_and_stream_agree():
