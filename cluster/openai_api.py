@@ -20,11 +20,12 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Awaitable, Callable, Sequence
+from typing import AsyncIterator, Sequence
 
 from pydantic import ValidationError
 
 from cluster.access import ANONYMOUS, ApiKeys, KeyLimiter, load_api_keys
+from cluster.choice_streams import DisconnectWatch, Disconnected, merge
 from cluster.detokenizer import IncrementalDetokenizer, StopStrings
 from cluster.openai_models import (APIError, ChatCompletionRequest, CompletionRequest, Delta,
                                    EngineError, Prepared, SamplingFields, engine_api_error,
@@ -41,7 +42,6 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 DEFAULT_TEMPLATE_STOP = "<|im_end|>"
-Disconnected = Callable[[], Awaitable[bool]]
 # OpenAI fields this server does not implement: refused rather than silently ignored,
 # unless they carry their "off" value.
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
@@ -324,7 +324,7 @@ class OpenAIServer:
         try:
             self.stats.observe_prompt(sum(len(p) for p in prep.prompts))
             merged = gens[0] if n == 1 else merge(gens)
-            watch = _DisconnectWatch(is_disconnected, self.settings.disconnect_poll_s)
+            watch = DisconnectWatch(is_disconnected, self.settings.disconnect_poll_s)
             try:
                 async for delta in merged:
                     if await watch.gone():
@@ -532,50 +532,6 @@ def _with_ids(choice: dict, d: Delta, return_token_ids: bool) -> dict:
 
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-class _DisconnectWatch:
-    """Polls `is_disconnected` at most every `period_s` seconds."""
-
-    def __init__(self, is_disconnected: Disconnected | None, period_s: float) -> None:
-        self.check, self.period_s, self.next = is_disconnected, period_s, 0.0
-
-    async def gone(self) -> bool:
-        if self.check is None or time.monotonic() < self.next:
-            return False
-        self.next = time.monotonic() + self.period_s
-        return bool(await self.check())
-
-
-async def merge(gens: list[AsyncIterator[Delta]]) -> AsyncIterator[Delta]:
-    """Interleave several choice streams as their deltas come; cancels the rest on exit."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(g):
-        try:
-            async for d in g:
-                await queue.put(d)
-        except BaseException as e:  # handed to the consumer, which re-raises it
-            await queue.put(e)
-        finally:
-            await queue.put(done)
-
-    tasks = [asyncio.ensure_future(pump(g)) for g in gens]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item = await queue.get()
-            if item is done:
-                remaining -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def build_fastapi_app(server: OpenAIServer):
