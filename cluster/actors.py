@@ -13,8 +13,13 @@ When every ring is full, `exchange` long-polls: the drafter's backpressure.
 
 A drafter may die or be restarted by Ray (`max_restarts`) at any time: the
 verifier never waits for it past a short patience, and a restarted drafter
-reattaches under a new incarnation id and is resynchronised. Several drafters
-may feed one verifier; each sequence is fed by one of them.
+reattaches under a new incarnation id and is resynchronised. So may the
+verifier: the drafter keeps calling it (with a growing pause) while it is
+down, drops its streams, and the restarted verifier's "reset" confirms that.
+A frame the drafter cannot decode (malformed, another wire version) and a put
+the verifier refused are logged and counted; the drafter drops the streams
+concerned and asks to be resynced. Several drafters may feed one verifier;
+each sequence is fed by one of them.
 
 `remote_classes()` gives the `ray.remote` versions with their fixed options.
 """
@@ -27,10 +32,10 @@ import uuid
 
 import ray
 
-from cluster.backends import DraftSide, PipelineSettings, set_threads
+from cluster.backends import DraftSide, PipelineSettings, rss_bytes, set_threads
 from cluster.streams import DraftStream
 from cluster.verifier_actor import VerifierActor
-from cluster.wire import Signal, TreeHeader, decode_signals, encode_tree, pack_header
+from cluster.wire import Signal, TreeHeader, WireError, decode_signals, encode_tree, pack_header
 from models.sampling import SamplingParams
 
 log = logging.getLogger("specflash.cluster")
@@ -47,7 +52,8 @@ class DrafterActor:
         self.incarnation = uuid.uuid4().hex
         self.side = DraftSide(draft_dir, target_dir, self.settings)
         self.streams: dict[str, DraftStream] = {}
-        self.counters = {"trees": 0, "nodes": 0, "rollbacks": 0, "wasted_nodes": 0, "draft_s": 0.0}
+        self.counters = {"trees": 0, "nodes": 0, "rollbacks": 0, "wasted_nodes": 0, "draft_s": 0.0,
+                         "frames_rejected": 0, "verifier_errors": 0, "resets": 0}
         self._attached = threading.Event()
         self._stopped = threading.Event()
         self._error: str | None = None
@@ -65,7 +71,7 @@ class DrafterActor:
                 "running": self._thread.is_alive(), "error": self._error, **self.counters,
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "kv_free": None if cache is None else cache.num_free_blocks,
-                "kv_total": None if cache is None else cache.num_blocks}
+                "kv_total": None if cache is None else cache.num_blocks, "rss_bytes": rss_bytes()}
 
     def set_replay_corruption(self, corruption: float) -> None:
         """BENCHMARK ONLY: the corruption rate of the replay proposer (cluster/replay.py)."""
@@ -82,6 +88,7 @@ class DrafterActor:
     # -- the loop ----------------------------------------------------------------------
     def _run(self) -> None:
         puts, draft_s, levels, resync = [], 0.0, 0, []
+        pause = 0.05
         while not self._stopped.is_set():
             busy = bool(puts) or any(s.ready(self.settings.ring_slots) for s in self.streams.values())
             try:
@@ -89,25 +96,48 @@ class DrafterActor:
                     self.index, self.incarnation, puts, 0.0 if busy else self.settings.poll_s,
                     draft_s, levels, resync))
             except ray.exceptions.RayActorError as e:
-                self._error = f"verifier unreachable: {e}"
-                log.warning("drafter %d: %s; stopping", self.index, self._error)
-                return
-            except Exception as e:      # transient: retry after a pause
-                self._error = f"{type(e).__name__}: {e}"
+                # dead or restarting: what it held of ours is gone; keep calling until it is back
+                self.counters["verifier_errors"] += 1
+                self._error = f"verifier unreachable: {str(e).strip().splitlines()[0] if str(e).strip() else e}"
+                log.warning("drafter %d: %s; retrying in %.2f s", self.index, self._error, pause)
+                puts, draft_s, levels, resync = [], 0.0, 0, resync + self._drop_streams(list(self.streams))
+                time.sleep(pause)
+                pause = min(2.0, 2 * pause)
+                continue
+            except Exception as e:
+                if _refused_frame(e):   # the verifier rejected our puts: resync their streams
+                    self.counters["frames_rejected"] += 1
+                    self._error = f"verifier refused our frames: {e.cause}"
+                    log.error("drafter %d: %s; resynchronising those streams", self.index, self._error)
+                    mine = {unpack_stream(h) for h, _ in puts}
+                    puts, draft_s, levels = [], 0.0, 0
+                    resync = resync + self._drop_streams([s for s in self.streams if s in mine])
+                    continue
+                self._error = f"{type(e).__name__}: {e}"     # transient: retry after a pause
                 time.sleep(0.1)
                 continue
             self._attached.set()
+            pause = 0.05
             puts, draft_s, levels, resync = [], 0.0, 0, []
             try:
                 self._apply(decode_signals(reply))
                 puts, draft_s, levels = self._draft()
             except Exception as e:      # a bug or a bad frame: drop our state, ask to be resynced
-                log.exception("drafter %d: step failed; resynchronising its streams", self.index)
+                if isinstance(e, WireError):
+                    self.counters["frames_rejected"] += 1
+                    log.error("drafter %d: rejected a signal frame: %s; resynchronising its streams",
+                              self.index, e)
+                else:
+                    log.exception("drafter %d: step failed; resynchronising its streams", self.index)
                 self._error = f"{type(e).__name__}: {e}"
-                resync = list(self.streams)
-                for stream in resync:
-                    self.side.release(stream)
-                self.streams.clear()
+                resync = self._drop_streams(list(self.streams))
+
+    def _drop_streams(self, streams: list[str]) -> list[str]:
+        """Forget these streams and free their draft KV; returns them (to ask for a resync)."""
+        for stream in streams:
+            self.streams.pop(stream, None)
+            self.side.release(stream)
+        return streams
 
     def _apply(self, signals: list[Signal]) -> None:
         for sig in signals:
@@ -121,6 +151,9 @@ class DrafterActor:
                 s = DraftStream(sig.stream, sig.token_ids, sig.epoch, SamplingParams(**params), seed)
                 s.budget = sig.budget
                 self.streams[sig.stream] = s
+            elif sig.kind == "reset":     # the verifier does not know us: nothing we hold is wanted
+                self.counters["resets"] += 1
+                self._drop_streams(list(self.streams))
             elif sig.kind == "leave":
                 if self.streams.pop(sig.stream, None) is not None:
                     self.side.release(sig.stream)
@@ -172,14 +205,30 @@ class DrafterActor:
         return puts, seconds, levels
 
 
-def remote_classes(drafter_max_restarts: int = 10):
+def _refused_frame(e: Exception) -> bool:
+    return isinstance(e, ray.exceptions.RayTaskError) and isinstance(e.as_instanceof_cause(), WireError)
+
+
+def unpack_stream(header_bytes: bytes) -> str | None:
+    """The stream a packed tree header of ours names (None if it does not decode)."""
+    from cluster.wire import unpack_header
+
+    try:
+        return unpack_header(header_bytes).stream
+    except WireError:
+        return None
+
+
+def remote_classes(drafter_max_restarts: int = 10, verifier_max_restarts: int = 10):
     """(`ray.remote(DrafterActor)`, `ray.remote(VerifierActor)`) with their fixed options.
 
-    The drafter restarts on failure and its in-flight calls are not retried (the
-    verifier resynchronises it); the verifier is not restarted: its KV cache and
-    streams are gone with it, so its requests fail with a clear error instead.
+    Both restart on failure (-1 = without limit) and their in-flight calls are
+    not retried: a restarted drafter is resynchronised by the verifier; a
+    restarted verifier comes back empty, so the requests it was serving fail
+    with a retryable error (cluster/pipeline.py) and new ones are served.
     """
     drafter = ray.remote(max_restarts=drafter_max_restarts, max_task_retries=0,
                          max_concurrency=4)(DrafterActor)
-    verifier = ray.remote(max_restarts=0, max_concurrency=1000)(VerifierActor)
+    verifier = ray.remote(max_restarts=verifier_max_restarts, max_task_retries=0,
+                          max_concurrency=1000)(VerifierActor)
     return drafter, verifier

@@ -52,6 +52,17 @@ def set_threads(num_cpus: float) -> None:
     torch.set_num_threads(max(1, int(num_cpus)))
 
 
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux /proc; 0 where unavailable)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def _load(spec: str, device: str, dtype: str):
     """A checkpoint directory, or `random:<preset>` (benchmark only, cluster/replay.py)."""
     from cluster.replay import is_random, random_model

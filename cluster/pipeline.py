@@ -8,13 +8,17 @@ One *pipeline* is a `VerifierActor` and the `DrafterActor`s feeding it
 strategy (`STRICT_SPREAD` puts the verifier and each drafter on different
 nodes).
 
-Failure semantics, as the serving layer sees them:
+Failure semantics, as the serving layer sees them (docs/internals.md,
+"Failure handling"):
 - a drafter that dies is restarted by Ray; requests continue, exact, decoding
-  alone meanwhile;
+  alone meanwhile; `health()` says `speculation: false` with a reason while no
+  drafter is live (a drafter node lost for good), and `stats()` exports
+  `speculation_enabled` / `drafters_alive`;
 - a verifier that dies ends each of its requests with one chunk
-  `finish_reason="error"` whose message says it is retryable, as soon as Ray
-  reports the death (and at worst after `chunk_timeout_s` without a chunk);
-  requests on other pipelines are unaffected.
+  `finish_reason="error"` whose message starts with "retryable: ", as soon as
+  Ray reports the death (and at worst after `chunk_timeout_s` without a chunk);
+  Ray restarts it (`verifier_max_restarts`), its drafters reattach, and new
+  requests are served; requests on other pipelines are unaffected.
 
 `run_async_generate(args)` is `specflash generate --mode async`.
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import AsyncIterator
 
@@ -33,6 +38,7 @@ from cluster.protocol import GenerationChunk, GenerationRequest
 
 log = logging.getLogger("specflash.cluster")
 RETRYABLE = "retryable: "
+VERIFIER_DIED = "the verifier serving this request died"
 
 
 @dataclass
@@ -49,12 +55,13 @@ class PipelineEngine:
     """Implements `cluster.protocol.Engine`."""
 
     def __init__(self, pipelines: list[Pipeline], settings: PipelineSettings,
-                 chunk_timeout_s: float = 300.0) -> None:
+                 chunk_timeout_s: float = 300.0, restart_wait_s: float = 30.0) -> None:
         if not pipelines:
             raise ValueError("a PipelineEngine needs at least one pipeline")
         self.pipelines = pipelines
         self.settings = settings
         self.chunk_timeout_s = chunk_timeout_s
+        self.restart_wait_s = restart_wait_s     # a request that found its verifier restarting waits
         self.routes: dict[str, int] = {}        # request_id -> pipeline index
 
     # -- Engine protocol -------------------------------------------------------------
@@ -68,14 +75,22 @@ class PipelineEngine:
         pipe = self.pipelines[index]
         self.routes[rid] = index
         pipe.active += 1
-        finished = False
+        finished = started = False
+        args = (rid, list(request.prompt_token_ids), asdict(request.sampling), asdict(request.speculation))
+        give_up = time.monotonic() + self.restart_wait_s
         try:
-            stream = pipe.verifier.generate.options(num_returns="streaming").remote(
-                rid, list(request.prompt_token_ids), asdict(request.sampling), asdict(request.speculation))
+            stream = pipe.verifier.generate.options(num_returns="streaming").remote(*args)
             while not finished:
                 chunk = await self._next_chunk(stream, pipe, rid)
                 if chunk is None:
                     return
+                if not started and VERIFIER_DIED in (chunk.error or "") and time.monotonic() < give_up:
+                    # nothing streamed yet: wait for Ray to restart the verifier and submit again
+                    await self._abort_on(pipe, rid)
+                    await asyncio.sleep(0.5)
+                    stream = pipe.verifier.generate.options(num_returns="streaming").remote(*args)
+                    continue
+                started = True
                 finished = chunk.finished
                 yield chunk
         finally:
@@ -90,14 +105,21 @@ class PipelineEngine:
             await self._abort_on(self.pipelines[index], request_id)
 
     async def health(self) -> dict:
+        """{"ok", "speculation", "speculation_reason" (None while speculating), "pipelines"}."""
         reports = await asyncio.gather(*(self._health_of(p) for p in self.pipelines))
-        return {"ok": all(r["ok"] for r in reports), "speculation": any(r.get("speculation") for r in reports),
-                "pipelines": reports}
+        speculation = any(r.get("speculation") for r in reports)
+        reason = None
+        if not speculation:
+            reasons = sorted({r.get("speculation_reason") or r.get("error") or "unknown" for r in reports})
+            reason = "; ".join(reasons)
+        return {"ok": all(r["ok"] for r in reports), "speculation": speculation,
+                "speculation_reason": reason, "pipelines": reports}
 
     async def stats(self) -> dict:
         total = SpecStats()
         drafters = []
         costs = []
+        alive = 0
         for p in self.pipelines:
             try:
                 raw = await _timed(p.verifier.get_stats.remote(), 5)
@@ -105,14 +127,19 @@ class PipelineEngine:
                 continue
             total = total.merge(SpecStats.from_dict(raw))
             costs.append({k: raw[k] for k in ("verify_cost_a_s", "verify_cost_b_s", "draft_level_s")})
-            for d in p.drafters:
+            live = raw.get("drafters_live", [])
+            alive += len(live)
+            ids = getattr(p, "drafter_indices", None) or list(range(len(p.drafters)))
+            for i in live:       # a drafter the verifier has not heard from would only time out
                 try:
-                    drafters.append(await _timed(d.info.remote(), 5))
+                    drafters.append(await _timed(p.drafters[ids.index(i)].info.remote(), 5))
                 except Exception:
                     pass
         out = total.as_dict()
         out["costs"] = costs
         out["drafters"] = drafters
+        out["drafters_alive"] = alive
+        out["speculation_enabled"] = int(alive > 0)
         out["drafter_rollbacks"] = out["rollbacks"] = sum(d["rollbacks"] for d in drafters)
         out["drafter_tokens_wasted"] = total.drafter_tokens_wasted + sum(d["wasted_nodes"] for d in drafters)
         return out
@@ -128,12 +155,14 @@ class PipelineEngine:
         except asyncio.TimeoutError:
             return _error_chunk(rid, f"{RETRYABLE}no progress from the verifier in {self.chunk_timeout_s:.0f} s")
         except ray.exceptions.RayActorError as e:
-            return _error_chunk(rid, f"{RETRYABLE}the verifier serving this request died ({_first_line(e)})")
+            return _error_chunk(rid, f"{RETRYABLE}{VERIFIER_DIED} ({_first_line(e)})")
         except ray.exceptions.RayTaskError as e:
             cause = e.as_instanceof_cause()
             if isinstance(cause, ValueError):
                 return _error_chunk(rid, str(cause.args[0] if cause.args else cause))
             return _error_chunk(rid, f"verifier error: {_first_line(e)}")
+        except ray.exceptions.RayError as e:     # the stream's objects lost with a node, ...
+            return _error_chunk(rid, f"{RETRYABLE}the verifier's output was lost ({_first_line(e)})")
 
     async def _abort_on(self, pipe: Pipeline, rid: str) -> None:
         try:
@@ -188,7 +217,7 @@ def settings_from_config(config, **overrides) -> PipelineSettings:
 
 def build_pipeline_engine(config=None, *, target_dir: str | None = None, draft_dir: str | None = None,
                           num_pipelines: int = 1, drafter_max_restarts: int = 10,
-                          chunk_timeout_s: float = 300.0, ready_timeout_s: float = 300.0,
+                          verifier_max_restarts: int = 10, chunk_timeout_s: float = 300.0, ready_timeout_s: float = 300.0,
                           **overrides) -> PipelineEngine:
     """Start `num_pipelines` pipelines on the running Ray cluster and wait until they serve.
 
@@ -200,7 +229,7 @@ def build_pipeline_engine(config=None, *, target_dir: str | None = None, draft_d
     config = config or AppArgs()
     target_dir, draft_dir = _model_dirs(config, target_dir, draft_dir)
     settings = settings_from_config(config, **overrides)
-    drafter_cls, verifier_cls = remote_classes(drafter_max_restarts)
+    drafter_cls, verifier_cls = remote_classes(drafter_max_restarts, verifier_max_restarts)
     placement = config.placement
     pipelines = []
     for _ in range(num_pipelines):

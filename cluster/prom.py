@@ -26,6 +26,8 @@ SPEC_GAUGES = {
     "acceptance_rate": "Share of drafted tokens the verifier accepted",
     "mean_accepted_length": "Tokens committed per verification step, bonus token included",
     "verifier_idle_fraction": "Share of time the verifier waited for a draft tree",
+    "speculation_enabled": "1 while a live drafter feeds a verifier; 0 = decoding without speculation",
+    "drafters_alive": "Drafters the verifiers heard from recently",
 }
 # Other names engines use for the same numbers.
 SPEC_ALIASES = {"mean_accepted_len": "mean_accepted_length"}

@@ -16,6 +16,13 @@ the committed one is verified (cluster/ring.py); a sequence whose tree is
 missing or late decodes alone (a tree of zero nodes). A drafter that
 reattaches with a new incarnation id (Ray restarted it) is resynchronised from
 the committed prefixes; streams of a dead drafter move to a live one.
+
+The verifier itself may be restarted by Ray (`max_restarts`, cluster/pipeline.py):
+it comes back empty under a new incarnation id, its old requests having failed
+with a retryable error on the caller's side, and it tells every drafter that
+attaches to drop what it held ("reset", cluster/wire.py). A malformed or
+version-mismatched frame is logged, counted (`frames_rejected`) and refused;
+the actor keeps serving.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import asyncio
 import logging
 import os
 import time
+import uuid
 from collections import defaultdict, deque
 from dataclasses import asdict
 
@@ -30,12 +38,12 @@ import ray
 import torch
 
 from cluster.adaptive import AdaptiveSpeculation
-from cluster.backends import PipelineSettings, TargetSide, eos_ids_of, set_threads
+from cluster.backends import PipelineSettings, TargetSide, eos_ids_of, rss_bytes, set_threads
 from cluster.metrics import SpecStats
 from cluster.protocol import GenerationChunk
 from cluster.ring import Ring, RingEntry
 from cluster.streams import VerifyStream
-from cluster.wire import Signal, TreeHeader, decode_tree, encode_signals, unpack_header
+from cluster.wire import Signal, TreeHeader, WireError, decode_tree, encode_signals, unpack_header
 from models.sampling import SamplingParams
 
 log = logging.getLogger("specflash.cluster")
@@ -49,6 +57,7 @@ class VerifierActor:
     def __init__(self, target_dir: str, settings: dict) -> None:
         self.settings = PipelineSettings(**settings)
         set_threads(self.settings.num_cpus)
+        self.incarnation = uuid.uuid4().hex
         self.side = TargetSide(target_dir, self.settings.num_blocks, self.settings.block_size,
                                self.settings.device, self.settings.dtype)
         self.eos_ids = set(eos_ids_of(target_dir))
@@ -102,6 +111,7 @@ class VerifierActor:
                        draft_s: float = 0.0, draft_levels: int = 0, resync: list | tuple = ()) -> bytes:
         """Drafter -> verifier: file its trees in the ring; return the signals queued for it."""
         self._ensure_loop()
+        headers = self._unpack_puts(drafter, puts)     # refuses the whole call on a bad frame
         now = time.monotonic()
         info = self.drafters.get(drafter)
         if info is None or info["incarnation"] != incarnation:
@@ -111,8 +121,8 @@ class VerifierActor:
         if draft_levels:
             self.adaptive.costs.observe_draft(draft_levels, draft_s)
             info["tree_s"] = 0.7 * info["tree_s"] + 0.3 * draft_s
-        for header_bytes, refs in puts:
-            self._put(drafter, unpack_header(header_bytes), refs[0])
+        for header, (_, refs) in zip(headers, puts):
+            self._put(drafter, header, refs[0])
         for stream in resync:            # the drafter lost its state for these streams
             s = self.streams.get(stream)
             if s is not None and s.prefilled and s.drafter == drafter:
@@ -128,20 +138,28 @@ class VerifierActor:
         return encode_signals(self.outbox.pop(drafter, []))
 
     async def health(self) -> dict:
-        now = time.monotonic()
-        live = [i for i, d in self.drafters.items() if now - d["last_seen"] < self.settings.drafter_timeout_s]
+        live = [i for i in self.drafters if self._live(i)]
+        reason = None
+        if not live:
+            reason = ("drafter unavailable: none has attached" if not self.drafters else
+                      f"drafter unavailable: none heard from in {self.settings.drafter_timeout_s:g} s")
         return {"ok": self._error is None, "error": self._error, "active": len(self.streams),
-                "drafters_live": live, "speculation": bool(live),
-                "node_id": ray.get_runtime_context().get_node_id()}
+                "drafters_live": live, "speculation": bool(live), "speculation_reason": reason,
+                "incarnation": self.incarnation, "node_id": ray.get_runtime_context().get_node_id()}
 
     async def get_stats(self) -> dict:
         a, b = self.adaptive.costs.coefficients
         return {**self.stats.as_dict(), "verify_cost_a_s": a, "verify_cost_b_s": b,
-                "draft_level_s": self.adaptive.costs.d}
+                "draft_level_s": self.adaptive.costs.d,
+                "drafters_live": [i for i in self.drafters if self._live(i)]}
 
     async def kv_usage(self) -> dict:
+        """KV blocks, ring slots and the other per-request state (all 0 / free when idle)."""
         cache = self.side.cache
-        return {"free": cache.num_free_blocks, "total": cache.num_blocks, "ring": self.ring.total()}
+        return {"free": cache.num_free_blocks, "total": cache.num_blocks, "ring": self.ring.total(),
+                "streams": len(self.streams), "queues": len(self.queues), "joins": len(self.joins),
+                "reserved_blocks": sum(self._reserved_blocks.values()), "to_free": len(self._to_free),
+                "rss_bytes": rss_bytes(), "incarnation": self.incarnation}
 
     # -- streams ------------------------------------------------------------------------
     def _new_stream(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -198,12 +216,14 @@ class VerifierActor:
         return d is not None and time.monotonic() - d["last_seen"] < self.settings.drafter_timeout_s
 
     def _attach(self, drafter: int, incarnation: str) -> None:
-        """A new or restarted drafter: resynchronise the streams it feeds, adopt orphans."""
+        """A new or restarted drafter (or we restarted): it drops whatever it held ("reset"),
+        then is resynchronised on the streams it feeds and adopts orphans."""
         if drafter in self.drafters:
             log.warning("drafter %d restarted (incarnation %s)", drafter, incarnation[:8])
         self.drafters[drafter] = {"incarnation": incarnation, "last_seen": time.monotonic(),
                                   "tree_s": 0.02}
         self.outbox.pop(drafter, None)
+        self._send(drafter, Signal("reset", ""))
         for s in self.streams.values():
             if s.prefilled and (s.drafter == drafter or s.drafter is None or not self._live(s.drafter)):
                 self._assign(s, drafter)
@@ -240,6 +260,23 @@ class VerifierActor:
         self.outbox[drafter].append(sig)
         self._mail[drafter].set()
 
+    def _unpack_puts(self, drafter: int, puts: list) -> list[TreeHeader]:
+        """The headers of a drafter's puts; a malformed one refuses the whole call (WireError)."""
+        try:
+            if not isinstance(puts, (list, tuple)):
+                raise WireError(f"puts must be a list, got {type(puts).__name__}")
+            headers = []
+            for put in puts:
+                if not (isinstance(put, (list, tuple)) and len(put) == 2 and isinstance(put[1], (list, tuple))
+                        and len(put[1]) == 1 and isinstance(put[1][0], ray.ObjectRef)):
+                    raise WireError("a put is (header bytes, [ObjectRef])")
+                headers.append(unpack_header(put[0]))
+            return headers
+        except WireError as e:
+            self.stats.observe_rejected_frame()
+            log.error("verifier: rejected a frame from drafter %s: %s", drafter, e)
+            raise
+
     def _put(self, drafter: int, header: TreeHeader, ref) -> None:
         s = self.streams.get(header.stream)
         entry = RingEntry(header, ref)
@@ -261,7 +298,11 @@ class VerifierActor:
             if frame.header != entry.header:
                 raise ValueError("tree frame header differs from its ring entry")
             entry.frame = frame
-        except Exception as e:          # owner died, object lost, malformed frame
+        except WireError as e:
+            self.stats.observe_rejected_frame()
+            log.error("verifier: rejected the tree frame of %s: %s", entry.header.stream, e)
+            entry.error = f"WireError: {e}"
+        except Exception as e:          # owner died, object lost
             entry.error = f"{type(e).__name__}: {e}"
         entry.ref = None
         if self._wake:
@@ -451,3 +492,4 @@ class VerifierActor:
         k, w = planned
         k = min(k, s.max_depth())
         return (k, w) if k > 0 else (0, 0)
+

@@ -18,7 +18,10 @@ Two kinds of message cross the actor boundary:
 
 Every header has a version field `v`; `decode_*` rejects a frame of another
 version, a frame of the wrong kind, and any frame whose header and tensors
-disagree, with `WireError`.
+disagree, with `WireError`. The actors log a rejected frame and keep running:
+the verifier refuses the whole `exchange` call that carried it (before it
+changes any state), the drafter drops its streams and asks to be resynced
+(docs/internals.md, "Failure handling").
 """
 from __future__ import annotations
 
@@ -28,8 +31,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-WIRE_VERSION = 1
-SIGNAL_KINDS = ("step", "join", "leave", "resync")
+WIRE_VERSION = 2                 # 2: the "reset" signal (a restarted verifier)
+SIGNAL_KINDS = ("step", "join", "leave", "resync", "reset")
 
 
 class WireError(ValueError):
@@ -170,6 +173,9 @@ class Signal:
     - "resync": the drafter must (re)start the stream from `token_ids`, the
       whole committed prefix (after a drafter restart or re-assignment).
     - "leave": the stream finished or was aborted; free its draft KV.
+    - "reset": the verifier does not know this drafter (incarnation): it was
+      (re)started and holds none of the drafter's streams; drop them all.
+      Sent first to every drafter incarnation that attaches (`stream` is "").
 
     `prefix_len` is the committed length after the message, `epoch` the
     verifier's view of the stream's epoch, `budget` the (spec_len, tree_width)

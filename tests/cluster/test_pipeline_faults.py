@@ -20,6 +20,17 @@ def wait_for(predicate, timeout: float = 60.0, every: float = 0.5):
     raise AssertionError(f"condition not met within {timeout} s")
 
 
+def kill_after(actor, num_tokens: int, killed: list):
+    """An `on_chunk` callback that kills `actor` (Ray may restart it) once `num_tokens` streamed;
+    it records the count then in `killed`."""
+    async def on_chunk(chunk, tokens):
+        if not killed and len(tokens) >= num_tokens:
+            ray.kill(actor, no_restart=False)
+            killed.append(len(tokens))
+
+    return on_chunk
+
+
 def test_drafter_killed_mid_generation_request_completes_exactly(make_engine, tiny_target, close_draft,
                                                                   hf_target):
     engine = make_engine(tiny_target, close_draft, drafter_timeout_s=1.0)
@@ -27,12 +38,7 @@ def test_drafter_killed_mid_generation_request_completes_exactly(make_engine, ti
     before = ray.get(drafter.info.remote())["incarnation"]
     prompt = prompts(1, seed=21)[0]
     killed_at = []
-
-    async def on_chunk(chunk, tokens):
-        if not killed_at and len(tokens) >= 8:
-            ray.kill(drafter, no_restart=False)          # Ray restarts it (max_restarts)
-            killed_at.append(len(tokens))
-
+    on_chunk = kill_after(drafter, 8, killed_at)           # Ray restarts it (max_restarts)
     tokens, last = run(collect(engine, request("victim", prompt, 160, "chain", 4), on_chunk), 180)
     assert killed_at and killed_at[0] < 160, "the drafter must die mid-generation"
     assert tokens == hf_greedy(hf_target, prompt, 160)

@@ -102,3 +102,16 @@ def test_signals_round_trip_and_validation():
         decode_signals(bad)
     with pytest.raises(WireError, match="wire version"):
         decode_signals(msgpack.packb({"v": 0, "kind": "signals", "items": []}))
+
+
+def test_reset_signal_round_trips_and_a_frame_of_the_previous_version_is_rejected():
+    sigs = [Signal("reset", ""), Signal("resync", "a", 1, -1, 2, [7, 8], (3, 1), {"seed": 4})]
+    assert decode_signals(encode_signals(sigs)) == sigs
+    old = msgpack.packb({"v": WIRE_VERSION - 1, "kind": "signals", "items": [["reset", "", 0, -1, 0, [], [0, 0],
+                                                                                None]]})
+    with pytest.raises(WireError, match="wire version"):
+        decode_signals(old)
+    with pytest.raises(WireError, match="must be bytes"):
+        decode_signals(["step"])
+    with pytest.raises(WireError, match="8 fields"):
+        decode_signals(msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["reset", ""]]}))
