@@ -1,0 +1,552 @@
+"""Fault-injection soak of the Ray pipeline (issue 7; DESIGN.md §3, §7).
+
+Starts a local multi-node Ray cluster on loopback (`ray.cluster_utils.Cluster`:
+a head node that hosts the verifier, a node that hosts the drafter), builds a
+`PipelineEngine` and drives a steady load of streaming requests (greedy and
+sampled; chains, trees and adaptive) while it kills, at random moments, the
+drafter actor, the verifier actor and the raylet of the drafter's node, then
+restarts them (Ray restarts the actors; the node is added back).
+
+Every request must end in exactly one of:
+- *complete*: finish "length" with `max_tokens` tokens; a greedy one must also
+  be *exact*, equal to the target decoding alone (Hugging Face `generate`);
+- a *clear error*: finish "error" with a message that starts "retryable: "
+  (every fault here is one a client may retry), the tokens streamed before it
+  still the target's.
+Anything else is *lost*; a request still running at its timeout is *hung*.
+After the load the pipeline must serve again with speculation, and every KV
+block, ring slot and stream of the verifier and the drafter must be free, and
+the resident memory of the driver and of the actors back within a margin of its
+level after the warm-up.
+
+    python bench/chaos.py --duration 60 --max-requests 300      # tiny random pair, one minute
+    python bench/chaos.py --duration 600 --max-requests 5000    # the long soak (bench/README.md)
+    python bench/chaos.py --target DIR --draft DIR --json
+
+Prints the counts (and `--json` the report); writes JSON under bench/results/;
+exits 1 when anything was lost, hung or leaked. `run_soak` runs the same soak
+on a cluster the caller owns (tests/cluster/test_chaos.py).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import gc
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FAULTS = ("drafter", "verifier", "raylet")
+VERIFIER_RESOURCE = "specflash_verifier"
+DRAFTER_RESOURCE = "specflash_drafter"
+RETRYABLE = "retryable: "
+MB = 2**20
+
+
+@dataclass
+class SoakConfig:
+    duration_s: float = 60.0          # load phase length
+    max_requests: int = 300           # stop sending after this many (load phase)
+    concurrency: int = 4              # streaming clients
+    request_timeout_s: float = 60.0   # a request still running after this is hung
+    fault_every_s: float = 8.0        # mean gap between faults (uniform 0.5x - 1.5x)
+    faults: tuple[str, ...] = FAULTS
+    node_down_s: float = 3.0          # the drafter's node stays down this long
+    min_tokens: int = 8
+    max_tokens: int = 48
+    sampled_share: float = 0.3        # share of requests sampled (temperature 0.8) rather than greedy
+    warmup_requests: int = 8          # before the memory baseline, no faults
+    after_requests: int = 8           # after recovery, no faults: all must be exact
+    settle_s: float = 90.0            # time allowed to recover and drain after the load
+    rss_margin_mb: float = 64.0       # allowed growth of each process's resident memory
+    seed: int = 0
+
+
+@dataclass
+class SoakReport:
+    sent: int = 0
+    exact: int = 0                    # greedy, complete, equal to the target alone
+    complete_sampled: int = 0         # sampled, complete (max_tokens tokens in the vocabulary)
+    clear_errors: int = 0             # finish "error" with a message, tokens before it correct
+    retryable_errors: int = 0         # of those, marked retryable
+    lost: int = 0
+    hung: int = 0
+    leaked_blocks: int = 0            # verifier KV blocks not free after the run
+    leaked_ring_slots: int = 0
+    leaked_draft_blocks: int = 0      # drafter KV blocks not free
+    leaked_state: int = 0             # streams, queues, reservations, routes still held
+    after_exact: int = 0              # of the post-recovery requests
+    recovered_s: float | None = None  # from the last fault to health ok with speculation
+    faults: dict = field(default_factory=dict)
+    rss_mb: dict = field(default_factory=dict)    # process -> {before, after, delta, restarted}
+    tokens: int = 0
+    wall_s: float = 0.0
+    errors: dict = field(default_factory=dict)    # error message (shortened) -> count
+    fault_log: list = field(default_factory=list) # (seconds into the load, fault, outcome)
+    actors: dict = field(default_factory=dict)    # actor -> Ray's state and restart count, at the end
+    outcomes: dict = field(default_factory=dict)  # phase -> outcome -> count
+    lost_examples: list = field(default_factory=list)
+    config: dict = field(default_factory=dict)
+
+    def count(self, rid: str, outcome: str) -> None:
+        phase = self.outcomes.setdefault(rid.split("-")[0], {})
+        phase[outcome] = phase.get(outcome, 0) + 1
+
+    def note_lost(self, rid: str, why: str, hung: bool = False) -> None:
+        self.count(rid, "hung" if hung else "lost")
+        if hung:
+            self.hung += 1
+        else:
+            self.lost += 1
+        if len(self.lost_examples) < 20:
+            self.lost_examples.append(f"{rid}: {why}")
+
+    def problems(self, rss_margin_mb: float) -> list[str]:
+        out = [f"{n} {what}" for n, what in [
+            (self.lost, "lost"), (self.hung, "hung"), (self.leaked_blocks, "leaked KV blocks"),
+            (self.leaked_ring_slots, "leaked ring slots"), (self.leaked_draft_blocks, "leaked draft KV blocks"),
+            (self.leaked_state, "leaked streams / routes"),
+            (self.clear_errors - self.retryable_errors, "errors not marked retryable")] if n]
+        if self.recovered_s is None:
+            out.append("the pipeline did not recover (health ok with speculation)")
+        after = self.config.get("after_requests", 0)
+        if self.after_exact < after:
+            out.append(f"only {self.after_exact} of {after} requests after recovery were exact")
+        out += [f"{p} resident memory grew {m['delta']:.0f} MB (> {rss_margin_mb:.0f})"
+                for p, m in self.rss_mb.items() if m["delta"] > rss_margin_mb]
+        return out
+
+
+# ---------------------------------------------------------------- the load
+@dataclass
+class Workload:
+    prompts: list[list[int]]
+    references: list[list[int]]       # the target's greedy continuation of each prompt
+    vocab_size: int
+    rng: random.Random
+    n: int = 0
+
+    def next(self, cfg: SoakConfig, phase: str):
+        from cluster.protocol import GenerationRequest, SpeculationOptions
+        from models.sampling import SamplingParams
+
+        self.n += 1
+        i = self.rng.randrange(len(self.prompts))
+        max_tokens = self.rng.randint(cfg.min_tokens, cfg.max_tokens)
+        sampled = phase == "load" and self.rng.random() < cfg.sampled_share
+        params = SamplingParams(temperature=0.8 if sampled else 0.0, top_p=0.95 if sampled else 1.0,
+                                seed=self.n, max_tokens=max_tokens, ignore_eos=True)
+        mode = self.rng.choice(["chain", "tree", "auto"])
+        spec = SpeculationOptions(mode=mode, spec_len=self.rng.choice([2, 3, 4]),
+                                  tree_width=2 if mode == "tree" else None)
+        req = GenerationRequest(f"{phase}-{self.n}", list(self.prompts[i]), params, spec)
+        return req, (None if sampled else self.references[i][:max_tokens])
+
+
+async def one_request(engine, req, reference, cfg: SoakConfig, report: SoakReport, vocab: int) -> bool:
+    """Send one request, classify how it ended; True when it completed (exactly, if greedy)."""
+    tokens, last, rid = [], None, req.request_id
+    report.sent += 1
+
+    async def consume():
+        nonlocal last
+        async with contextlib.aclosing(engine.generate(req)) as stream:
+            async for chunk in stream:
+                tokens.extend(chunk.token_ids)
+                last = chunk
+
+    try:
+        await asyncio.wait_for(consume(), cfg.request_timeout_s)
+    except asyncio.TimeoutError:
+        report.note_lost(rid, f"no end within {cfg.request_timeout_s:.0f} s ({len(tokens)} tokens)", hung=True)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(engine.abort(rid), 10)
+        return False
+    except Exception as e:          # the engine must answer with a chunk, never raise
+        report.note_lost(rid, f"raised {type(e).__name__}: {e}")
+        return False
+    report.tokens += len(tokens)
+    correct = (tokens == reference[:len(tokens)]) if reference is not None else all(
+        0 <= t < vocab for t in tokens)
+    if last is None or not last.finished:
+        report.note_lost(rid, "the stream ended without a final chunk")
+    elif not correct:
+        report.note_lost(rid, f"wrong tokens ({last.finish_reason}): {tokens[:12]}...")
+    elif last.finish_reason == "error":
+        if not last.error:
+            report.note_lost(rid, "an error without a message")
+            return False
+        report.clear_errors += 1
+        report.retryable_errors += last.error.startswith(RETRYABLE)
+        report.count(rid, "error")
+        key = last.error[:90]
+        report.errors[key] = report.errors.get(key, 0) + 1
+    elif last.finish_reason == "length" and len(tokens) == req.sampling.max_tokens:
+        if reference is None:
+            report.complete_sampled += 1
+        else:
+            report.exact += 1
+        report.count(rid, "complete")
+        return True
+    else:
+        report.note_lost(rid, f"finish {last.finish_reason!r} after {len(tokens)} of "
+                              f"{req.sampling.max_tokens} tokens")
+    return False
+
+
+async def drive(engine, work: Workload, cfg: SoakConfig, report: SoakReport, phase: str,
+                num_requests: int, deadline: float, bar=None) -> int:
+    """`cfg.concurrency` clients, each sending requests back to back; returns how many completed."""
+    sent, done = 0, 0
+
+    async def client():
+        nonlocal sent, done
+        while sent < num_requests and time.monotonic() < deadline:
+            sent += 1
+            req, ref = work.next(cfg, phase)
+            ok = await one_request(engine, req, ref, cfg, report, work.vocab_size)
+            done += ok      # not `done += await ...`: that reads `done` before the await
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(lost=report.lost, hung=report.hung, errors=report.clear_errors)
+
+    await asyncio.gather(*(client() for _ in range(cfg.concurrency)))
+    return done
+
+
+# ---------------------------------------------------------------- the faults
+class FaultInjector:
+    """Kills the drafter, the verifier or the drafter node's raylet at random moments."""
+
+    def __init__(self, cluster, drafter_node, node_args: dict, engine, cfg: SoakConfig, rng: random.Random):
+        self.cluster, self.node, self.node_args = cluster, drafter_node, node_args
+        self.engine, self.cfg, self.rng = engine, cfg, rng
+        self.counts: Counter = Counter()
+        self.last_fault: float | None = None
+        self._next: list[str] = []
+        self.log: list = []
+        self.t0 = time.monotonic()
+
+    def choose(self) -> str:
+        """Rounds of every fault kind in a random order: each kind happens once per round."""
+        if not self._next:
+            self._next = self.rng.sample(list(self.cfg.faults), len(self.cfg.faults))
+        return self._next.pop()
+
+    def run(self, load: concurrent.futures.Future) -> None:
+        """Faults until the load ends. On the main thread: Ray's node management uses signals."""
+        self.t0 = time.monotonic()
+        while True:
+            gap = self.rng.uniform(0.5, 1.5) * self.cfg.fault_every_s
+            concurrent.futures.wait([load], timeout=gap)
+            if load.done():
+                return
+            self.inject(self.choose())
+
+    def inject(self, kind: str) -> None:
+        import ray
+
+        pipe = self.engine.pipelines[0]
+        self.last_fault = start = time.monotonic()
+        outcome = "ok"
+        try:
+            if kind == "drafter":
+                ray.kill(pipe.drafters[0], no_restart=False)       # Ray restarts it
+            elif kind == "verifier":
+                ray.kill(pipe.verifier, no_restart=False)
+            elif kind == "raylet":
+                self.node.kill_raylet()                              # the node dies with its raylet
+                time.sleep(self.cfg.node_down_s)
+                self.cluster.remove_node(self.node, allow_graceful=False)   # reap the rest of it
+                self.node = self.cluster.add_node(**self.node_args)  # and a fresh one joins
+            else:
+                raise ValueError(f"unknown fault {kind!r}")
+            self.counts[kind] += 1
+        except Exception as e:       # e.g. killing an actor that is still restarting
+            outcome = f"failed: {type(e).__name__}: {e}"[:200]
+            self.counts[f"{kind} (failed: {type(e).__name__})"] += 1
+        self.last_fault = time.monotonic()
+        self.log.append((round(start - self.t0, 1), kind, outcome))
+
+
+# ---------------------------------------------------------------- after the load
+async def held_state(engine) -> dict:
+    """What the pipeline still holds; all zero when every request's state is freed."""
+    pipe = engine.pipelines[0]
+    v = await asyncio.wait_for(pipe.verifier.kv_usage.remote(), 10)
+    held = {"blocks": v["total"] - v["free"], "ring": v["ring"],
+            "state": v["streams"] + v["queues"] + v["joins"] + v["reserved_blocks"] + v["to_free"]
+            + len(engine.routes) + sum(p.active for p in engine.pipelines),
+            "draft_blocks": 0}
+    for d in pipe.drafters:
+        try:
+            info = await asyncio.wait_for(d.info.remote(), 10)
+        except Exception:            # a drafter that is not back holds no blocks, but say so
+            held["drafters_unreachable"] = held.get("drafters_unreachable", 0) + 1
+            continue
+        held["state"] += info["streams"]
+        if info["kv_total"] is not None:
+            held["draft_blocks"] += info["kv_total"] - info["kv_free"]
+    return held
+
+
+def actor_states(engine) -> dict:
+    """Ray's view of the pipeline's actors: state, restarts (diagnostics for the report)."""
+    from ray._private import state
+
+    pipe, out = engine.pipelines[0], {}
+    for name, actor in [("verifier", pipe.verifier), *((f"drafter{i}", d) for i, d in enumerate(pipe.drafters))]:
+        with contextlib.suppress(Exception):
+            a = state.actors(actor_id=actor._actor_id.hex())
+            out[name] = {"state": a.get("State"), "restarts": a.get("NumRestarts")}
+    return out
+
+
+async def wait_until(check, timeout_s: float, every_s: float = 0.5):
+    """Poll the coroutine function `check` until it returns a truthy value; None on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(Exception):
+            value = await check()
+            if value:
+                return value
+        await asyncio.sleep(every_s)
+    return None
+
+
+async def process_rss(engine) -> dict:
+    """Resident MB of the driver, the verifier and the drafter (with their incarnation ids)."""
+    from cluster.backends import rss_bytes
+
+    gc.collect()
+    pipe = engine.pipelines[0]
+    out = {"driver": (rss_bytes() / MB, None)}
+    for name, call in (("verifier", pipe.verifier.kv_usage), ("drafter", pipe.drafters[0].info)):
+        try:
+            info = await asyncio.wait_for(call.remote(), 10)
+            out[name] = (info["rss_bytes"] / MB, info["incarnation"])
+        except Exception:        # not back: reported by the recovery check, not measurable here
+            pass
+    return out
+
+
+def soak(engine, injector: FaultInjector, work: Workload, cfg: SoakConfig, progress: bool) -> SoakReport:
+    """Warm-up, load under faults, recovery, post-recovery requests, drain; the requests run on an
+    event loop in a thread of their own while this (main) thread injects the faults."""
+    report = SoakReport(config=asdict(cfg))
+    start = time.monotonic()
+    far = start + 10 * cfg.settle_s
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="chaos-load", daemon=True)
+    thread.start()
+
+    def on_loop(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop)
+
+    try:
+        on_loop(drive(engine, work, cfg, report, "warmup", cfg.warmup_requests, far)).result()
+        before = on_loop(process_rss(engine)).result()
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.max_requests, desc="chaos", unit="req", file=sys.stderr)
+        load = on_loop(drive(engine, work, cfg, report, "load", cfg.max_requests,
+                             time.monotonic() + cfg.duration_s, bar))
+        injector.run(load)        # a fault in progress finishes first (a node comes back)
+        load.result()
+        if bar is not None:
+            bar.close()
+
+        async def serving_with_speculation():
+            h = await engine.health()
+            return h["ok"] and h["speculation"]
+
+        if on_loop(wait_until(serving_with_speculation, cfg.settle_s)).result():
+            report.recovered_s = time.monotonic() - (injector.last_fault or time.monotonic())
+        report.after_exact = on_loop(drive(engine, work, cfg, report, "after", cfg.after_requests, far)).result()
+
+        async def drained():
+            held = await held_state(engine)
+            return held if not any(held.values()) else None
+
+        held = on_loop(wait_until(drained, cfg.settle_s)).result() or on_loop(held_state(engine)).result()
+        after = on_loop(process_rss(engine)).result()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    report.leaked_blocks, report.leaked_ring_slots = held["blocks"], held["ring"]
+    report.leaked_draft_blocks, report.leaked_state = held["draft_blocks"], held["state"]
+    report.actors = actor_states(engine)
+    if held.get("drafters_unreachable"):
+        report.recovered_s = None
+    report.rss_mb = {p: {"before": round(before[p][0], 1), "after": round(after[p][0], 1),
+                         "delta": round(after[p][0] - before[p][0], 1),
+                         "restarted": before[p][1] != after[p][1]} for p in before if p in after}
+    report.faults = dict(injector.counts)
+    report.fault_log = injector.log
+    report.wall_s = time.monotonic() - start
+    return report
+
+
+def greedy_references(target_dir: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """The target alone, greedy, through Hugging Face `generate`: what every greedy request must equal."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32).eval()
+    out = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                          eos_token_id=[], pad_token_id=0)
+        out.append(gen[0, len(prompt):].tolist())
+    del hf
+    gc.collect()
+    return out
+
+
+def run_soak(cluster, drafter_node, node_args: dict, app_args, target_dir: str, draft_dir: str,
+             cfg: SoakConfig, progress: bool = False, num_prompts: int = 12, **engine_kw) -> SoakReport:
+    """The soak on a running cluster (`ray.init` done) whose node `drafter_node`, started with
+    `node_args`, is the only one offering the drafter's resource in `app_args.placement`."""
+    from cluster.pipeline import build_pipeline_engine
+    from models.loader import load_config
+
+    rng = random.Random(cfg.seed)
+    vocab = load_config(target_dir).vocab_size
+    prompts = [[rng.randrange(min(vocab, 256)) for _ in range(1 + (7 * i + 3) % 40)] for i in range(num_prompts)]
+    work = Workload(prompts, greedy_references(target_dir, prompts, cfg.max_tokens), vocab, rng)
+    engine_kw = {"drafter_max_restarts": -1, "verifier_max_restarts": -1, "num_blocks": 512,
+                 "drafter_timeout_s": 1.0, "chunk_timeout_s": cfg.request_timeout_s / 2, **engine_kw}
+    engine = build_pipeline_engine(app_args, target_dir=target_dir, draft_dir=draft_dir, **engine_kw)
+    injector = FaultInjector(cluster, drafter_node, node_args, engine, cfg, rng)
+    try:
+        return soak(engine, injector, work, cfg, progress)
+    finally:
+        engine.kill_pipeline_actors()
+
+
+# ---------------------------------------------------------------- command line
+def tiny_pair(root: Path) -> tuple[str, str]:
+    """A random 2-layer Llama (260 tokens) and a close draft (its weights plus 2% noise)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=260, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2,
+                         bos_token_id=256, eos_token_id=257)
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(config).eval()
+    target.save_pretrained(root / "target", safe_serialization=True)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.add_(0.02 * p.std() * torch.randn_like(p))
+    target.save_pretrained(root / "draft", safe_serialization=True)
+    return str(root / "target"), str(root / "draft")
+
+
+def placement_args(drafter_resource: str = DRAFTER_RESOURCE, verifier_resource: str = VERIFIER_RESOURCE):
+    """AppArgs pinning the verifier and the drafter to their nodes by custom resource."""
+    from cluster.config import ActorPlacement, AppArgs, PlacementConfig
+
+    return AppArgs(placement=PlacementConfig(
+        drafter=ActorPlacement(num_cpus=1, resources={drafter_resource: 1}),
+        verifier=ActorPlacement(num_cpus=1, resources={verifier_resource: 1}), strategy="NONE"))
+
+
+def print_report(report: SoakReport, problems: list[str]) -> None:
+    rows = [("sent", report.sent), ("exact (greedy)", report.exact), ("complete (sampled)", report.complete_sampled),
+            ("clear errors", report.clear_errors), ("  of which retryable", report.retryable_errors),
+            ("lost", report.lost), ("hung", report.hung), ("leaked KV blocks", report.leaked_blocks),
+            ("leaked ring slots", report.leaked_ring_slots), ("leaked draft KV blocks", report.leaked_draft_blocks),
+            ("leaked streams / routes", report.leaked_state), ("exact after recovery", report.after_exact),
+            ("recovered in (s)", "never" if report.recovered_s is None else f"{report.recovered_s:.1f}"),
+            ("faults", ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items())) or "none"),
+            ("tokens", report.tokens), ("wall (s)", f"{report.wall_s:.0f}")]
+    rows += [(f"RSS {p} (MB)", f"{m['before']:.0f} -> {m['after']:.0f} ({m['delta']:+.0f}"
+              f"{', restarted' if m['restarted'] else ''})") for p, m in report.rss_mb.items()]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    for phase, counts in report.outcomes.items():
+        print(f"  {phase}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    for message, n in sorted(report.errors.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"  error x{n}: {message}")
+    for example in report.lost_examples:
+        print(f"  lost: {example}")
+    print("PASS" if not problems else "FAIL: " + "; ".join(problems))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    d = SoakConfig()
+    ap.add_argument("--duration", type=float, default=d.duration_s, help="load phase, seconds")
+    ap.add_argument("--max-requests", type=int, default=d.max_requests)
+    ap.add_argument("--concurrency", type=int, default=d.concurrency)
+    ap.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
+    ap.add_argument("--fault-every", type=float, default=d.fault_every_s, help="mean seconds between faults")
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of {FAULTS}")
+    ap.add_argument("--node-down", type=float, default=d.node_down_s)
+    ap.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    ap.add_argument("--sampled-share", type=float, default=d.sampled_share)
+    ap.add_argument("--rss-margin-mb", type=float, default=d.rss_margin_mb)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--target", help="target checkpoint directory (default: a tiny random Llama)")
+    ap.add_argument("--draft", help="draft checkpoint directory (with --target)")
+    ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results"), help="where the JSON goes")
+    args = ap.parse_args(argv)
+    faults = tuple(f for f in args.faults.split(",") if f)
+    if not set(faults) <= set(FAULTS) or (args.target is None) != (args.draft is None):
+        ap.error(f"--faults must name some of {FAULTS}; --target and --draft go together")
+    cfg = SoakConfig(duration_s=args.duration, max_requests=args.max_requests, concurrency=args.concurrency,
+                     request_timeout_s=args.request_timeout, fault_every_s=args.fault_every, faults=faults,
+                     node_down_s=args.node_down, max_tokens=max(args.max_tokens, d.min_tokens),
+                     sampled_share=args.sampled_share, rss_margin_mb=args.rss_margin_mb, seed=args.seed)
+    import ray
+    from ray.cluster_utils import Cluster
+
+    store = 128 * MB
+    node_args = {"num_cpus": 2, "resources": {DRAFTER_RESOURCE: 4}, "object_store_memory": store}
+    with tempfile.TemporaryDirectory(prefix="specflash-chaos-") as tmp:
+        target, draft = (args.target, args.draft) if args.target else tiny_pair(Path(tmp))
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 2, "resources": {VERIFIER_RESOURCE: 4}, "object_store_memory": store,
+            "include_dashboard": False,
+            # a dead raylet is noticed in ~3 s rather than Ray's default ~15-30 s
+            "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
+        try:
+            node = cluster.add_node(**node_args)
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, log_to_driver=False)
+            report = run_soak(cluster, node, node_args, placement_args(), target, draft, cfg,
+                              progress=sys.stderr.isatty())
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    problems = report.problems(cfg.rss_margin_mb)
+    out = {**asdict(report), "problems": problems, "target": args.target or "tiny random Llama",
+           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    path = Path(args.out) / f"chaos-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
+    path.write_text(json.dumps(out, indent=2))
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print_report(report, problems)
+        print(f"wrote {path}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
