@@ -72,6 +72,17 @@ def build_draft(target_dir: Path, layers: list[int]):
     return draft
 
 
+def warm_start(draft, assets: Path) -> None:
+    """Continue from an exported draft (`draft_layers.safetensors`: its layers and final norm)
+    instead of the target's layers; the head subset is rebuilt from the data either way."""
+    from safetensors.torch import load_file
+
+    own = {k: v.float() for k, v in load_file(str(Path(assets) / "draft_layers.safetensors")).items()}
+    missing, unexpected = draft.load_state_dict(own, strict=False)
+    if unexpected or any(k.startswith("model.layers.") or k == "model.norm.weight" for k in missing):
+        raise ValueError(f"{assets}: not a draft of this shape (missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+
 def make_batch(records: list[dict], pad_id: int):
     """Right-padded sequences prompt + answer[:-1]; answer token j is predicted at P - 1 + j.
 
@@ -240,6 +251,8 @@ def cmd_train(args) -> None:
     rows = vocab_subset(train, args.vocab_size, tokenizer.eos_token_id)
     layers = [int(x) for x in args.layers.split(",")]
     draft = build_draft(target, layers)
+    if args.init_from is not None:
+        warm_start(draft, args.init_from)
 
     def reload():
         nonlocal train
@@ -275,6 +288,8 @@ def add_parser(sub) -> None:
     p.add_argument("--assets", type=Path, default=ASSETS)
     p.add_argument("--train-seconds", type=float, default=2700)
     p.add_argument("--layers", default="0,1,2", help="target layers the draft starts from")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="continue from the draft exported in this folder (e.g. models/assets)")
     p.add_argument("--vocab-size", type=int, default=8192, help="rows of the reduced LM head")
     p.add_argument("--negatives", type=int, default=2048, help="other rows scored per step")
     p.add_argument("--batch-size", type=int, default=8)
