@@ -485,7 +485,6 @@ def test_serve_config_on_a_local_multi_node_cluster(cfg, tmp_path):
     pytest.importorskip("cluster.serve_app", reason="the Serve app (issue 5) is not there yet")
     import time
 
-    import ray
     from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
@@ -498,7 +497,8 @@ def test_serve_config_on_a_local_multi_node_cluster(cfg, tmp_path):
     cluster = Cluster(initialize_head=True, head_node_args=head)
     nodes = {side: cluster.add_node(num_cpus=1, resources=getattr(small, f"{side}_nodes").resources)
              for side in ("drafter", "verifier")}
-    ray.init(address=cluster.address)
+    # no driver: like KubeRay, everything goes through the dashboard, so this test leaves alone
+    # the Ray connection other tests of the session share (tests/cluster/conftest.py)
     base = f"http://127.0.0.1:{dash}/api/serve/applications/"
     try:
         config = manifests.serve_config(small)
@@ -528,7 +528,6 @@ def test_serve_config_on_a_local_multi_node_cluster(cfg, tmp_path):
             hosts = {a.node_id for a in alive if side in a.class_name.lower()}
             assert hosts == {nodes[side].node_id}, (side, [(a.class_name, a.node_id) for a in alive])
     finally:
-        ray.shutdown()
         cluster.shutdown()
 
 
