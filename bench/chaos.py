@@ -66,6 +66,8 @@ class SoakConfig:
     warmup_requests: int = 8          # before the memory baseline, no faults
     after_requests: int = 8           # after recovery, no faults: all must be exact
     settle_s: float = 90.0            # time allowed to recover and drain after the load
+    max_extra_s: float = 120.0        # the load goes on past its bounds, this long at most, until
+                                      # every fault kind was injected once (a slow machine)
     rss_margin_mb: float = 64.0       # allowed growth of each process's resident memory
     seed: int = 0
 
@@ -203,13 +205,18 @@ async def one_request(engine, req, reference, cfg: SoakConfig, report: SoakRepor
 
 
 async def drive(engine, work: Workload, cfg: SoakConfig, report: SoakReport, phase: str,
-                num_requests: int, deadline: float, bar=None) -> int:
-    """`cfg.concurrency` clients, each sending requests back to back; returns how many completed."""
+                num_requests: int, deadline: float, bar=None, extend=None) -> int:
+    """`cfg.concurrency` clients, each sending requests back to back; returns how many completed.
+    `extend()`, if given, keeps them going past `num_requests` / `deadline` while it is true."""
     sent, done = 0, 0
+
+    def more() -> bool:
+        within = sent < num_requests and time.monotonic() < deadline
+        return within or (extend is not None and extend())
 
     async def client():
         nonlocal sent, done
-        while sent < num_requests and time.monotonic() < deadline:
+        while more():
             sent += 1
             req, ref = work.next(cfg, phase)
             ok = await one_request(engine, req, ref, cfg, report, work.vocab_size)
@@ -234,6 +241,10 @@ class FaultInjector:
         self._next: list[str] = []
         self.log: list = []
         self.t0 = time.monotonic()
+
+    def round_done(self) -> bool:
+        """Every configured fault kind was injected (successfully) at least once."""
+        return all(self.counts[kind] > 0 for kind in self.cfg.faults)
 
     def choose(self) -> str:
         """Rounds of every fault kind in a random order: each kind happens once per round."""
@@ -359,8 +370,10 @@ def soak(engine, injector: FaultInjector, work: Workload, cfg: SoakConfig, progr
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.max_requests, desc="chaos", unit="req", file=sys.stderr)
+        hard_stop = time.monotonic() + cfg.duration_s + cfg.max_extra_s
         load = on_loop(drive(engine, work, cfg, report, "load", cfg.max_requests,
-                             time.monotonic() + cfg.duration_s, bar))
+                             time.monotonic() + cfg.duration_s, bar,
+                             extend=lambda: not injector.round_done() and time.monotonic() < hard_stop))
         injector.run(load)        # a fault in progress finishes first (a node comes back)
         load.result()
         if bar is not None:
@@ -497,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fault-every", type=float, default=d.fault_every_s, help="mean seconds between faults")
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of {FAULTS}")
     ap.add_argument("--node-down", type=float, default=d.node_down_s)
+    ap.add_argument("--max-extra", type=float, default=d.max_extra_s,
+                    help="seconds the load may run past its bounds until every fault kind happened once")
     ap.add_argument("--max-tokens", type=int, default=d.max_tokens)
     ap.add_argument("--sampled-share", type=float, default=d.sampled_share)
     ap.add_argument("--rss-margin-mb", type=float, default=d.rss_margin_mb)
@@ -512,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = SoakConfig(duration_s=args.duration, max_requests=args.max_requests, concurrency=args.concurrency,
                      request_timeout_s=args.request_timeout, fault_every_s=args.fault_every, faults=faults,
                      node_down_s=args.node_down, max_tokens=max(args.max_tokens, d.min_tokens),
-                     sampled_share=args.sampled_share, rss_margin_mb=args.rss_margin_mb, seed=args.seed)
+                     sampled_share=args.sampled_share, rss_margin_mb=args.rss_margin_mb, seed=args.seed,
+                     max_extra_s=args.max_extra)
     import ray
     from ray.cluster_utils import Cluster
 
