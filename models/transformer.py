@@ -34,10 +34,13 @@ class PackedWeight:
 
     MKL's sgemm repacks the whole weight on every call with few rows (a tree
     verify or a short prefill), which halves throughput on this kind of CPU;
-    a weight packed once for oneDNN does not. One row (plain decoding) stays on
-    the dense GEMV, which is as fast, except for a very wide weight (the LM
-    head), where `x @ weight.T` on a transposed copy is ~1.7x faster here.
-    Costs a second (and for `transposed_gemv`, a third) copy of the weight.
+    a weight packed once for oneDNN does not. With one thread, one row (plain
+    decoding) stays on the dense GEMV, which is as fast, except for a very wide
+    weight (the LM head), where `x @ weight.T` on a transposed copy is ~1.7x
+    faster here; with more threads one row takes the packed path too (the GEMV
+    barely uses the second core: a whole SmolLM2-135M decoding step was ~12%
+    faster packed on 2 threads here). Costs a second (and for `transposed_gemv`,
+    a third) copy of the weight.
     """
 
     def __init__(self, transposed_gemv: bool = False) -> None:
@@ -50,13 +53,14 @@ class PackedWeight:
         """x [..., in] @ weight [out, in].T + bias → [..., out]."""
         fast = _cpu_fp32(x, weight)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if not fast or (rows == 1 and not self.transposed_gemv) or rows == 0:
+        one_thread = torch.get_num_threads() == 1
+        if not fast or (rows == 1 and one_thread and not self.transposed_gemv) or rows == 0:
             return F.linear(x, weight, bias)
         key = (weight.data_ptr(), weight._version)
         if key != self._key:
             self._packed = self._transposed = None
             self._key = key
-        if rows == 1:
+        if rows == 1 and one_thread:
             if self._transposed is None:
                 self._transposed = weight.detach().t().contiguous()
             out = x @ self._transposed
