@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from models.config import ModelConfig, UnsupportedModelError, rope_inv_freq
+from models.eagle import FC_BIAS, FC_WEIGHT, EagleDraft, is_eagle_checkpoint
 from models.transformer import Transformer
 
 SINGLE_FILE = "model.safetensors"
@@ -44,8 +45,12 @@ def load_model(
     config = load_config(path)
     hf_weights = _read_safetensors(Path(path), device)
     state = hf_to_state_dict(hf_weights, config)
+    model_class = Transformer
+    if is_eagle_checkpoint(hf_weights):
+        model_class = EagleDraft
+        state |= {"fc.weight": hf_weights[FC_WEIGHT], "fc.bias": hf_weights[FC_BIAS]}
     with torch.device("meta"):
-        model = Transformer(config)
+        model = model_class(config)
     state = {k: v.to(dtype=dtype) for k, v in state.items()}
     try:
         model.load_state_dict(state, strict=True, assign=True)

@@ -191,6 +191,7 @@ class Transformer(nn.Module):
         logit_rows: torch.Tensor | None = None,       # [V'] int64 rows of the LM head
         return_hidden: bool = False,
         logit_positions: torch.Tensor | None = None,  # [T'] or [B, T'] int64 indices into T
+        features: torch.Tensor | None = None,         # [B, T, hidden]: a feature-conditioned draft's input
     ):
         """Append T tokens per sequence to the cache and return their logits.
 
@@ -203,7 +204,7 @@ class Transformer(nn.Module):
         prefix = [cache.seq_len(s) for s in seq_ids]
         _reserve_all(cache, seq_ids, T)
         try:
-            hidden = self._hidden(input_ids, positions, cache, seq_ids, tree_mask, prefix)
+            hidden = self._hidden(input_ids, positions, cache, seq_ids, tree_mask, prefix, features)
         except BaseException:
             for s, p in zip(seq_ids, prefix):
                 cache.truncate(s, p)
@@ -211,7 +212,13 @@ class Transformer(nn.Module):
         logits = self.logits(hidden, logit_rows, logit_positions)
         return (logits, hidden) if return_hidden else logits
 
-    def _hidden(self, input_ids, positions, cache, seq_ids, tree_mask, prefix) -> torch.Tensor:
+    def _inputs(self, input_ids: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """The first layer's input [B, T, hidden]: the token embeddings."""
+        if features is not None:
+            raise ValueError(f"{type(self).__name__} takes no input features (only a feature-conditioned draft does)")
+        return self.embed_tokens(input_ids)
+
+    def _hidden(self, input_ids, positions, cache, seq_ids, tree_mask, prefix, features=None) -> torch.Tensor:
         """Run the layers; returns the final-norm hidden states [B, T, hidden]."""
         B, T = input_ids.shape
         device = input_ids.device
@@ -222,7 +229,7 @@ class Transformer(nn.Module):
         slots = (block_tables.long().gather(1, pos // bs) * bs + pos % bs).reshape(B * T)
         attn_meta = (slots, block_tables, prefix_lens, tree_mask)
         rope = self.rope(positions)
-        h = self.embed_tokens(input_ids)
+        h = self._inputs(input_ids, features)
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, cache.k[i], cache.v[i], attn_meta)
         return rms_norm(h, self.norm, self.config.rms_norm_eps)

@@ -103,14 +103,18 @@ def ragged_tree_forward(
     logit_positions: Sequence[torch.Tensor], # B x [L_b] int64 indices into T_b
     logit_rows: torch.Tensor | None = None,  # [V'] int64 rows of the LM head
     lm_head: torch.Tensor | None = None,     # [V', hidden]: those rows, selected once by the caller
-) -> list[torch.Tensor]:                     # B x [L_b, V or V'] float32
+    features: Sequence[torch.Tensor] | None = None,   # B x [T_b, hidden]: a feature-conditioned draft's input
+    return_hidden: bool = False,
+    head_pack=None,                          # models.transformer.PackedWeight kept with `lm_head`
+):                                           # B x [L_b, V or V'] float32 (, B x [T_b, hidden])
     """One forward over B trees of different sizes; each sequence grows by exactly T_b.
 
     Rows are padded to the longest; a padding token sees only the prefix and
     itself, no real token sees it, and its K/V slots are truncated away after.
     With `lm_head` (a reduced head kept by the caller, e.g. a draft's
     `logit_rows`) the logits come from the returned hidden states, so the rows
-    are not gathered again on every call.
+    are not gathered again on every call. With `return_hidden`, also each
+    sequence's final-norm hidden states (the features the LM head read).
     """
     B = len(seq_ids)
     T = max(int(x.shape[0]) for x in input_ids)
@@ -126,20 +130,31 @@ def ragged_tree_forward(
         mask[b, :n, :n] = tree_masks[b]
         rows[b, :m] = logit_positions[b]
     device = model.embed_tokens.weight.device
+    feats = None
+    if features is not None:
+        feats = torch.zeros(B, T, model.config.hidden_size, dtype=features[0].dtype)
+        for b in range(B):
+            feats[b, : features[b].shape[0]] = features[b]
+        feats = feats.to(device)
     before = [cache.seq_len(s) for s in seq_ids]
     rows = rows.to(device)
+    extra = {} if feats is None else {"features": feats}
     if lm_head is None:
-        logits = model(ids.to(device), pos.to(device), cache, seq_ids, mask.to(device),
-                       logit_rows=logit_rows, logit_positions=rows)           # [B, L, V']
+        logits, hidden = model(ids.to(device), pos.to(device), cache, seq_ids, mask.to(device),
+                               logit_rows=logit_rows, logit_positions=rows, return_hidden=True,
+                               **extra)                                          # [B, L, V']
     else:   # the model's own head on one row only; ours on the hidden states
         one_row = torch.zeros(1, dtype=torch.long, device=device)
         _, hidden = model(ids.to(device), pos.to(device), cache, seq_ids, mask.to(device),
-                          logit_rows=one_row, logit_positions=one_row, return_hidden=True)
+                          logit_rows=one_row, logit_positions=one_row, return_hidden=True, **extra)
         picked = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))   # [B, L, H]
-        logits = torch.nn.functional.linear(picked, lm_head).float()              # [B, L, V']
-    out = []
+        logits = (torch.nn.functional.linear(picked, lm_head) if head_pack is None
+                  else head_pack.matmul(picked, lm_head, None)).float()           # [B, L, V']
+    out, hiddens = [], []
     for b, s in enumerate(seq_ids):
-        if T > input_ids[b].shape[0]:
-            cache.truncate(s, before[b] + int(input_ids[b].shape[0]))
+        n = int(input_ids[b].shape[0])
+        if T > n:
+            cache.truncate(s, before[b] + n)
         out.append(logits[b, : int(logit_positions[b].shape[0])])
-    return out
+        hiddens.append(hidden[b, :n])
+    return (out, hiddens) if return_hidden else out
