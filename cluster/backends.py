@@ -157,6 +157,10 @@ class DraftSide:
             self.kind = "ngram"
             return
         model = _load(draft_dir, st.device, st.dtype)
+        if getattr(model, "needs_features", False):
+            raise ValueError(f"{draft_dir} is a feature-conditioned (EAGLE) draft head, which the sync engine "
+                             f"runs (specflash generate --mode sync); the async pipeline needs a draft that "
+                             f"reads tokens only")
         rows = None if is_random(draft_dir) else read_logit_rows(draft_dir, vocab)
         self.proposer = ModelProposer(model, model.new_cache(st.num_blocks, st.block_size),
                                       MAX_SPEC_LEN + 1, 1, None, rows, vocab)

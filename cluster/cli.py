@@ -45,7 +45,9 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--tree-width", type=int, default=1, metavar="W",
                    help=f"children per expanded node, 1..{MAX_TREE_WIDTH} (1 = chain)")
     p.add_argument("--mode", choices=("off", "sync", "async"), default="sync")
-    p.add_argument("--proposer", choices=("model", "ngram"), default="model")
+    p.add_argument("--proposer", choices=("model", "eagle", "ngram"), default="model",
+                   help="model: the draft model; eagle: the embedded EAGLE draft head (sync mode, embedded "
+                        "pair; name one with --draft instead); ngram: prompt lookup")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.set_defaults(func=run_generate)
@@ -90,13 +92,17 @@ def run_generate(args) -> int:
     from cluster.protocol import GenerationRequest
     from models.sampling import SamplingParams
 
+    if args.proposer == "eagle" and args.mode == "async":
+        raise CliError("--proposer eagle: the EAGLE draft head reads the target's features, which only the "
+                       "sync engine passes it (--mode sync)")
     if args.mode == "async":
         from cluster.pipeline import run_async_generate
 
         return run_async_generate(args)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-    speculation = speculation_for(args.mode, args.spec_len, args.tree_width, args.proposer)
+    speculation = speculation_for(args.mode, args.spec_len, args.tree_width,
+                                  "model" if args.proposer == "eagle" else args.proposer)
     plan = _resolve_dirs(args)
     pair = build_engine(plan.target_dir, plan.draft_dir, spec_len=args.spec_len,
                         tree_width=args.tree_width, load_draft=plan.needs_draft)
@@ -117,7 +123,10 @@ def run_generate(args) -> int:
 
 def _resolve_dirs(args) -> _Plan:
     """The checkpoint directories to use; the embedded pair when none is named."""
-    needs_draft = args.mode == "sync" and args.proposer == "model"
+    needs_draft = args.mode == "sync" and args.proposer in ("model", "eagle")
+    if args.proposer == "eagle" and (args.target is not None or args.draft is not None):
+        raise CliError("--proposer eagle picks the embedded EAGLE draft head; with --target, name an EAGLE "
+                       "head with --draft and keep --proposer model")
     if args.target is None and args.draft is not None:
         raise CliError("--draft needs --target (the draft must match a named target)")
     if args.target is not None:
@@ -128,6 +137,8 @@ def _resolve_dirs(args) -> _Plan:
     from models import embedded
 
     try:
+        if needs_draft and args.proposer == "eagle":
+            return _Plan(str(embedded.target_dir()), str(embedded.eagle_dir()), True)
         if needs_draft:
             target, draft = embedded.default_pair()
             return _Plan(str(target), str(draft), True)

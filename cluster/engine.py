@@ -26,7 +26,7 @@ import torch
 
 from cluster.adaptive import AdaptiveSpeculation
 from cluster.protocol import GenerationRequest, SpeculationOptions
-from drafter import DraftRequest, ModelProposer, NgramProposer
+from drafter import DraftRequest, EagleProposer, ModelProposer, NgramProposer
 from models.tree import TokenTree
 from verifier import Verifier, VerifyRequest
 
@@ -184,6 +184,8 @@ class Engine:
         verified = time.perf_counter()
         self._observe_costs(seqs, trees, results, drafted - start, verified - drafted)
         for s, tree, res in zip(seqs, trees, results):
+            if res.features is not None and self._wants_features(s):
+                self.proposer.observe_features(s.seq_id, tree.prefix_len - 1, res.features)
             self._proposer_of(s).on_verified(s.seq_id, tree, res.accepted_nodes)
             last = res.accepted_nodes[-1] if res.accepted_nodes else -1
             s.stats.observe_step(tree.num_nodes, res.num_accepted,
@@ -223,7 +225,10 @@ class Engine:
             if spec.mode == "auto" and spec.proposer == "model":
                 self.adaptive.add(r.request_id, "auto", spec.spec_len or self.spec_len,
                                   spec.tree_width or self.tree_width)
-        self.verifier.prefill_batch([s.seq_id for s in seqs], [s.token_ids for s in seqs])
+        features = self.verifier.prefill_batch([s.seq_id for s in seqs], [s.token_ids for s in seqs])
+        for s in seqs:
+            if features is not None and self._wants_features(s):
+                self.proposer.observe_features(s.seq_id, 0, features[s.seq_id])
         seconds = (time.perf_counter() - start) / len(seqs)
         for s in seqs:
             s.stats.observe_time("prefill", seconds)
@@ -258,6 +263,12 @@ class Engine:
         return DraftRequest(s.seq_id, s.token_ids, s.request.sampling, s.generator, depth,
                             tree_width=width)
 
+    def _wants_features(self, s: _Sequence) -> bool:
+        """A feature-conditioned draft needs the target's features of every committed token of
+        a sequence it may draft for (an "auto" one too, while it decodes alone)."""
+        spec = s.request.speculation
+        return getattr(self.proposer, "needs_features", False) and spec.mode != "off" and spec.proposer == "model"
+
     def _proposer_of(self, s: _Sequence):
         if s.request.speculation.mode == "off" or s.request.speculation.proposer == "ngram":
             return self.ngram
@@ -288,14 +299,16 @@ class Engine:
         if need <= self._capacity:
             return
         blocks = need // self.block_size
-        self.verifier = Verifier(self.target, self.target.new_cache(blocks, self.block_size))
+        eagle = getattr(self.draft, "needs_features", False)
+        self.verifier = Verifier(self.target, self.target.new_cache(blocks, self.block_size), features=eagle)
         if self.draft is not None:
             # the draft's first catch-up pads every row to the longest prompt of the batch
             longest = max(len(r.prompt_token_ids) for r in requests)
             draft_blocks = blocks + len(requests) * (-(-longest // self.block_size) + 1)
-            self.proposer = ModelProposer(self.draft, self.draft.new_cache(draft_blocks, self.block_size),
-                                          MAX_SPEC_LEN, self.tree_width, self.max_nodes,
-                                          self.draft_logit_rows, self.vocab_size)
+            proposer_class = EagleProposer if eagle else ModelProposer
+            self.proposer = proposer_class(self.draft, self.draft.new_cache(draft_blocks, self.block_size),
+                                           MAX_SPEC_LEN, self.tree_width, self.max_nodes,
+                                           self.draft_logit_rows, self.vocab_size)
         self._capacity = need
 
     def _release(self, seq_id: str) -> None:

@@ -22,6 +22,7 @@ import torch
 
 from drafter.base import DraftRequest
 from drafter.tree_search import ROOT, TreeBuilder
+from models.transformer import PackedWeight
 from models.tree import TokenTree, ragged_tree_forward
 
 
@@ -37,6 +38,7 @@ class ModelProposer:
         self.logit_rows = None if logit_rows is None else torch.tensor(list(logit_rows), device=device)
         # the reduced LM head, selected once: [V', hidden]
         self.lm_head = None if logit_rows is None else model.lm_head_weight.index_select(0, self.logit_rows)
+        self.head_pack = PackedWeight(transposed_gemv=True)   # its fast CPU layouts, built on first use
         self._committed: dict[Hashable, int] = {}   # committed tokens whose K/V the draft cache holds
         self._layout: dict[Hashable, list[int]] = {}   # builder node ids cached after them, in order
         self._node_ids: dict[Hashable, list[int]] = {}   # tree node index -> builder node id
@@ -120,7 +122,17 @@ class ModelProposer:
 
     def _forward_frontier(self, work: dict[Hashable, tuple[TreeBuilder, list[int]]]) -> list[torch.Tensor]:
         """One draft forward over the frontier of every tree (plus uncached ancestors)."""
-        seq_ids, ids, positions, masks, picks = [], [], [], [], []
+        rows = self._frontier_rows(work)
+        return self._forward(*rows[:5])
+
+    def _frontier_rows(self, work: dict[Hashable, tuple[TreeBuilder, list[int]]]):
+        """Lay out each tree's frontier behind the cached part of its lineage.
+
+        Returns per-sequence lists (seq_ids, ids, positions, masks, picks, new): the
+        nodes to feed (`new`, builder ids in feeding order) with their tokens, RoPE
+        positions and tree mask, and where the frontier nodes sit among them.
+        """
+        seq_ids, ids, positions, masks, picks, news = [], [], [], [], [], []
         for seq_id, (builder, frontier) in work.items():
             lineage = [set(builder.ancestors(f)) for f in frontier]
             common = set.intersection(*lineage)
@@ -138,12 +150,17 @@ class ModelProposer:
             masks.append(torch.tensor([[j == i or j in builder.ancestors(i) for j in new] for i in new],
                                       dtype=torch.bool).reshape(len(new), len(new)))
             picks.append(torch.tensor([new.index(f) for f in frontier], dtype=torch.long))
-        return self._forward(seq_ids, ids, positions, masks, picks)
+            news.append(new)
+        return seq_ids, ids, positions, masks, picks, news
 
     def _forward(self, seq_ids, ids, positions, masks, picks) -> list[torch.Tensor]:
         """Draft logits at the picked positions, scattered into the full vocabulary."""
         logits = ragged_tree_forward(self.model, self.cache, seq_ids, ids, positions, masks, picks,
-                                     lm_head=self.lm_head)                        # B x [L, V']
+                                     lm_head=self.lm_head, head_pack=self.head_pack)   # B x [L, V']
+        return self._full_vocab(logits)
+
+    def _full_vocab(self, logits: list[torch.Tensor]) -> list[torch.Tensor]:
+        """B x [L, V'] logits over the reduced head scattered into B x [L, V] (-inf elsewhere)."""
         if self.logit_rows is None:
             return [x.cpu() for x in logits]
         rows = self.logit_rows.cpu()

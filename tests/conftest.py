@@ -87,6 +87,34 @@ def save_llama(path, config, seed: int, tokenizer=None, perturb_from=None, noise
     return model
 
 
+def save_eagle(path, target_dir, seed: int, tokenizer=None, fc_scale: float = 0.2):
+    """A random feature-conditioned (EAGLE) draft head for the target in `target_dir`: one
+    decoder layer, the target's embeddings and LM head, and the `eagle.fc.*` tensors."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    config = AutoConfig.from_pretrained(target_dir)
+    config.num_hidden_layers = 1
+    torch.manual_seed(seed)
+    state = {k: v.clone().contiguous() for k, v in LlamaForCausalLM(config).state_dict().items()}
+    target = load_file(str(Path(target_dir) / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in target:
+            state[name] = target[name].clone()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    H = config.hidden_size
+    state["eagle.fc.weight"] = fc_scale * torch.randn(H, 2 * H)
+    state["eagle.fc.bias"] = torch.zeros(H)
+    Path(path).mkdir(parents=True, exist_ok=True)
+    save_file(state, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_target")
@@ -137,3 +165,11 @@ def small_vocab_pair(tmp_path_factory):
     model = save_llama(target, config, seed=3)
     save_llama(draft, config, seed=4, perturb_from=model, noise=0.3)
     return target, draft
+
+
+@pytest.fixture(scope="session")
+def eagle_draft(tmp_path_factory, tiny_target):
+    """A random EAGLE draft head for the tiny target (acceptance low, every path exercised)."""
+    path = tmp_path_factory.mktemp("eagle_draft")
+    save_eagle(path, tiny_target, seed=6, tokenizer=byte_tokenizer())
+    return path

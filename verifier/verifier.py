@@ -53,6 +53,9 @@ class VerifyResult:
     token_ids: list[int]            # tokens of that path + next_token_id
     next_token_id: int              # bonus token (whole path accepted) or the correction
     num_drafted: int                # T
+    # with `Verifier(features=True)`: the target's final-norm hidden states at the root and the
+    # accepted nodes [1 + num_accepted, hidden], the input a feature-conditioned draft reads
+    features: torch.Tensor | None = None
 
     @property
     def num_accepted(self) -> int:
@@ -60,9 +63,10 @@ class VerifyResult:
 
 
 class Verifier:
-    def __init__(self, model, cache) -> None:
+    def __init__(self, model, cache, features: bool = False) -> None:
         self.model = model      # models.Transformer (the target)
         self.cache = cache      # models.PagedKVCache sized for it
+        self.features = features   # return the target's hidden states (for an EAGLE draft)
 
     def prefill(self, seq_id: Hashable, prompt_ids: Sequence[int]) -> None:
         """Cache every prompt token but the last: the last one is the first tree's root."""
@@ -70,20 +74,31 @@ class Verifier:
 
     @torch.inference_mode()
     def prefill_batch(self, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
-                      max_rows: int = 64) -> None:
-        """`prefill` for many sequences, `max_rows` prompts per target forward."""
+                      max_rows: int = 64) -> dict[Hashable, torch.Tensor] | None:
+        """`prefill` for many sequences, `max_rows` prompts per target forward.
+
+        With `features`, returns each sequence's hidden states over the cached
+        prompt tokens (all but the last) [len(prompt) - 1, hidden].
+        """
         for s in seq_ids:
             self.cache.add_sequence(s)
         todo = [(s, list(p[:-1])) for s, p in zip(seq_ids, prompts) if len(p) > 1]
         todo.sort(key=lambda item: len(item[1]))              # similar lengths pad less
+        hidden: dict[Hashable, torch.Tensor] = {}
         for i in range(0, len(todo), max_rows):
             chunk = todo[i:i + max_rows]
-            ragged_tree_forward(
+            out = ragged_tree_forward(
                 self.model, self.cache, [s for s, _ in chunk],
                 [torch.tensor(ids, dtype=torch.long) for _, ids in chunk],
                 [torch.arange(len(ids)) for _, ids in chunk],
                 [torch.ones(len(ids), len(ids), dtype=torch.bool).tril() for _, ids in chunk],
-                [torch.zeros(0, dtype=torch.long) for _ in chunk])
+                [torch.zeros(0, dtype=torch.long) for _ in chunk], return_hidden=self.features)
+            if self.features:
+                hidden.update({s: h.cpu() for (s, _), h in zip(chunk, out[1])})
+        if not self.features:
+            return None
+        width = self.model.config.hidden_size
+        return {s: hidden.get(s, torch.zeros(0, width)) for s in seq_ids}
 
     def release(self, seq_id: Hashable) -> None:
         self.cache.free(seq_id)
@@ -103,7 +118,11 @@ class Verifier:
              for r in batch],
             [r.tree.verification_mask() for r in batch],
             [torch.arange(r.tree.num_nodes + 1) for r in batch],
+            return_hidden=self.features,
         )
+        hidden = None
+        if self.features:
+            target_logits, hidden = target_logits
         results: list[VerifyResult | None] = [None] * len(batch)
         for greedy in (True, False):
             rows = [b for b, r in enumerate(batch) if r.params.greedy == greedy]
@@ -111,10 +130,13 @@ class Verifier:
                 for b, res in zip(rows, self._sample([batch[b] for b in rows],
                                                      [target_logits[b] for b in rows], greedy)):
                     results[b] = res
-        for r, res in zip(batch, results):
+        for b, (r, res) in enumerate(zip(batch, results)):
             # commit [root] + accepted path behind the prefix; the rest of the tree is rolled back
             base = r.tree.prefix_len - 1
-            self.cache.compact(r.seq_id, base, [0] + [a + 1 for a in res.accepted_nodes])
+            rows = [0] + [a + 1 for a in res.accepted_nodes]
+            self.cache.compact(r.seq_id, base, rows)
+            if hidden is not None:
+                res.features = hidden[b][torch.tensor(rows)].cpu()
         return results
 
     def _sample(self, batch, target_logits, greedy: bool) -> list[VerifyResult]:

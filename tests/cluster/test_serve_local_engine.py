@@ -103,3 +103,23 @@ def test_bad_request_is_an_error_chunk_not_a_dead_engine(local):
     r = client.post("/v1/completions", json={"prompt": "still here", "max_tokens": 3, "temperature": 0,
                                              "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_an_eagle_draft_serves_exact_greedy_output(tiny_target, eagle_draft, hf_target):
+    """The local engine behind HTTP with a feature-conditioned draft head: the features
+    flow from each wave's prefill and steps to the head; output is the target's own."""
+    engine, tok = build_local_engine(str(tiny_target), str(eagle_draft), max_batch=4)
+    try:
+        client = TestClient(build_fastapi_app(OpenAIServer(engine, tok, ServerSettings(
+            max_context=engine.engine.max_context))))
+        for prompt, mode in (("def f(x):", "chain"), ("Hello there", "tree"), ("abc", "auto")):
+            expected = hf_greedy(hf_target, tok.encode(prompt), 16)
+            body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "return_token_ids": True,
+                    "speculation": {"mode": mode, "spec_len": 3, "tree_width": 2 if mode == "tree" else None}}
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == expected
+            if mode != "auto":
+                assert r.json()["usage"]["drafted_tokens"] > 0
+    finally:
+        engine.shutdown()

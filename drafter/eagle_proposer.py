@@ -1,0 +1,107 @@
+"""Drafting with a feature-conditioned draft head (EAGLE, Li et al. 2024; `models.eagle`).
+
+Like `ModelProposer` (chains and EAGLE-2 trees, the same `TreeBuilder`), but every
+draft input row carries a feature next to its token: a committed token j reads the
+target's true feature f_{j-1}, which the verifier returned (`observe_features`);
+a tree node reads the draft's own predicted feature at its parent (the root's
+prediction comes from the catch-up). The draft K/V of tree nodes were computed
+from predicted features, so after verification they are dropped, not compacted:
+the accepted tokens are fed again with the target's true features at the next
+catch-up (one draft forward of a few rows, as EAGLE does).
+"""
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from drafter.base import DraftRequest
+from drafter.model_proposer import ModelProposer
+from drafter.tree_search import ROOT, TreeBuilder
+from models.tree import TokenTree, ragged_tree_forward
+
+
+class MissingFeaturesError(RuntimeError):
+    """The target's features of some committed tokens never reached the proposer."""
+
+
+class EagleProposer(ModelProposer):
+    needs_features = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._features: dict[Hashable, torch.Tensor] = {}   # target features of committed positions
+        self._pred: dict[Hashable, dict[int, torch.Tensor]] = {}   # builder node -> predicted feature
+
+    def observe_features(self, seq_id: Hashable, start: int, features: torch.Tensor) -> None:
+        """The target's final-norm hidden states at positions start, start+1, ... [n, hidden]."""
+        known = self._features.get(seq_id)
+        width = self.model.config.hidden_size
+        known = torch.zeros(0, width) if known is None else known
+        if start > known.shape[0]:
+            raise MissingFeaturesError(f"features of {seq_id!r} from position {start}, but only "
+                                       f"{known.shape[0]} are known")
+        self._features[seq_id] = torch.cat([known[:start], features.float().cpu()])
+
+    def on_verified(self, seq_id: Hashable, tree: TokenTree, accepted_nodes: Sequence[int]) -> None:
+        """Drop the tree's draft K/V (they read predicted features); the accepted tokens are
+        fed again, with the target's features, at the next catch-up."""
+        if seq_id in self._committed:
+            self.cache.truncate(seq_id, self._committed[seq_id])
+            self._layout[seq_id] = []
+        self._pred.pop(seq_id, None)
+
+    def rollback(self, seq_id: Hashable, prefix_len: int) -> None:
+        super().rollback(seq_id, prefix_len)
+        if seq_id in self._features:
+            self._features[seq_id] = self._features[seq_id][: max(prefix_len - 1, 0)]
+        self._pred.pop(seq_id, None)
+
+    def release(self, seq_id: Hashable) -> None:
+        super().release(seq_id)
+        self._features.pop(seq_id, None)
+        self._pred.pop(seq_id, None)
+
+    # -- forwards -----------------------------------------------------------------------
+    def _catch_up(self, batch: Sequence[DraftRequest]) -> list[torch.Tensor]:   # n x [1, V]
+        width = self.model.config.hidden_size
+        ids, positions, masks, feats = [], [], [], []
+        for r in batch:
+            if r.seq_id not in self._committed:
+                self.cache.add_sequence(r.seq_id)
+                self._committed[r.seq_id] = 0
+            seen = self._committed[r.seq_id]
+            self.cache.truncate(r.seq_id, seen)
+            n = len(r.token_ids)
+            known = self._features.get(r.seq_id, torch.zeros(0, width))
+            if known.shape[0] < n - 1:
+                raise MissingFeaturesError(
+                    f"sequence {r.seq_id!r} has {n} committed tokens but the target's features of only "
+                    f"{known.shape[0]} (the verifier must run with features=True and the engine pass them on)")
+            prev = torch.cat([torch.zeros(1, width), known[: n - 1]])           # f_{j-1} for j = 0..n-1
+            ids.append(torch.tensor(list(r.token_ids[seen:]), dtype=torch.long))
+            positions.append(torch.arange(seen, n))
+            masks.append(torch.ones(n - seen, n - seen, dtype=torch.bool).tril())
+            feats.append(prev[seen:n])
+            self._committed[r.seq_id], self._layout[r.seq_id] = n, []
+        last = [torch.tensor([m.shape[0] - 1]) for m in masks]
+        logits, hidden = self._forward_with_features([r.seq_id for r in batch], ids, positions, masks, last, feats)
+        for r, h in zip(batch, hidden):
+            self._pred[r.seq_id] = {ROOT: h[-1]}
+        return logits
+
+    def _forward_frontier(self, work: dict[Hashable, tuple[TreeBuilder, list[int]]]) -> list[torch.Tensor]:
+        seq_ids, ids, positions, masks, picks, news = self._frontier_rows(work)
+        # each node reads the prediction at its parent (made by an earlier level's forward)
+        feats = [torch.stack([self._pred[seq_id][work[seq_id][0].parent_ids[i]] for i in new])
+                 for seq_id, new in zip(seq_ids, news)]
+        logits, hidden = self._forward_with_features(seq_ids, ids, positions, masks, picks, feats)
+        for seq_id, new, h in zip(seq_ids, news, hidden):
+            self._pred[seq_id].update({node: h[k] for k, node in enumerate(new)})
+        return logits
+
+    def _forward_with_features(self, seq_ids, ids, positions, masks, picks, feats):
+        logits, hidden = ragged_tree_forward(self.model, self.cache, seq_ids, ids, positions, masks, picks,
+                                             lm_head=self.lm_head, head_pack=self.head_pack, features=feats,
+                                             return_hidden=True)
+        return self._full_vocab(logits), [h.float().cpu() for h in hidden]

@@ -1,0 +1,158 @@
+"""The feature-conditioned (EAGLE) draft head: loading, feature plumbing, exactness."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cluster.engine import Engine, build_engine, speculation_for
+from cluster.protocol import GenerationRequest, SpeculationOptions
+from drafter import EagleProposer
+from drafter.eagle_proposer import MissingFeaturesError
+from models import SamplingParams, load_model
+from models.eagle import EagleDraft
+from models.transformer import Transformer, causal_mask
+
+PROMPTS = [list(b"def add(a, b):\n    return"), list(b"The quick brown fox"), [7]]
+MAX_TOKENS = 20
+
+
+def greedy(engine, prompts, spec, max_tokens=MAX_TOKENS):
+    requests = [GenerationRequest(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                              ignore_eos=True), spec)
+                for i, p in enumerate(prompts)]
+    return engine.generate(requests)
+
+
+@pytest.fixture(scope="module")
+def eagle_engine(tiny_target, eagle_draft):
+    return build_engine(tiny_target, eagle_draft).engine
+
+
+@pytest.fixture(scope="module")
+def references(hf_target):
+    from tests.cluster.test_engine_greedy import hf_greedy
+
+    return [hf_greedy(hf_target, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def test_loader_recognises_an_eagle_checkpoint(tiny_target, eagle_draft):
+    draft = load_model(eagle_draft)
+    assert isinstance(draft, EagleDraft) and draft.needs_features
+    assert type(load_model(tiny_target)) is Transformer
+    cache = draft.new_cache(4)
+    cache.add_sequence("s")
+    with pytest.raises(ValueError, match="needs the target's features"):
+        draft(torch.tensor([[1, 2]]), torch.arange(2)[None], cache, ["s"], causal_mask(1, 2))
+    assert cache.seq_len("s") == 0          # a refused forward leaves the cache as it was
+    target = load_model(tiny_target)
+    tcache = target.new_cache(4)
+    tcache.add_sequence("s")
+    with pytest.raises(ValueError, match="takes no input features"):
+        target(torch.tensor([[1, 2]]), torch.arange(2)[None], tcache, ["s"], causal_mask(1, 2),
+               features=torch.zeros(1, 2, target.config.hidden_size))
+
+
+@pytest.mark.parametrize("K,W", [(1, 1), (3, 1), (4, 2), (3, 3)])
+def test_greedy_output_is_the_targets(eagle_engine, references, K, W):
+    outs = greedy(eagle_engine, PROMPTS, speculation_for("sync", K, W))
+    assert [o.token_ids for o in outs] == references
+    assert all(o.stats.num_drafted > 0 for o in outs)
+    assert isinstance(eagle_engine.proposer, EagleProposer)
+
+
+def test_auto_mode_and_mixed_batches_stay_exact(eagle_engine, references):
+    """"auto" sequences decode alone at times: their features must keep flowing anyway."""
+    specs = [SpeculationOptions(mode="auto", spec_len=3), speculation_for("off", 3, 1),
+             speculation_for("sync", 2, 2, "ngram")]
+    requests = [GenerationRequest(f"m{i}", p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                              ignore_eos=True), s)
+                for i, (p, s) in enumerate(zip(PROMPTS, specs))]
+    assert [o.token_ids for o in eagle_engine.generate(requests)] == references
+
+
+def test_committed_tokens_read_the_targets_previous_feature(tiny_target, eagle_draft, monkeypatch):
+    """Every catch-up row j reads f_{j-1}, the target's final hidden state at position j-1."""
+    target, draft = load_model(tiny_target), load_model(eagle_draft)
+    engine = Engine(target, draft)
+    seen = []            # (positions, ids, features) of every draft forward
+    real = EagleDraft.forward
+
+    def spy(self, input_ids, positions, cache, seq_ids, tree_mask, *args, features=None, **kwargs):
+        seen.append((positions.clone(), input_ids.clone(), features.clone()))
+        return real(self, input_ids, positions, cache, seq_ids, tree_mask, *args, features=features, **kwargs)
+
+    monkeypatch.setattr(EagleDraft, "forward", spy)
+    prompt = PROMPTS[0]
+    out = greedy(engine, [prompt], speculation_for("sync", 3, 1))[0]
+    full = prompt + out.token_ids
+    cache = target.new_cache(8)
+    cache.add_sequence("ref")
+    with torch.inference_mode():
+        _, hidden = target(torch.tensor([full]), torch.arange(len(full))[None], cache, ["ref"],
+                           causal_mask(1, len(full)), return_hidden=True)
+    hidden = hidden[0]
+    fed = set()          # positions fed as (committed token, the target's feature before it)
+    for positions, ids, feats in seen:
+        for pos, tok, f in zip(positions[0].tolist(), ids[0].tolist(), feats[0]):
+            if 0 < pos < len(full) and full[pos] == tok and torch.allclose(f, hidden[pos - 1], atol=1e-4):
+                fed.add(pos)
+    # every committed token but those of the last step (at most K + 1 = 4) was fed that way
+    assert set(range(1, len(full) - 4)) <= fed
+    first = seen[0]
+    assert torch.equal(first[2][0, 0], torch.zeros(target.config.hidden_size))   # position 0: no feature
+
+
+def test_missing_features_are_a_clear_error(tiny_target, eagle_draft):
+    from drafter import DraftRequest
+
+    draft = load_model(eagle_draft)
+    proposer = EagleProposer(draft, draft.new_cache(8), 4)
+    request = DraftRequest("s", [1, 2, 3], SamplingParams(temperature=0.0), torch.Generator(), 2)
+    with pytest.raises(MissingFeaturesError, match="features of only 0"):
+        proposer.propose([request])
+    proposer.observe_features("s", 0, torch.zeros(2, draft.config.hidden_size))
+    tree = proposer.propose([request])[0]
+    assert tree.num_nodes == 2
+    with pytest.raises(MissingFeaturesError):
+        proposer.observe_features("s", 5, torch.zeros(1, draft.config.hidden_size))
+
+
+def test_sampled_tokens_follow_the_target(tmp_path, small_vocab_pair):
+    """Chi-square of the first two sampled tokens against the target's own joint distribution
+    (the same test as the engine's, `tests/cluster/test_engine_sampling.py`)."""
+    from tests.cluster.test_engine_sampling import (NUM_SAMPLES, P_VALUE_FLOOR, chi_square_p_value,
+                                                    exact_joint, sample_pairs)
+    from tests.conftest import save_eagle
+
+    target = small_vocab_pair[0]
+    save_eagle(tmp_path / "eagle", target, seed=7, fc_scale=1.0)
+    engine = Engine(load_model(target), load_model(tmp_path / "eagle"))
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    samples, acceptance = sample_pairs(engine, params, speculation_for("sync", 2, 2), range(NUM_SAMPLES))
+    p = chi_square_p_value(samples, exact_joint(target, params))
+    assert p > P_VALUE_FLOOR, f"sampled pairs do not follow the target (p = {p:.2e})"
+    assert 0.05 < acceptance < 0.95        # both acceptance and the residual are exercised
+
+
+def test_the_async_pipeline_refuses_an_eagle_draft_clearly(tiny_target, eagle_draft, far_draft):
+    from cluster.pipeline import build_pipeline_engine
+    from models.eagle import is_eagle_dir
+
+    assert is_eagle_dir(eagle_draft) and not is_eagle_dir(far_draft)
+    with pytest.raises(ValueError, match="only the sync engine runs"):   # before any actor starts
+        build_pipeline_engine(None, target_dir=str(tiny_target), draft_dir=str(eagle_draft))
+
+
+def test_generate_cli_runs_an_eagle_draft(tiny_target, eagle_draft, capsys):
+    import json
+
+    from cluster.cli import main
+
+    code = main(["generate", "--target", str(tiny_target), "--draft", str(eagle_draft), "--prompt", "def f(",
+                 "--max-tokens", "8", "--spec-len", "3", "--ignore-eos", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["token_ids"]) == 8 and out["stats"]["drafted"] > 0
+    code = main(["generate", "--target", str(tiny_target), "--draft", str(eagle_draft), "--prompt", "x",
+                 "--mode", "async", "--max-tokens", "4"])
+    assert code != 0 and "sync engine" in capsys.readouterr().err
