@@ -16,6 +16,12 @@ downloaded at run time.
   copied from the target when the directory is assembled. `specflash_draft.json`
   lists the token ids of the draft's reduced LM head (`logit_rows`).
 
+- EAGLE draft head (`eagle_dir()`): one decoder layer reading the target's
+  features (`models.eagle`; recipe in `recipes/eagle_train.py`), for the sync
+  engine. Its layer, norm and `fc` are committed (`eagle_head.safetensors`,
+  fp16); the config is the target's with one layer, the embeddings and the
+  head's vocabulary subset are shared with the target and the draft above.
+
 Directories are written to a temporary sibling and renamed into place under a
 file lock, so concurrent first uses neither race nor leave half-written models.
 """
@@ -39,6 +45,8 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 DRAFT_WEIGHTS = "draft_layers.safetensors"  # the draft's own tensors, fp16
 DRAFT_CONFIG = "draft_config.json"  # HF LlamaConfig of the draft
 DRAFT_META = "specflash_draft.json"  # {"logit_rows": [...], "target": ..., ...}
+EAGLE_NAME = "smollm2-135m-eagle"
+EAGLE_WEIGHTS = "eagle_head.safetensors"  # the EAGLE head's own tensors (layer, norm, fc), fp16
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 _DONE = ".specflash-complete"  # written last: its presence marks a finished directory
@@ -196,6 +204,38 @@ def draft_dir(target: Path | None = None) -> Path:
     target = target or target_dir()
     final = cache_dir() / f"{DRAFT_NAME}-{_assets_digest()}"
     return _build_atomically(final, lambda tmp: _write_draft(tmp, target))
+
+
+def _write_eagle(out: Path, target: Path) -> None:
+    """Assemble the EAGLE head: committed tensors + the target's embeddings, config, tokenizer."""
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    tensors = {k: v.to(torch.float32) for k, v in load_file(ASSETS / EAGLE_WEIGHTS).items()}
+    with safe_open(target / "model.safetensors", framework="pt") as f:
+        tensors["model.embed_tokens.weight"] = f.get_tensor("model.embed_tokens.weight")
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    meta = json.loads((ASSETS / DRAFT_META).read_text())
+    (out / DRAFT_META).write_text(json.dumps({"logit_rows": meta["logit_rows"], "kind": "eagle",
+                                              "recipe": "recipes/eagle_train.py"}) + "\n")
+    for name in TOKENIZER_FILES:
+        if (target / name).is_file():
+            shutil.copy(target / name, out / name)
+
+
+def eagle_dir(target: Path | None = None) -> Path:
+    """The assembled EAGLE draft head directory (assembled on first call)."""
+    target = target or target_dir()
+    if not (ASSETS / EAGLE_WEIGHTS).is_file():
+        raise EmbeddedModelError(f"the EAGLE asset {ASSETS / EAGLE_WEIGHTS} is missing; rebuild it with: "
+                                 f"python recipes/eagle_features.py && python recipes/eagle_train.py")
+    digest = hashlib.sha256((ASSETS / EAGLE_WEIGHTS).read_bytes() + (ASSETS / DRAFT_META).read_bytes())
+    final = cache_dir() / f"{EAGLE_NAME}-{digest.hexdigest()[:12]}"
+    return _build_atomically(final, lambda tmp: _write_eagle(tmp, target))
 
 
 def draft_logit_rows(draft: Path) -> list[int] | None:

@@ -160,6 +160,16 @@ def lr_at(fraction: float, peak: float, warmup: float = 0.03) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def apply_step(opt, params, loss: torch.Tensor, lr: float) -> None:
+    """Backpropagate `loss` and take one optimizer step at `lr`, gradients clipped to norm 1."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    opt.step()
+
+
 def hf_config(config: dict) -> dict:
     """The draft's config.json: readable by transformers 4.x (top-level rope_theta) and 5.x."""
     noise = ("quantization_config", "_name_or_path", "_model_name_or_path", "id2label", "label2id",
@@ -220,13 +230,8 @@ def train_loop(draft, train: list[dict], heldout: list[dict], rows: list[int], a
             rng.shuffle(order)
         batch = make_batch([train[order.pop()] for _ in range(min(args.batch_size, len(order)))], pad_id)
         negatives = others[torch.randperm(len(others))[:args.negatives]]
-        for group in opt.param_groups:
-            group["lr"] = lr_at(elapsed / args.train_seconds, args.lr)
         loss = distill_loss(draft, batch, torch.cat([head, negatives]), args.kl_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
+        apply_step(opt, params, loss, lr_at(elapsed / args.train_seconds, args.lr))
         step += 1
         bar.n = min(int(time.time() - start), int(args.train_seconds))
         bar.set_postfix(step=step, loss=f"{loss.item():.3f}")

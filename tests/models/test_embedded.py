@@ -101,3 +101,35 @@ def test_assembled_draft_loads_with_transformers(target):
     rows = embedded.draft_logit_rows(draft)
     assert rows and len(set(rows)) == len(rows) and 0 <= min(rows) and max(rows) < 49152
     assert 2 in rows, "the reduced head must be able to propose <|im_end|>"
+
+
+def test_assembled_eagle_head_drafts_for_the_target(target):
+    """The committed EAGLE head assembles, loads as an EagleDraft on the target's embeddings,
+    and its first draft token agrees with the target's greedy choice on a real prompt."""
+    from safetensors import safe_open
+
+    from cluster.engine import build_engine, speculation_for
+    from cluster.protocol import GenerationRequest
+    from drafter import EagleProposer
+    from models import SamplingParams, load_tokenizer
+    from models.eagle import EagleDraft, is_eagle_dir
+
+    head = embedded.eagle_dir(target)
+    assert is_eagle_dir(head) and embedded.eagle_dir(target) == head   # assembled once
+    pair = build_engine(target, head)
+    engine = pair.engine
+    assert isinstance(engine.draft, EagleDraft) and engine.draft.config.num_layers == 1
+    with safe_open(target / "model.safetensors", framework="pt") as f:
+        assert torch.equal(engine.draft.embed_tokens.weight, f.get_tensor("model.embed_tokens.weight"))
+    assert json.loads((head / "specflash_draft.json").read_text())["kind"] == "eagle"
+    tok = load_tokenizer(target)
+    text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                   tokenize=False)
+    ids = list(tok(text, add_special_tokens=False)["input_ids"])
+    answer = engine.generate([GenerationRequest("a", ids, SamplingParams(temperature=0.0, max_tokens=12),
+                                                speculation_for("sync", 3, 1))])[0]
+    off = engine.generate([GenerationRequest("b", ids, SamplingParams(temperature=0.0, max_tokens=12),
+                                             speculation_for("off", 3, 1))])[0]
+    assert answer.token_ids == off.token_ids
+    assert answer.stats.num_accepted > 0, "a trained head should get some of the target's tokens right"
+    assert isinstance(engine.proposer, EagleProposer)
