@@ -11,6 +11,8 @@ machine hurts all of them alike:
 - `sync-chain`, `sync-tree`: draft-then-verify with a chain of K / an EAGLE-2 tree;
 - `sync-auto`: the same engine choosing each step's depth (0 = decode alone) from the
   running acceptance and the measured step costs (the server's default mode, "auto");
+- `eagle-chain`, `eagle-tree`, `eagle-auto`: the same with the feature-conditioned EAGLE
+  draft head (`--eagle`; the embedded one by default) instead of the layered draft;
 - `ngram`: prompt lookup decoding (no draft model);
 - `hf-target`, `hf-assisted`: Hugging Face `generate`, the target alone and assisted
   generation (`assistant_model`, constant K, no confidence cutoff) on the same checkpoints.
@@ -138,33 +140,53 @@ def hf(target_hf, draft_hf=None, spec_len: int = 4, eos_token_ids=()):
 
 # -- costs of one step, for the Eq. 3.2 prediction ---------------------------------------------
 def forward_ms(model, prefix_len: int, num_tokens: int, repeats: int = 7, logit_rows=None) -> float:
-    """Median wall time of one forward of `num_tokens` (a chain) after a prefix, in ms."""
-    from models.transformer import causal_mask
+    """Median wall time of one forward of `num_tokens` (a chain) after a prefix, in ms.
+
+    With `logit_rows` (a draft's reduced head) the rows are selected once, as the
+    proposer does, and applied to the hidden states with the proposer's packed head.
+    """
+    from models.transformer import PackedWeight, causal_mask
+
+    head = pack = None
+    if logit_rows is not None:
+        head, pack = model.lm_head_weight.index_select(0, logit_rows), PackedWeight(transposed_gemv=True)
+        one_row = torch.zeros(1, dtype=torch.long)
 
     cache = model.new_cache(-(-(prefix_len + num_tokens) // 16) + 1, 16)
     cache.add_sequence("c")
     ids = torch.randint(0, model.config.vocab_size, (1, prefix_len + num_tokens))
+    feats = {}
+    if getattr(model, "needs_features", False):     # an EAGLE head reads a feature per token
+        feats = {"features": torch.randn(1, prefix_len + num_tokens, model.config.hidden_size)}
     with torch.inference_mode():
         model(ids[:, :prefix_len], torch.arange(prefix_len)[None], cache, ["c"], causal_mask(1, prefix_len),
-              logit_positions=torch.tensor([prefix_len - 1]))
+              logit_positions=torch.tensor([prefix_len - 1]),
+              **{k: v[:, :prefix_len] for k, v in feats.items()})
         times = []
         for _ in range(repeats):
             start = time.perf_counter()
-            model(ids[:, prefix_len:], torch.arange(prefix_len, prefix_len + num_tokens)[None], cache, ["c"],
-                  causal_mask(1, num_tokens), logit_rows=logit_rows)
+            args = (ids[:, prefix_len:], torch.arange(prefix_len, prefix_len + num_tokens)[None], cache, ["c"],
+                    causal_mask(1, num_tokens))
+            if head is None:
+                model(*args, **{k: v[:, prefix_len:] for k, v in feats.items()})
+            else:
+                _, hidden = model(*args, logit_rows=one_row, logit_positions=one_row, return_hidden=True,
+                                  **{k: v[:, prefix_len:] for k, v in feats.items()})
+                pack.matmul(hidden, head, None)
             times.append(time.perf_counter() - start)
             cache.truncate("c", prefix_len)
     return 1000 * statistics.median(times)
 
 
-def measure_costs(engine, spec_len: int, tree_width: int, prefix_len: int) -> dict:
-    rows = None if engine.draft_logit_rows is None else torch.tensor(engine.draft_logit_rows)
+def measure_costs(engine, spec_len: int, tree_width: int, prefix_len: int, eagle_engine=None) -> dict:
     costs = {"target_1": forward_ms(engine.target, prefix_len, 1),
              "verify_chain": forward_ms(engine.target, prefix_len, spec_len + 1),
              "verify_tree": forward_ms(engine.target, prefix_len, spec_len * tree_width + 1)}
-    if engine.draft is not None:
-        costs["draft_1"] = forward_ms(engine.draft, prefix_len, 1, logit_rows=rows)
-        costs["draft_level"] = forward_ms(engine.draft, prefix_len, tree_width, logit_rows=rows)
+    for prefix, e in (("draft", engine), ("eagle", eagle_engine)):
+        if e is not None and e.draft is not None:
+            rows = None if e.draft_logit_rows is None else torch.tensor(e.draft_logit_rows)
+            costs[f"{prefix}_1"] = forward_ms(e.draft, prefix_len, 1, logit_rows=rows)
+            costs[f"{prefix}_level"] = forward_ms(e.draft, prefix_len, tree_width, logit_rows=rows)
     return costs
 
 
@@ -174,10 +196,12 @@ def predicted_speedup(method: str, gamma: float, mean_len: float, costs: dict, K
     Not for ngram: it drafts only where a match exists, which Eq. 3.2 does not model.
     """
     expected = (1 - gamma ** (K + 1)) / (1 - gamma) if gamma < 1 else K + 1.0
-    if method == "sync-chain" and "draft_1" in costs:
-        step = K * costs["draft_1"] + costs["verify_chain"]
-    elif method == "sync-tree" and "draft_level" in costs:
-        expected, step = mean_len, costs["draft_1"] + (K - 1) * costs["draft_level"] + costs["verify_tree"]
+    draft = "eagle" if method.startswith("eagle") else "draft"
+    if method.endswith("-chain") and f"{draft}_1" in costs:
+        step = K * costs[f"{draft}_1"] + costs["verify_chain"]
+    elif method.endswith("-tree") and f"{draft}_level" in costs:
+        expected = mean_len
+        step = costs[f"{draft}_1"] + (K - 1) * costs[f"{draft}_level"] + costs["verify_tree"]
     else:
         return None
     return expected * costs["target_1"] / step
@@ -188,9 +212,9 @@ def inrun_prediction(method: str, gamma: float, mean_len: float, mine: list, run
     per step, against `off`'s time per token): what is left is overhead outside the step."""
     off = [r for r in runs if r.method == "off"]
     steps = sum(r.steps for r in mine)
-    if method not in ("sync-chain", "sync-tree") or not off or not steps:
+    if method not in ("sync-chain", "sync-tree", "eagle-chain", "eagle-tree") or not off or not steps:
         return None
-    expected = (1 - gamma ** (K + 1)) / (1 - gamma) if method == "sync-chain" and gamma < 1 else mean_len
+    expected = (1 - gamma ** (K + 1)) / (1 - gamma) if method.endswith("-chain") and gamma < 1 else mean_len
     step_s = sum(r.draft_s + r.verify_s for r in mine) / steps
     off_s = sum(r.seconds for r in off) / sum(len(r.token_ids) for r in off)
     return expected * off_s / step_s
@@ -217,7 +241,7 @@ def summarize(runs: list[Run], methods: list[str], costs: dict, K: int) -> list[
                 _tps([r for r in runs if r.method == "off" and r.category == c]), 1e-9) for c in PROMPTS},
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_accepted_len": mean_len if drafted else None,
-            "gamma": gamma if m.startswith("sync") or m == "ngram" else None,
+            "gamma": gamma if m.startswith(("sync", "eagle")) or m == "ngram" else None,
             "predicted_speedup": pred,
             "predicted_speedup_inrun": pred_inrun,
             "exact_vs_off": sum(base.get((r.category, r.prompt)) == r.token_ids for r in mine) / len(mine),
@@ -261,7 +285,7 @@ def machine() -> dict:
 
 
 # -- the run -----------------------------------------------------------------------------------
-def build_methods(args, pair, hf_target, hf_draft) -> dict:
+def build_methods(args, pair, hf_target, hf_draft, eagle_engine=None) -> dict:
     """name -> runner; the async pipeline plugs in here as one more entry."""
     engine, eos = pair.engine, sorted(pair.engine.eos_token_ids)
     methods = {"off": ours(engine, "off", args.spec_len, 1)}
@@ -269,6 +293,10 @@ def build_methods(args, pair, hf_target, hf_draft) -> dict:
         methods["sync-chain"] = ours(engine, "sync", args.spec_len, 1)
         methods["sync-tree"] = ours(engine, "sync", args.spec_len, args.tree_width)
         methods["sync-auto"] = ours(engine, "auto", args.spec_len, 1)
+    if eagle_engine is not None:
+        methods["eagle-chain"] = ours(eagle_engine, "sync", args.spec_len, 1)
+        methods["eagle-tree"] = ours(eagle_engine, "sync", args.spec_len, args.tree_width)
+        methods["eagle-auto"] = ours(eagle_engine, "auto", args.spec_len, 1)
     methods["ngram"] = ours(engine, "sync", args.spec_len, 1, "ngram")
     if not args.no_hf:
         methods["hf-target"] = hf(hf_target, eos_token_ids=eos)
@@ -326,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--methods", nargs="*", help="a subset of the methods (default: all)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
+    p.add_argument("--eagle", help="an EAGLE draft head for the eagle-* methods (default: the embedded one "
+                                   "with the embedded pair; 'none' to skip)")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     p.add_argument("--readme", action="store_true", help="write the table into bench/README.md")
     args = p.parse_args(argv)
@@ -333,20 +363,33 @@ def main(argv: list[str] | None = None) -> int:
 
     from cluster.engine import build_engine
 
+    if args.eagle is None and args.target is None:
+        from models import embedded
+        args.eagle = str(embedded.eagle_dir()) if (embedded.ASSETS / embedded.EAGLE_WEIGHTS).is_file() else None
     if args.target is None:
         from models.embedded import default_pair
         args.target, args.draft = (str(d) for d in default_pair())
     pair = build_engine(args.target, args.draft, spec_len=args.spec_len, tree_width=args.tree_width)
+    eagle_engine = None
+    if args.eagle and args.eagle != "none":
+        from cluster.engine import Engine, read_logit_rows
+        from models import load_model
+
+        e = pair.engine             # the same target object: only the draft differs
+        eagle_engine = Engine(e.target, load_model(args.eagle), spec_len=args.spec_len, tree_width=args.tree_width,
+                              draft_logit_rows=read_logit_rows(args.eagle, e.vocab_size),
+                              eos_token_ids=sorted(e.eos_token_ids))
     hf_target = hf_draft = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM
         hf_target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
         if args.draft:
             hf_draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
-    methods = build_methods(args, pair, hf_target, hf_draft)
+    methods = build_methods(args, pair, hf_target, hf_draft, eagle_engine)
     runs = run_all(methods, pair.tokenizer, args.max_tokens, args.prompts)
     mean_prompt = int(statistics.mean(len(prompt_ids(pair.tokenizer, t)) for ts in PROMPTS.values() for t in ts))
-    costs = measure_costs(pair.engine, args.spec_len, args.tree_width, mean_prompt + args.max_tokens // 2)
+    costs = measure_costs(pair.engine, args.spec_len, args.tree_width, mean_prompt + args.max_tokens // 2,
+                          eagle_engine)
     rows = summarize(runs, list(methods), costs, args.spec_len)
     table = markdown_table(rows)
     print(table)
