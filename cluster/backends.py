@@ -147,6 +147,7 @@ class DraftSide:
         from cluster.engine import read_logit_rows
         from cluster.replay import CorruptedReplayProposer, is_random
         from drafter import DraftRequest, ModelProposer, NgramProposer
+        from models.eagle import refuse_in_pipeline
 
         st = settings
         self._request_cls = DraftRequest
@@ -156,11 +157,8 @@ class DraftSide:
             self.proposer = NgramProposer(vocab, MAX_SPEC_LEN + 1)
             self.kind = "ngram"
             return
+        refuse_in_pipeline(draft_dir)
         model = _load(draft_dir, st.device, st.dtype)
-        if getattr(model, "needs_features", False):
-            raise ValueError(f"{draft_dir} is a feature-conditioned (EAGLE) draft head, which the sync engine "
-                             f"runs (specflash generate --mode sync); the async pipeline needs a draft that "
-                             f"reads tokens only")
         rows = None if is_random(draft_dir) else read_logit_rows(draft_dir, vocab)
         self.proposer = ModelProposer(model, model.new_cache(st.num_blocks, st.block_size),
                                       MAX_SPEC_LEN + 1, 1, None, rows, vocab)

@@ -35,7 +35,7 @@ import ray
 from cluster.actors import PipelineSettings, remote_classes
 from cluster.metrics import SpecStats
 from cluster.protocol import GenerationChunk, GenerationRequest
-from models.eagle import is_eagle_dir
+from models.eagle import refuse_in_pipeline
 
 log = logging.getLogger("specflash.cluster")
 RETRYABLE = "retryable: "
@@ -229,7 +229,7 @@ def build_pipeline_engine(config=None, *, target_dir: str | None = None, draft_d
 
     config = config or AppArgs()
     target_dir, draft_dir = _model_dirs(config, target_dir, draft_dir)
-    refuse_eagle(draft_dir)
+    refuse_in_pipeline(draft_dir)
     settings = settings_from_config(config, **overrides)
     drafter_cls, verifier_cls = remote_classes(drafter_max_restarts, verifier_max_restarts)
     placement = config.placement
@@ -256,13 +256,6 @@ def build_pipeline_engine(config=None, *, target_dir: str | None = None, draft_d
         engine.kill_pipeline_actors()
         raise
     return engine
-
-
-def refuse_eagle(draft_dir) -> None:
-    """The pipeline's drafters read tokens only: a feature-conditioned draft is a clear error."""
-    if draft_dir is not None and is_eagle_dir(draft_dir):
-        raise ValueError(f"{draft_dir} is a feature-conditioned (EAGLE) draft head, which only the sync "
-                         f"engine runs (--mode sync); the async pipeline needs a draft that reads tokens only")
 
 
 def _model_dirs(config, target_dir, draft_dir) -> tuple[str, str | None]:
@@ -367,7 +360,7 @@ def _cli_model_dirs(args, proposer: str) -> tuple[str, str | None]:
         if proposer == "model" and args.draft is None:
             raise ValueError("--mode async with the model proposer needs --draft; or use --proposer ngram")
         if proposer == "model":
-            refuse_eagle(args.draft)
+            refuse_in_pipeline(args.draft)
         return str(args.target), None if args.draft is None else str(args.draft)
     from models import embedded
 
