@@ -65,26 +65,17 @@ class EagleProposer(ModelProposer):
     # -- forwards -----------------------------------------------------------------------
     def _catch_up(self, batch: Sequence[DraftRequest]) -> list[torch.Tensor]:   # n x [1, V]
         width = self.model.config.hidden_size
-        ids, positions, masks, feats = [], [], [], []
-        for r in batch:
-            if r.seq_id not in self._committed:
-                self.cache.add_sequence(r.seq_id)
-                self._committed[r.seq_id] = 0
-            seen = self._committed[r.seq_id]
-            self.cache.truncate(r.seq_id, seen)
+        prev = []                                   # per sequence: f_{j-1} for j = 0..n-1
+        for r in batch:                             # checked before any state changes
             n = len(r.token_ids)
             known = self._features.get(r.seq_id, torch.zeros(0, width))
             if known.shape[0] < n - 1:
                 raise MissingFeaturesError(
                     f"sequence {r.seq_id!r} has {n} committed tokens but the target's features of only "
                     f"{known.shape[0]} (the verifier must run with features=True and the engine pass them on)")
-            prev = torch.cat([torch.zeros(1, width), known[: n - 1]])           # f_{j-1} for j = 0..n-1
-            ids.append(torch.tensor(list(r.token_ids[seen:]), dtype=torch.long))
-            positions.append(torch.arange(seen, n))
-            masks.append(torch.ones(n - seen, n - seen, dtype=torch.bool).tril())
-            feats.append(prev[seen:n])
-            self._committed[r.seq_id], self._layout[r.seq_id] = n, []
-        last = [torch.tensor([m.shape[0] - 1]) for m in masks]
+            prev.append(torch.cat([torch.zeros(1, width), known[: n - 1]]))
+        ids, positions, masks, last = self._catch_up_rows(batch)
+        feats = [p[int(pos[0]):] if len(pos) else p[:0] for p, pos in zip(prev, positions)]
         logits, hidden = self._forward_with_features([r.seq_id for r in batch], ids, positions, masks, last, feats)
         for r, h in zip(batch, hidden):
             self._pred[r.seq_id] = {ROOT: h[-1]}

@@ -105,6 +105,12 @@ class ModelProposer:
 
     def _catch_up(self, batch: Sequence[DraftRequest]) -> list[torch.Tensor]:   # n x [1, V]
         """Feed the committed tokens the draft has not seen (root last); q after the root."""
+        ids, positions, masks, last = self._catch_up_rows(batch)
+        return self._forward([r.seq_id for r in batch], ids, positions, masks, last)
+
+    def _catch_up_rows(self, batch: Sequence[DraftRequest]):
+        """Per sequence: the committed tokens not yet fed, their positions and causal mask, and
+        the index of the root among them; the draft now counts them as seen."""
         ids, positions, masks = [], [], []
         for r in batch:
             if r.seq_id not in self._committed:
@@ -117,8 +123,7 @@ class ModelProposer:
             positions.append(torch.arange(seen, seen + n))
             masks.append(torch.ones(n, n, dtype=torch.bool).tril())
             self._committed[r.seq_id], self._layout[r.seq_id] = len(r.token_ids), []
-        last = [torch.tensor([m.shape[0] - 1]) for m in masks]
-        return self._forward([r.seq_id for r in batch], ids, positions, masks, last)
+        return ids, positions, masks, [torch.tensor([m.shape[0] - 1]) for m in masks]
 
     def _forward_frontier(self, work: dict[Hashable, tuple[TreeBuilder, list[int]]]) -> list[torch.Tensor]:
         """One draft forward over the frontier of every tree (plus uncached ancestors)."""

@@ -170,21 +170,26 @@ def target_dir() -> Path:
     return _build_atomically(cache_dir() / TARGET_NAME, lambda tmp: _write_target(tmp, gguf))
 
 
-def _write_draft(out: Path, target: Path) -> None:
-    """Assemble the draft: committed layers + the target's embeddings + tokenizer."""
+def _write_on_target(out: Path, target: Path, weights: str) -> None:
+    """A committed fp16 asset as fp32 weights plus the target's embeddings, and its tokenizer."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    tensors = {k: v.to(torch.float32) for k, v in load_file(ASSETS / DRAFT_WEIGHTS).items()}
+    tensors = {k: v.to(torch.float32) for k, v in load_file(ASSETS / weights).items()}
     with safe_open(target / "model.safetensors", framework="pt") as f:
         tensors["model.embed_tokens.weight"] = f.get_tensor("model.embed_tokens.weight")
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    shutil.copy(ASSETS / DRAFT_CONFIG, out / "config.json")
-    shutil.copy(ASSETS / DRAFT_META, out / DRAFT_META)
     for name in TOKENIZER_FILES:
         if (target / name).is_file():
             shutil.copy(target / name, out / name)
+
+
+def _write_draft(out: Path, target: Path) -> None:
+    """Assemble the draft: committed layers + the target's embeddings + tokenizer."""
+    _write_on_target(out, target, DRAFT_WEIGHTS)
+    shutil.copy(ASSETS / DRAFT_CONFIG, out / "config.json")
+    shutil.copy(ASSETS / DRAFT_META, out / DRAFT_META)
 
 
 def _assets_digest() -> str:
@@ -208,23 +213,13 @@ def draft_dir(target: Path | None = None) -> Path:
 
 def _write_eagle(out: Path, target: Path) -> None:
     """Assemble the EAGLE head: committed tensors + the target's embeddings, config, tokenizer."""
-    import torch
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    tensors = {k: v.to(torch.float32) for k, v in load_file(ASSETS / EAGLE_WEIGHTS).items()}
-    with safe_open(target / "model.safetensors", framework="pt") as f:
-        tensors["model.embed_tokens.weight"] = f.get_tensor("model.embed_tokens.weight")
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    _write_on_target(out, target, EAGLE_WEIGHTS)
     config = json.loads((target / "config.json").read_text())
     config["num_hidden_layers"] = 1
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     meta = json.loads((ASSETS / DRAFT_META).read_text())
     (out / DRAFT_META).write_text(json.dumps({"logit_rows": meta["logit_rows"], "kind": "eagle",
                                               "recipe": "recipes/eagle_train.py"}) + "\n")
-    for name in TOKENIZER_FILES:
-        if (target / name).is_file():
-            shutil.copy(target / name, out / name)
 
 
 def eagle_dir(target: Path | None = None) -> Path:
