@@ -1,0 +1,90 @@
+"""The cost of verifying T tokens against one decoding step, CPU, C kernel vs torch matmul.
+
+    python bench/cpu_matmul.py                     # embedded target, 1 thread, rows 1 2 4 8
+    python bench/cpu_matmul.py --threads 2 --reps 12
+    python bench/cpu_matmul.py --target DIR --rows 1 3 5
+
+One process, the same target and KV cache; every repetition runs each row
+count with `kernels.cpu.skinny_linear` (models.transformer's few-row path) and
+with torch's matmul paths (that kernel switched off), interleaved, so drift of
+the machine hits both alike. A row count T is a verification of a chain of
+T - 1 draft tokens after a 120-token prefix (T = 1: plain decoding). Reports
+the median milliseconds and the ratio to torch's one-row step.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]   # bench/kernels.py shadows `kernels`
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", help="target checkpoint (default: the embedded SmolLM2-135M)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    import models.transformer as mt
+    from kernels import cpu
+    from models import load_model
+    from models.sampling import SamplingParams
+    from models.tree import TokenTree
+    from verifier import Verifier, VerifyRequest
+
+    if not cpu.available():
+        print(f"the C kernel is unavailable here: {cpu.unavailable_reason()}")
+        return 1
+    if args.target is None:
+        from models.embedded import target_dir
+
+        args.target = str(target_dir())
+    model = load_model(args.target, device="cpu", dtype=torch.float32)
+    verifier = Verifier(model, model.new_cache(256, 16))
+    prompt = [100 + i % 1000 for i in range(120)]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+
+    def verify_once(rows: int) -> float:
+        n = rows - 1
+        tree = (TokenTree.empty(len(prompt)) if n == 0 else
+                TokenTree(torch.full((n,), 5), torch.arange(-1, n - 1), torch.arange(1, n + 1), None, len(prompt), 0))
+        verifier.prefill("s", prompt)
+        start = time.perf_counter()
+        verifier.verify([VerifyRequest("s", prompt[-1], tree, params, torch.Generator())])
+        seconds = time.perf_counter() - start
+        verifier.release("s")
+        return seconds
+
+    saved = mt._SKINNY_ROWS
+    times: dict[tuple[str, int], list[float]] = {}
+    try:
+        for rep in range(args.reps + 1):
+            for name, limit in (("torch", 0), ("C kernel", saved)):
+                mt._SKINNY_ROWS = limit
+                for rows in args.rows:
+                    t = verify_once(rows)
+                    if rep:                                  # the first round warms both paths up
+                        times.setdefault((name, rows), []).append(t)
+    finally:
+        mt._SKINNY_ROWS = saved
+    base = statistics.median(times[("torch", args.rows[0])])
+    print(f"threads {args.threads}, {args.reps} interleaved repetitions, median ms (ratio to torch's "
+          f"{args.rows[0]}-row step)")
+    for name in ("torch", "C kernel"):
+        cells = [f"{r} rows {statistics.median(times[(name, r)]) * 1e3:.1f} "
+                 f"({statistics.median(times[(name, r)]) / base:.2f})" for r in args.rows]
+        print(f"{name:9s} " + "  ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

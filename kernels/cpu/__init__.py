@@ -1,0 +1,146 @@
+"""CPU kernels in C, built on first use with the system's C compiler.
+
+`skinny_linear(x, weight, bias)` computes `x @ weight.T + bias` for 1 to 8
+rows of fp32 (plain decoding and tree verification) reading each weight row
+once, in the nn.Linear layout (kernels/cpu/skinny_gemm.c). Every output
+element is computed the same way whatever the number of rows, so a token's
+logits do not depend on how many tokens were verified with it.
+
+The shared library is compiled once per source version into
+`<cache>/cpu-kernels/<digest>/` (`$SPECFLASH_CACHE`, as for the embedded
+models) with `cc -O3 -mavx2 -mfma -fopenmp`; compiling takes about a second.
+`available()` is False, and callers keep their torch path, when the CPU lacks
+AVX2/FMA, no compiler is found, the build fails (logged once), or
+`SPECFLASH_CPU_KERNELS=0`.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("specflash.kernels")
+
+SOURCE = Path(__file__).with_name("skinny_gemm.c")
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+MAX_ROWS = 8
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_error: str | None = None
+
+
+class CpuKernelError(RuntimeError):
+    """The C kernels cannot be built or loaded here."""
+
+
+def _cpu_has_avx2() -> bool:
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in ("AVX2", "AVX512"):
+        return False
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return cap in ("AVX2", "AVX512")
+    return " fma" in flags and " avx2" in flags
+
+
+def library_path() -> Path:
+    from models.embedded import cache_dir
+
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return cache_dir() / "cpu-kernels" / digest / "libspecflash_cpu.so"
+
+
+def build(force: bool = False) -> Path:
+    """Compile the library into the cache (atomically) and return its path."""
+    out = library_path()
+    if out.is_file() and not force:
+        return out
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise CpuKernelError("no C compiler (cc / gcc) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise CpuKernelError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
+        os.replace(tmp, out)              # concurrent builders race harmlessly
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried, _error
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("SPECFLASH_CPU_KERNELS", "1") == "0":
+            _error = "disabled by SPECFLASH_CPU_KERNELS=0"
+            return None
+        if not _cpu_has_avx2():
+            _error = "this CPU lacks AVX2/FMA"
+            return None
+        try:
+            lib = ctypes.CDLL(str(build()))
+        except (CpuKernelError, OSError) as e:
+            _error = str(e)
+            log.warning("CPU kernels unavailable, using torch's matmul: %s", e)
+            return None
+        fn = lib.sf_skinny_linear
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        _lib = lib
+        return lib
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    _load()
+    return _error
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  threads: int | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T (+ bias [N]) for at most 8 rows, CPU fp32.
+
+    Raises CpuKernelError when the library is unavailable and ValueError for
+    inputs it does not take (other dtypes or devices, more than 8 rows).
+    """
+    lib = _load()
+    if lib is None:
+        raise CpuKernelError(f"CPU kernels unavailable: {_error}")
+    K = x.shape[-1]
+    M = x.numel() // K if K else 0
+    N = weight.shape[0]
+    if not (x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"):
+        raise ValueError("skinny_linear takes CPU float32 tensors")
+    if weight.dim() != 2 or weight.shape[1] != K:
+        raise ValueError(f"weight {tuple(weight.shape)} does not match x's last dimension {K}")
+    if not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"skinny_linear takes 1 to {MAX_ROWS} rows, got {M}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (N,)):
+        raise ValueError(f"bias must be float32 [{N}]")
+    xc, wc = x.contiguous(), weight.contiguous()
+    bc = None if bias is None else bias.contiguous()
+    y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
+    lib.sf_skinny_linear(xc.data_ptr(), wc.data_ptr(), 0 if bc is None else bc.data_ptr(), y.data_ptr(),
+                         M, K, N, threads or torch.get_num_threads())
+    return y

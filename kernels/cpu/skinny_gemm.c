@@ -1,0 +1,111 @@
+/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) for few rows M (1..8), fp32, AVX2 + FMA.
+ *
+ * Decoding and tree verification multiply a handful of rows by every weight
+ * of the model once per step: the weight streams from memory and each of its
+ * elements is used M times. This kernel reads the weight once, in memory
+ * order, from the nn.Linear layout as it is ([N, K], no repacking, software
+ * prefetch ahead of the stream), and computes each weight row's dot products
+ * with up to 4 x rows at a time in registers (more rows re-read the weight
+ * row from L1). A step of M rows then costs about the memory traffic of one
+ * row; BLAS GEMV is as fast for M = 1 only, and small-M GEMMs re-read or
+ * repack the weight.
+ *
+ * Every output element is the same sequence of operations whatever M is and
+ * whichever other rows share its call: two 8-lane FMA accumulators over
+ * 16-float chunks of k in order, a last 8-float chunk into the first, a fixed
+ * horizontal sum of their sum, the scalar tail, then the bias. A row's logits
+ * therefore do not depend on how many rows were verified with it.
+ *
+ * Threads: OpenMP over blocks of output columns (the caller passes torch's
+ * thread count; the library links the libgomp torch already loaded).
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v);
+    __m128 hi = _mm256_extractf128_ps(v, 1);
+    __m128 s = _mm_add_ps(lo, hi);                 /* lanes (0+4, 1+5, 2+6, 3+7) */
+    __m128 sh = _mm_movehdup_ps(s);                /* (1, 1, 3, 3) */
+    __m128 t = _mm_add_ps(s, sh);                  /* (0+1, -, 2+3, -) */
+    sh = _mm_movehl_ps(sh, t);                     /* (2+3, ...) */
+    t = _mm_add_ss(t, sh);
+    return _mm_cvtss_f32(t);
+}
+
+/* Prefetch distance along the weight, in floats: the weight is read as one sequential stream. */
+#ifndef PREFETCH
+#define PREFETCH 512
+#endif
+
+/* Dot products of one weight row with G (1..4) x rows, two accumulators per x row (even and
+ * odd 8-float chunks of k). Every element: chunks of 16 in order, a last chunk of 8 into the
+ * even accumulator, hsum(even + odd), the scalar tail, the bias. */
+#define DEFINE_ROW(G)                                                                            \
+static inline void row_##G(const float *x, const float *wr, float *y, int64_t K, int64_t N,      \
+                           float b) {                                                            \
+    const int64_t K16 = K & ~(int64_t)15, K8 = K & ~(int64_t)7;                                  \
+    __m256 a0[G], a1[G];                                                                         \
+    _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++) {                                      \
+        a0[m] = _mm256_setzero_ps();                                                             \
+        a1[m] = _mm256_setzero_ps();                                                             \
+    }                                                                                            \
+    for (int64_t k = 0; k < K16; k += 16) {                                                      \
+        _mm_prefetch((const char *)(wr + k + PREFETCH), _MM_HINT_T0);                            \
+        __m256 w0 = _mm256_loadu_ps(wr + k), w1 = _mm256_loadu_ps(wr + k + 8);                   \
+        _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++) {                                  \
+            a0[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w0, a0[m]);                  \
+            a1[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), w1, a1[m]);              \
+        }                                                                                        \
+    }                                                                                            \
+    if (K8 > K16) {                                                                              \
+        __m256 w0 = _mm256_loadu_ps(wr + K16);                                                   \
+        _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++)                                    \
+            a0[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + K16), w0, a0[m]);                \
+    }                                                                                            \
+    _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++) {                                      \
+        float s = hsum8(_mm256_add_ps(a0[m], a1[m]));                                            \
+        for (int64_t k = K8; k < K; k++) s += x[m * K + k] * wr[k];                              \
+        y[m * N] = s + b;                                                                        \
+    }                                                                                            \
+}
+
+DEFINE_ROW(1) DEFINE_ROW(2) DEFINE_ROW(3) DEFINE_ROW(4)
+
+/* Columns [n0, n1) of y: weight rows in memory order, x rows in groups of up to 4 (a weight
+ * row is read from memory once; a second group reads it again from L1). */
+static void columns(const float *x, const float *w, const float *bias, float *y,
+                    int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; n++) {
+        const float *wr = w + n * K;
+        const float b = bias ? bias[n] : 0.0f;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const float *xg = x + m0 * K;
+            float *yg = y + m0 * N + n;
+            switch (M - m0 < 4 ? M - m0 : 4) {
+                case 1: row_1(xg, wr, yg, K, N, b); break;
+                case 2: row_2(xg, wr, yg, K, N, b); break;
+                case 3: row_3(xg, wr, yg, K, N, b); break;
+                default: row_4(xg, wr, yg, K, N, b); break;
+            }
+        }
+    }
+}
+
+/* Returns 0, or -1 when M is outside 1..8 (the caller takes another path). */
+int sf_skinny_linear(const float *x, const float *w, const float *bias, float *y,
+                     int64_t M, int64_t K, int64_t N, int threads) {
+    if (M < 1 || M > 8) return -1;
+    const int64_t chunk = 64;                      /* output columns per task: a multiple of every R */
+    const int64_t tasks = (N + chunk - 1) / chunk;
+    if (threads <= 1 || tasks < 2) {
+        columns(x, w, bias, y, M, K, N, 0, N);
+        return 0;
+    }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tasks; t++) {
+        int64_t n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+        columns(x, w, bias, y, M, K, N, n0, n1);
+    }
+    return 0;
+}

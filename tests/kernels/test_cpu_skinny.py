@@ -1,0 +1,104 @@
+"""kernels.cpu.skinny_linear: the C few-row matmul every CPU decoding / verification step takes."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu
+
+ROOT = Path(__file__).resolve().parents[2]
+CAN_BUILD = cpu._cpu_has_avx2() and (shutil.which("cc") or shutil.which("gcc")) is not None
+pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs an AVX2/FMA CPU and a C compiler")
+
+
+def test_builds_and_loads_here():
+    # where it can be built it must be: a silent fallback would hide a broken kernel
+    assert cpu.available(), cpu.unavailable_reason()
+
+
+@pytest.mark.parametrize("K", [8, 24, 37, 576, 1536])
+@pytest.mark.parametrize("N", [1, 5, 64, 131])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_float64_reference(K, N, threads):
+    g = torch.Generator().manual_seed(K * 1000 + N)
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g)
+    for M in range(1, cpu.MAX_ROWS + 1):
+        x = torch.randn(M, K, generator=g)
+        ref = x.double() @ w.double().T
+        got = cpu.skinny_linear(x, w, None, threads=threads)
+        assert got.shape == (M, N) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), ref, atol=1e-4 * K ** 0.5, rtol=1e-5)
+        got_b = cpu.skinny_linear(x, w, b, threads=threads)
+        torch.testing.assert_close(got_b.double(), ref + b.double(), atol=1e-4 * K ** 0.5, rtol=1e-5)
+
+
+def test_a_row_does_not_depend_on_its_neighbours_or_threads():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 576, generator=g)
+    b = torch.randn(300, generator=g)
+    x = torch.randn(8, 576, generator=g)
+    full = cpu.skinny_linear(x, w, b, threads=1)
+    for m in range(1, 9):
+        assert torch.equal(cpu.skinny_linear(x[:m], w, b, threads=1), full[:m])
+        assert torch.equal(cpu.skinny_linear(x[m - 1:m], w, b, threads=2), full[m - 1:m])
+    assert torch.equal(cpu.skinny_linear(x[5:8], w, b, threads=2), full[5:8])
+
+
+def test_leading_dimensions_and_strided_input():
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(40, 64, generator=g)
+    x = torch.randn(2, 3, 128, generator=g)[..., ::2]          # [2, 3, 64], not contiguous
+    got = cpu.skinny_linear(x, w)
+    assert got.shape == (2, 3, 40)
+    torch.testing.assert_close(got, x @ w.T, atol=1e-4, rtol=1e-5)
+
+
+def test_refuses_what_it_does_not_take():
+    w = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="1 to 8 rows"):
+        cpu.skinny_linear(torch.randn(9, 16), w)
+    with pytest.raises(ValueError, match="float32"):
+        cpu.skinny_linear(torch.randn(2, 16, dtype=torch.float64), w.double())
+    with pytest.raises(ValueError, match="does not match"):
+        cpu.skinny_linear(torch.randn(2, 8), w)
+    with pytest.raises(ValueError, match="bias"):
+        cpu.skinny_linear(torch.randn(2, 16), w, torch.randn(5))
+
+
+def test_linear_layers_take_it_for_few_rows_and_fall_back_beyond(monkeypatch):
+    from models import transformer
+
+    calls = []
+    real = cpu.skinny_linear
+    monkeypatch.setattr(cpu, "skinny_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    lin = transformer.Linear(32, 16)
+    with torch.inference_mode():
+        few, many = torch.randn(1, 4, 32), torch.randn(1, 12, 32)
+        torch.testing.assert_close(lin(few), torch.nn.functional.linear(few, lin.weight, lin.bias))
+        torch.testing.assert_close(lin(many), torch.nn.functional.linear(many, lin.weight, lin.bias))
+    assert calls == [torch.Size([1, 4, 32])]
+
+
+def test_disabled_or_unbuildable_falls_back_with_a_reason(tmp_path):
+    code = ("from kernels import cpu; import torch; from models.transformer import Linear;"
+            "lin = Linear(8, 4); y = lin(torch.randn(2, 8));"
+            "print(cpu.available(), '|', cpu.unavailable_reason(), '|', tuple(y.shape))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECFLASH_CACHE": str(tmp_path / "cache")}
+    off = subprocess.run([sys.executable, "-c", code], env={**env, "SPECFLASH_CPU_KERNELS": "0"},
+                         capture_output=True, text=True, check=True).stdout
+    assert off.strip() == "False | disabled by SPECFLASH_CPU_KERNELS=0 | (2, 4)"
+    bad = subprocess.run([sys.executable, "-c", code], env={**env, "CC": "/bin/false"},
+                         capture_output=True, text=True, check=True)
+    assert bad.stdout.startswith("False | /bin/false failed") and bad.stdout.strip().endswith("(2, 4)")
+    assert "CPU kernels unavailable" in bad.stderr
+    assert not list((tmp_path / "cache").rglob("*.so"))        # a failed build leaves nothing behind
+    ok = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert ok.stdout.strip() == "True | None | (2, 4)"
+    assert len(list((tmp_path / "cache").rglob("libspecflash_cpu.so"))) == 1
