@@ -57,6 +57,9 @@ class DrafterActor:
         self._attached = threading.Event()
         self._stopped = threading.Event()
         self._error: str | None = None
+        # with nothing to draft, one long-poll (woken early by any signal) keeps us seen as live
+        # without a stream of empty calls competing with the verifier for the cores
+        self._idle_wait_s = max(self.settings.poll_s, self.settings.drafter_timeout_s / 4)
         self._thread = threading.Thread(target=self._run, name="drafter-loop", daemon=True)
         self._thread.start()
 
@@ -93,7 +96,7 @@ class DrafterActor:
             busy = bool(puts) or any(s.ready(self.settings.ring_slots) for s in self.streams.values())
             try:
                 reply = ray.get(self.verifier.exchange.remote(
-                    self.index, self.incarnation, puts, 0.0 if busy else self.settings.poll_s,
+                    self.index, self.incarnation, puts, 0.0 if busy else self._idle_wait_s,
                     draft_s, levels, resync))
             except ray.exceptions.RayActorError as e:
                 # dead or restarting: what it held of ours is gone; keep calling until it is back

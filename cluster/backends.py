@@ -42,7 +42,7 @@ class PipelineSettings:
     dtype: str = "float32"
     drafter_timeout_s: float = 2.0   # a drafter silent this long is treated as dead
     max_tree_wait_s: float = 0.5     # longest a sequence is held back for a late tree
-    poll_s: float = 0.05             # drafter long-poll when it has nothing to draft
+    poll_s: float = 0.05             # verifier idle poll; the drafter long-polls max(this, timeout / 4)
     replay_file: str | None = None   # BENCHMARK ONLY (proposer "replay", cluster/replay.py)
     replay_corruption: float = 0.0
 

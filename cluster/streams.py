@@ -206,6 +206,7 @@ class VerifyStream:
     output: list[int] = field(default_factory=list)
     num_drafted: int = 0
     num_accepted: int = 0
+    admitted: bool = False              # has its ring, budget and drafter (set before the prefill)
     prefilled: bool = False
     finish_reason: str | None = None
     waiting_since: float | None = None  # waiting for a tree since (monotonic seconds)

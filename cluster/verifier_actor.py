@@ -125,7 +125,7 @@ class VerifierActor:
             self._put(drafter, header, refs[0])
         for stream in resync:            # the drafter lost its state for these streams
             s = self.streams.get(stream)
-            if s is not None and s.prefilled and s.drafter == drafter:
+            if s is not None and s.admitted and s.drafter == drafter:
                 self._resync(s)
         self._wake.set()
         mail = self._mail[drafter]
@@ -225,7 +225,7 @@ class VerifierActor:
         self.outbox.pop(drafter, None)
         self._send(drafter, Signal("reset", ""))
         for s in self.streams.values():
-            if s.prefilled and (s.drafter == drafter or s.drafter is None or not self._live(s.drafter)):
+            if s.admitted and (s.drafter == drafter or s.drafter is None or not self._live(s.drafter)):
                 self._assign(s, drafter)
 
     def _assign(self, s: VerifyStream, drafter: int) -> None:
@@ -249,7 +249,7 @@ class VerifierActor:
         if not live:
             return
         for s in self.streams.values():
-            if s.prefilled and s.mode != "off" and not self._live(s.drafter):
+            if s.admitted and s.mode != "off" and not self._live(s.drafter):
                 load = {i: 0 for i in live}
                 for t in self.streams.values():
                     if t.drafter in load:
@@ -387,13 +387,11 @@ class VerifierActor:
             joins.append(self.joins.popleft())
         if not to_free and not joins:
             return
-        await asyncio.to_thread(self._free_and_prefill, to_free, joins)
         for rid in joins:
-            s = self.streams.get(rid)
-            if s is None:                    # aborted during its prefill
-                self._to_free.append(rid)
-                continue
-            s.prefilled = True
+            # the drafter hears of the sequence now, so that its prefill and first tree run
+            # while the target prefills: the first tree is then waiting, not waited for
+            s = self.streams[rid]
+            s.admitted = True
             self.ring.add_stream(rid)
             self.adaptive.add(rid, s.mode, s.spec_len, s.tree_width)
             s.budget = self._budget_of(s, self.adaptive.plan([rid], drafter_ok=True)[rid])
@@ -401,6 +399,13 @@ class VerifierActor:
             if s.mode != "off" and live:
                 load = {i: sum(t.drafter == i for t in self.streams.values()) for i in live}
                 self._assign(s, min(live, key=load.get))
+        await asyncio.to_thread(self._free_and_prefill, to_free, joins)
+        for rid in joins:
+            s = self.streams.get(rid)
+            if s is None:                    # aborted during its prefill
+                self._to_free.append(rid)
+                continue
+            s.prefilled = True
 
     def _free_and_prefill(self, to_free: list[str], joins: list[str]) -> None:
         for rid in to_free:
