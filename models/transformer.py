@@ -50,8 +50,11 @@ class PackedWeight:
     about the same for 1 to 8 rows (SmolLM2-135M, one thread: a 4-token
     verification 1.19x one decoding step, against 1.51x through oneDNN; two
     threads: one step 22% faster than MKL's GEMV); its results for a row do not
-    depend on the other rows. Where that kernel cannot be built, or for more
-    rows, the paths below apply.
+    depend on the other rows. With `half` (drafts: their weights need not be
+    exact, most were stored in fp16 anyway) it reads a float16 copy of the
+    weight instead: half the memory traffic, which also leaves more of the
+    memory bandwidth to a target running beside the draft. Where that kernel
+    cannot be built, or for more rows, the paths below apply (in fp32).
 
     MKL's sgemm repacks the whole weight on every call with few rows (a tree
     verify or a short prefill), which halves throughput on this kind of CPU;
@@ -64,18 +67,21 @@ class PackedWeight:
     a third) copy of the weight.
     """
 
-    def __init__(self, transposed_gemv: bool = False) -> None:
+    def __init__(self, transposed_gemv: bool = False, half: bool = False) -> None:
         self.transposed_gemv = transposed_gemv
+        self.half = half
         self._key: tuple[int, int] | None = None
         self._packed: torch.Tensor | None = None       # oneDNN layout, [out, in]
         self._transposed: torch.Tensor | None = None   # [in, out] contiguous
+        self._half_key: tuple[int, int] | None = None
+        self._half: torch.Tensor | None = None         # float16 copy, [out, in]
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] @ weight [out, in].T + bias → [..., out]."""
-        fast = _cpu_fp32(x, weight)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if fast and 1 <= rows <= _SKINNY_ROWS and _skinny_ok():
-            return _skinny(x, weight, bias)
+        if 1 <= rows <= _SKINNY_ROWS and _cpu_fp32_inference(x, weight) and _skinny_ok():
+            return _skinny(x, self._half_copy(weight) if self.half else weight, bias)
+        fast = _MKLDNN_LINEAR and _cpu_fp32_inference(x, weight)
         one_thread = torch.get_num_threads() == 1
         if not fast or (rows == 1 and one_thread and not self.transposed_gemv) or rows == 0:
             return F.linear(x, weight, bias)
@@ -92,11 +98,29 @@ class PackedWeight:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, bias, "none", [], "")
 
+    def _half_copy(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (weight.data_ptr(), weight._version)
+        if key != self._half_key:
+            self._half, self._half_key = weight.detach().half(), key
+        return self._half
 
-def _cpu_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+
+def use_half_weights(model: nn.Module) -> None:
+    """A draft's layers in float16 precision: their weights are rounded to fp16 values in place
+    (so every path computes with the same numbers) and few-row CPU matmuls read fp16 copies.
+    The embeddings, norms and full LM head are left as they are; so are weights that are not
+    CPU fp32 (a GPU draft runs its own dtype)."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Linear) and module.weight.device.type == "cpu" \
+                    and module.weight.dtype == torch.float32:
+                module.weight.copy_(module.weight.half().float())
+                module._pack.half = True
+
+
+def _cpu_fp32_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
-        _MKLDNN_LINEAR
-        and x.device.type == "cpu"
+        x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and not (torch.is_grad_enabled() and weight.requires_grad)
     )

@@ -4,13 +4,15 @@
 rows of fp32 (plain decoding and tree verification) reading each weight row
 once, in the nn.Linear layout (kernels/cpu/skinny_gemm.c). Every output
 element is computed the same way whatever the number of rows, so a token's
-logits do not depend on how many tokens were verified with it.
+logits do not depend on how many tokens were verified with it. The weight
+may also be float16 (converted in registers, fp32 arithmetic): half the
+memory traffic, for drafts, whose weights need not be exact.
 
 The shared library is compiled once per source version into
 `<cache>/cpu-kernels/<digest>/` (`$SPECFLASH_CACHE`, as for the embedded
-models) with `cc -O3 -mavx2 -mfma -fopenmp`; compiling takes about a second.
-`available()` is False, and callers keep their torch path, when the CPU lacks
-AVX2/FMA, no compiler is found, the build fails (logged once), or
+models) with `cc -O3 -mavx2 -mfma -mf16c -fopenmp`; compiling takes about a
+second. `available()` is False, and callers keep their torch path, when the
+CPU lacks AVX2/FMA/F16C, no compiler is found, the build fails (logged once), or
 `SPECFLASH_CPU_KERNELS=0`.
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 log = logging.getLogger("specflash.kernels")
 
 SOURCE = Path(__file__).with_name("skinny_gemm.c")
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
 MAX_ROWS = 8
 
 _lock = threading.Lock()
@@ -51,7 +53,7 @@ def _cpu_has_avx2() -> bool:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return cap in ("AVX2", "AVX512")
-    return " fma" in flags and " avx2" in flags
+    return all(f" {f}" in flags for f in ("fma", "avx2", "f16c"))
 
 
 def library_path() -> Path:
@@ -93,7 +95,7 @@ def _load() -> ctypes.CDLL | None:
             _error = "disabled by SPECFLASH_CPU_KERNELS=0"
             return None
         if not _cpu_has_avx2():
-            _error = "this CPU lacks AVX2/FMA"
+            _error = "this CPU lacks AVX2/FMA/F16C"
             return None
         try:
             lib = ctypes.CDLL(str(build()))
@@ -101,9 +103,9 @@ def _load() -> ctypes.CDLL | None:
             _error = str(e)
             log.warning("CPU kernels unavailable, using torch's matmul: %s", e)
             return None
-        fn = lib.sf_skinny_linear
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        for fn in (lib.sf_skinny_linear, lib.sf_skinny_linear_f16w):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
         _lib = lib
         return lib
 
@@ -119,7 +121,8 @@ def unavailable_reason() -> str | None:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   threads: int | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T (+ bias [N]) for at most 8 rows, CPU fp32.
+    """x [..., K] @ weight [N, K].T (+ bias [N]) for at most 8 rows, CPU; x, bias and the result
+    float32, the weight float32 or float16.
 
     Raises CpuKernelError when the library is unavailable and ValueError for
     inputs it does not take (other dtypes or devices, more than 8 rows).
@@ -130,8 +133,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     K = x.shape[-1]
     M = x.numel() // K if K else 0
     N = weight.shape[0]
-    if not (x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type == "cpu"):
-        raise ValueError("skinny_linear takes CPU float32 tensors")
+    if not (x.dtype == torch.float32 and weight.dtype in (torch.float32, torch.float16)
+            and x.device.type == weight.device.type == "cpu"):
+        raise ValueError("skinny_linear takes CPU float32 inputs and a float32 or float16 weight")
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"weight {tuple(weight.shape)} does not match x's last dimension {K}")
     if not 1 <= M <= MAX_ROWS:
@@ -141,6 +145,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     xc, wc = x.contiguous(), weight.contiguous()
     bc = None if bias is None else bias.contiguous()
     y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
-    lib.sf_skinny_linear(xc.data_ptr(), wc.data_ptr(), 0 if bc is None else bc.data_ptr(), y.data_ptr(),
+    fn = lib.sf_skinny_linear if weight.dtype == torch.float32 else lib.sf_skinny_linear_f16w
+    fn(xc.data_ptr(), wc.data_ptr(), 0 if bc is None else bc.data_ptr(), y.data_ptr(),
                          M, K, N, threads or torch.get_num_threads())
     return y

@@ -1,4 +1,5 @@
-/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) for few rows M (1..8), fp32, AVX2 + FMA.
+/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) for few rows M (1..8), fp32 arithmetic, AVX2 + FMA;
+ * w in fp32, or in fp16 (F16C conversion in registers: half the memory traffic).
  *
  * Decoding and tree verification multiply a handful of rows by every weight
  * of the model once per step: the weight streams from memory and each of its
@@ -13,7 +14,7 @@
  * Every output element is the same sequence of operations whatever M is and
  * whichever other rows share its call: two 8-lane FMA accumulators over
  * 16-float chunks of k in order, a last 8-float chunk into the first, a fixed
- * horizontal sum of their sum, the scalar tail, then the bias. A row's logits
+ * horizontal sum of their sum, the scalar tail (fused multiply-adds), then the bias. A row's logits
  * therefore do not depend on how many rows were verified with it.
  *
  * Threads: OpenMP over blocks of output columns (the caller passes torch's
@@ -40,10 +41,11 @@ static inline float hsum8(__m256 v) {
 
 /* Dot products of one weight row with G (1..4) x rows, two accumulators per x row (even and
  * odd 8-float chunks of k). Every element: chunks of 16 in order, a last chunk of 8 into the
- * even accumulator, hsum(even + odd), the scalar tail, the bias. */
-#define DEFINE_ROW(G)                                                                            \
-static inline void row_##G(const float *x, const float *wr, float *y, int64_t K, int64_t N,      \
-                           float b) {                                                            \
+ * even accumulator, hsum(even + odd), the scalar tail, the bias. WT is the weight's element
+ * type, LOAD8 / LOAD1 read 8 / 1 of them as fp32 (fp16 weights: F16C conversion in registers). */
+#define DEFINE_ROW(G, SFX, WT, LOAD8, LOAD1)                                                     \
+static inline void row_##SFX##G(const float *x, const WT *wr, float *y, int64_t K, int64_t N,    \
+                                float b) {                                                       \
     const int64_t K16 = K & ~(int64_t)15, K8 = K & ~(int64_t)7;                                  \
     __m256 a0[G], a1[G];                                                                         \
     _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++) {                                      \
@@ -52,60 +54,78 @@ static inline void row_##G(const float *x, const float *wr, float *y, int64_t K,
     }                                                                                            \
     for (int64_t k = 0; k < K16; k += 16) {                                                      \
         _mm_prefetch((const char *)(wr + k + PREFETCH), _MM_HINT_T0);                            \
-        __m256 w0 = _mm256_loadu_ps(wr + k), w1 = _mm256_loadu_ps(wr + k + 8);                   \
+        __m256 w0 = LOAD8(wr + k), w1 = LOAD8(wr + k + 8);                                       \
         _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++) {                                  \
             a0[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w0, a0[m]);                  \
             a1[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), w1, a1[m]);              \
         }                                                                                        \
     }                                                                                            \
     if (K8 > K16) {                                                                              \
-        __m256 w0 = _mm256_loadu_ps(wr + K16);                                                   \
+        __m256 w0 = LOAD8(wr + K16);                                                             \
         _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++)                                    \
             a0[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + K16), w0, a0[m]);                \
     }                                                                                            \
     _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++) {                                      \
         float s = hsum8(_mm256_add_ps(a0[m], a1[m]));                                            \
-        for (int64_t k = K8; k < K; k++) s += x[m * K + k] * wr[k];                              \
+        for (int64_t k = K8; k < K; k++) s = __builtin_fmaf(x[m * K + k], LOAD1(wr[k]), s);      \
         y[m * N] = s + b;                                                                        \
     }                                                                                            \
 }
 
-DEFINE_ROW(1) DEFINE_ROW(2) DEFINE_ROW(3) DEFINE_ROW(4)
+#define LOAD8_F32(p) _mm256_loadu_ps(p)
+#define LOAD1_F32(v) (v)
+#define LOAD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define LOAD1_F16(v) _cvtsh_ss(v)
+
+DEFINE_ROW(1, f32_, float, LOAD8_F32, LOAD1_F32) DEFINE_ROW(2, f32_, float, LOAD8_F32, LOAD1_F32)
+DEFINE_ROW(3, f32_, float, LOAD8_F32, LOAD1_F32) DEFINE_ROW(4, f32_, float, LOAD8_F32, LOAD1_F32)
+DEFINE_ROW(1, f16_, uint16_t, LOAD8_F16, LOAD1_F16) DEFINE_ROW(2, f16_, uint16_t, LOAD8_F16, LOAD1_F16)
+DEFINE_ROW(3, f16_, uint16_t, LOAD8_F16, LOAD1_F16) DEFINE_ROW(4, f16_, uint16_t, LOAD8_F16, LOAD1_F16)
 
 /* Columns [n0, n1) of y: weight rows in memory order, x rows in groups of up to 4 (a weight
  * row is read from memory once; a second group reads it again from L1). */
-static void columns(const float *x, const float *w, const float *bias, float *y,
-                    int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) {
-        const float *wr = w + n * K;
-        const float b = bias ? bias[n] : 0.0f;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const float *xg = x + m0 * K;
-            float *yg = y + m0 * N + n;
-            switch (M - m0 < 4 ? M - m0 : 4) {
-                case 1: row_1(xg, wr, yg, K, N, b); break;
-                case 2: row_2(xg, wr, yg, K, N, b); break;
-                case 3: row_3(xg, wr, yg, K, N, b); break;
-                default: row_4(xg, wr, yg, K, N, b); break;
-            }
-        }
-    }
+#define DEFINE_COLUMNS(SFX, WT)                                                                  \
+static void columns_##SFX(const float *x, const WT *w, const float *bias, float *y,              \
+                          int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {             \
+    for (int64_t n = n0; n < n1; n++) {                                                          \
+        const WT *wr = w + n * K;                                                                \
+        const float b = bias ? bias[n] : 0.0f;                                                   \
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                  \
+            const float *xg = x + m0 * K;                                                        \
+            float *yg = y + m0 * N + n;                                                          \
+            switch (M - m0 < 4 ? M - m0 : 4) {                                                   \
+                case 1: row_##SFX##1(xg, wr, yg, K, N, b); break;                                \
+                case 2: row_##SFX##2(xg, wr, yg, K, N, b); break;                                \
+                case 3: row_##SFX##3(xg, wr, yg, K, N, b); break;                                \
+                default: row_##SFX##4(xg, wr, yg, K, N, b); break;                               \
+            }                                                                                    \
+        }                                                                                        \
+    }                                                                                            \
 }
 
+DEFINE_COLUMNS(f32_, float)
+DEFINE_COLUMNS(f16_, uint16_t)
+
 /* Returns 0, or -1 when M is outside 1..8 (the caller takes another path). */
-int sf_skinny_linear(const float *x, const float *w, const float *bias, float *y,
-                     int64_t M, int64_t K, int64_t N, int threads) {
-    if (M < 1 || M > 8) return -1;
-    const int64_t chunk = 64;                      /* output columns per task: a multiple of every R */
-    const int64_t tasks = (N + chunk - 1) / chunk;
-    if (threads <= 1 || tasks < 2) {
-        columns(x, w, bias, y, M, K, N, 0, N);
-        return 0;
-    }
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tasks; t++) {
-        int64_t n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-        columns(x, w, bias, y, M, K, N, n0, n1);
-    }
-    return 0;
+#define DEFINE_ENTRY(NAME, SFX, WT)                                                              \
+int NAME(const float *x, const WT *w, const float *bias, float *y,                               \
+         int64_t M, int64_t K, int64_t N, int threads) {                                         \
+    if (M < 1 || M > 8) return -1;                                                               \
+    const int64_t chunk = 64;                      /* output columns per task */                 \
+    const int64_t tasks = (N + chunk - 1) / chunk;                                               \
+    if (threads <= 1 || tasks < 2) {                                                             \
+        columns_##SFX(x, w, bias, y, M, K, N, 0, N);                                             \
+        return 0;                                                                                \
+    }                                                                                            \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                            \
+    for (int64_t t = 0; t < tasks; t++) {                                                        \
+        int64_t n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;                            \
+        columns_##SFX(x, w, bias, y, M, K, N, n0, n1);                                           \
+    }                                                                                            \
+    return 0;                                                                                    \
 }
+
+/* fp32 weights */
+DEFINE_ENTRY(sf_skinny_linear, f32_, float)
+/* fp16 weights (IEEE half, as torch.float16 stores them), fp32 activations and accumulation */
+DEFINE_ENTRY(sf_skinny_linear_f16w, f16_, uint16_t)

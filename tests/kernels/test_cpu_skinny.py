@@ -39,6 +39,39 @@ def test_matches_float64_reference(K, N, threads):
         torch.testing.assert_close(got_b.double(), ref + b.double(), atol=1e-4 * K ** 0.5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("K", [16, 37, 576])
+def test_float16_weights_compute_in_float32(K):
+    g = torch.Generator().manual_seed(K)
+    w = torch.randn(70, K, generator=g).half()
+    b = torch.randn(70, generator=g)
+    for M in (1, 3, 4, 5, 8):
+        x = torch.randn(M, K, generator=g)
+        ref = x.double() @ w.double().T + b.double()
+        for threads in (1, 2):
+            got = cpu.skinny_linear(x, w, b, threads=threads)
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got.double(), ref, atol=1e-4 * K ** 0.5, rtol=1e-5)
+    # the same numbers as the fp32 kernel on the same (fp16-valued) weight
+    x = torch.randn(4, K, generator=g)
+    assert torch.equal(cpu.skinny_linear(x, w, b), cpu.skinny_linear(x, w.float(), b))
+
+
+def test_half_weight_drafts_round_their_layers_and_read_fp16_copies():
+    from models.transformer import Linear, use_half_weights
+
+    net = torch.nn.Sequential(Linear(24, 40), Linear(40, 8, bias=False))
+    before = [m.weight.detach().clone() for m in net]
+    use_half_weights(net)
+    for m, w in zip(net, before):
+        assert m._pack.half and torch.equal(m.weight, w.half().float())
+    x = torch.randn(3, 24)
+    with torch.inference_mode():
+        few = net(x)                                       # the fp16 kernel
+        many = net(x.repeat(4, 1))[:3]                     # 12 rows: torch's fp32 path
+    torch.testing.assert_close(few, many, atol=1e-5, rtol=1e-5)
+    assert net[0]._pack._half.dtype == torch.float16
+
+
 def test_a_row_does_not_depend_on_its_neighbours_or_threads():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(300, 576, generator=g)
@@ -66,6 +99,8 @@ def test_refuses_what_it_does_not_take():
         cpu.skinny_linear(torch.randn(9, 16), w)
     with pytest.raises(ValueError, match="float32"):
         cpu.skinny_linear(torch.randn(2, 16, dtype=torch.float64), w.double())
+    with pytest.raises(ValueError, match="float32"):
+        cpu.skinny_linear(torch.randn(2, 16), w.bfloat16())
     with pytest.raises(ValueError, match="does not match"):
         cpu.skinny_linear(torch.randn(2, 8), w)
     with pytest.raises(ValueError, match="bias"):
