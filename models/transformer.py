@@ -27,7 +27,7 @@ from models.kv_cache import OutOfBlocks, PagedKVCache
 
 
 _MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-_SKINNY_ROWS = 8     # rows up to which kernels.cpu.skinny_linear takes a CPU fp32 matmul
+_SKINNY_ROWS = 12     # rows up to which kernels.cpu.skinny_linear takes a CPU fp32 matmul (beyond: oneDNN)
 
 
 def _skinny_ok() -> bool:
@@ -45,11 +45,12 @@ def _skinny(x, weight, bias):
 class PackedWeight:
     """The CPU fp32 matmul of a weight: a C kernel for few rows, else a oneDNN-prepacked copy.
 
-    Up to 8 rows (plain decoding, tree verification, drafting) go to
+    Up to 12 rows (plain decoding, tree verification, drafting) go to
     `kernels.cpu.skinny_linear`, which reads the weight once in place and costs
-    about the same for 1 to 8 rows (SmolLM2-135M, one thread: a 4-token
-    verification 1.19x one decoding step, against 1.51x through oneDNN; two
-    threads: one step 22% faster than MKL's GEMV); its results for a row do not
+    little more for 8 rows than for one (`python bench/cpu_matmul.py`,
+    SmolLM2-135M, one thread: 4 / 8 tokens verified in 1.15x / 1.27x its own
+    one-token step, against 1.57x / 1.70x through torch; two threads: a
+    one-token step 17% faster than torch's); its results for a row do not
     depend on the other rows. With `half` (drafts: their weights need not be
     exact, most were stored in fp16 anyway) it reads a float16 copy of the
     weight instead: half the memory traffic, which also leaves more of the

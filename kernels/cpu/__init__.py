@@ -1,6 +1,6 @@
 """CPU kernels in C, built on first use with the system's C compiler.
 
-`skinny_linear(x, weight, bias)` computes `x @ weight.T + bias` for 1 to 8
+`skinny_linear(x, weight, bias)` computes `x @ weight.T + bias` for 1 to 16
 rows of fp32 (plain decoding and tree verification) reading each weight row
 once, in the nn.Linear layout (kernels/cpu/skinny_gemm.c). Every output
 element is computed the same way whatever the number of rows, so a token's
@@ -33,7 +33,7 @@ log = logging.getLogger("specflash.kernels")
 
 SOURCE = Path(__file__).with_name("skinny_gemm.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
-MAX_ROWS = 8
+MAX_ROWS = 16
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -121,11 +121,11 @@ def unavailable_reason() -> str | None:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   threads: int | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T (+ bias [N]) for at most 8 rows, CPU; x, bias and the result
+    """x [..., K] @ weight [N, K].T (+ bias [N]) for at most 16 rows, CPU; x, bias and the result
     float32, the weight float32 or float16.
 
     Raises CpuKernelError when the library is unavailable and ValueError for
-    inputs it does not take (other dtypes or devices, more than 8 rows).
+    inputs it does not take (other dtypes or devices, more than MAX_ROWS rows).
     """
     lib = _load()
     if lib is None:

@@ -1,4 +1,4 @@
-/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) for few rows M (1..8), fp32 arithmetic, AVX2 + FMA;
+/* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) for few rows M (1..16), fp32 arithmetic, AVX2 + FMA;
  * w in fp32, or in fp16 (F16C conversion in registers: half the memory traffic).
  *
  * Decoding and tree verification multiply a handful of rows by every weight
@@ -106,11 +106,11 @@ static void columns_##SFX(const float *x, const WT *w, const float *bias, float 
 DEFINE_COLUMNS(f32_, float)
 DEFINE_COLUMNS(f16_, uint16_t)
 
-/* Returns 0, or -1 when M is outside 1..8 (the caller takes another path). */
+/* Returns 0, or -1 when M is outside 1..16 (the caller takes another path). */
 #define DEFINE_ENTRY(NAME, SFX, WT)                                                              \
 int NAME(const float *x, const WT *w, const float *bias, float *y,                               \
          int64_t M, int64_t K, int64_t N, int threads) {                                         \
-    if (M < 1 || M > 8) return -1;                                                               \
+    if (M < 1 || M > 16) return -1;                                                              \
     const int64_t chunk = 64;                      /* output columns per task */                 \
     const int64_t tasks = (N + chunk - 1) / chunk;                                               \
     if (threads <= 1 || tasks < 2) {                                                             \

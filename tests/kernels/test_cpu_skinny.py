@@ -44,7 +44,7 @@ def test_float16_weights_compute_in_float32(K):
     g = torch.Generator().manual_seed(K)
     w = torch.randn(70, K, generator=g).half()
     b = torch.randn(70, generator=g)
-    for M in (1, 3, 4, 5, 8):
+    for M in (1, 3, 4, 5, 8, 13, 16):
         x = torch.randn(M, K, generator=g)
         ref = x.double() @ w.double().T + b.double()
         for threads in (1, 2):
@@ -67,7 +67,7 @@ def test_half_weight_drafts_round_their_layers_and_read_fp16_copies():
     x = torch.randn(3, 24)
     with torch.inference_mode():
         few = net(x)                                       # the fp16 kernel
-        many = net(x.repeat(4, 1))[:3]                     # 12 rows: torch's fp32 path
+        many = net(x.repeat(6, 1))[:3]                     # 18 rows: torch's fp32 path
     torch.testing.assert_close(few, many, atol=1e-5, rtol=1e-5)
     assert net[0]._pack._half.dtype == torch.float16
 
@@ -76,9 +76,9 @@ def test_a_row_does_not_depend_on_its_neighbours_or_threads():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(300, 576, generator=g)
     b = torch.randn(300, generator=g)
-    x = torch.randn(8, 576, generator=g)
+    x = torch.randn(cpu.MAX_ROWS, 576, generator=g)
     full = cpu.skinny_linear(x, w, b, threads=1)
-    for m in range(1, 9):
+    for m in range(1, cpu.MAX_ROWS + 1):
         assert torch.equal(cpu.skinny_linear(x[:m], w, b, threads=1), full[:m])
         assert torch.equal(cpu.skinny_linear(x[m - 1:m], w, b, threads=2), full[m - 1:m])
     assert torch.equal(cpu.skinny_linear(x[5:8], w, b, threads=2), full[5:8])
@@ -95,8 +95,8 @@ def test_leading_dimensions_and_strided_input():
 
 def test_refuses_what_it_does_not_take():
     w = torch.randn(4, 16)
-    with pytest.raises(ValueError, match="1 to 8 rows"):
-        cpu.skinny_linear(torch.randn(9, 16), w)
+    with pytest.raises(ValueError, match=f"1 to {cpu.MAX_ROWS} rows"):
+        cpu.skinny_linear(torch.randn(cpu.MAX_ROWS + 1, 16), w)
     with pytest.raises(ValueError, match="float32"):
         cpu.skinny_linear(torch.randn(2, 16, dtype=torch.float64), w.double())
     with pytest.raises(ValueError, match="float32"):
@@ -115,7 +115,7 @@ def test_linear_layers_take_it_for_few_rows_and_fall_back_beyond(monkeypatch):
     monkeypatch.setattr(cpu, "skinny_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     lin = transformer.Linear(32, 16)
     with torch.inference_mode():
-        few, many = torch.randn(1, 4, 32), torch.randn(1, 12, 32)
+        few, many = torch.randn(1, 4, 32), torch.randn(1, transformer._SKINNY_ROWS + 1, 32)
         torch.testing.assert_close(lin(few), torch.nn.functional.linear(few, lin.weight, lin.bias))
         torch.testing.assert_close(lin(many), torch.nn.functional.linear(many, lin.weight, lin.bias))
     assert calls == [torch.Size([1, 4, 32])]
