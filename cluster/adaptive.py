@@ -19,8 +19,14 @@ when none does). Consequences, all wanted by the issue:
 - costs are measured, not assumed: `CostModel` fits verify time as
   a + b · rows and draft time per level from the actors' own timings.
 
-A sequence held at 0 is probed with a short tree every `probe_every` steps so
-its γ can recover. The cost model learns its slope from the batch shapes it
+A plan must beat plain decoding by `margin` (5 %) in predicted tokens per second,
+or the batch decodes alone: the cost model is an estimate, and on a shared
+machine a busy drafter also slows the target (memory bandwidth), so gains
+of a percent or two are noise that speculation's overheads eat. A sequence
+held at 0 is probed with a short tree after `probe_every` steps so its γ can
+recover; each probe that leaves it at 0 doubles its wait for the next one (up
+to 8×), so a draft that keeps missing, or a batch too large to gain, costs
+ever fewer wasted trees. The cost model learns its slope from the batch shapes it
 sees (bridge and fallback steps are plain ones); while it has seen only one, it
 assumes b = `slope_ratio` · a rather than a free slope. Requests that fix their mode ("chain" / "tree" / "off")
 bypass the optimiser.
@@ -95,6 +101,8 @@ class SeqState:
     attempts: float = 2.0   # EMA counts of per-level attempts / accepts (prior γ = 0.6)
     accepts: float = 1.2
     off_steps: int = 0
+    probe_gap: int = 0      # steps at 0 before the next probe (0 = the controller's probe_every)
+    probed: bool = False    # the last plan was a probe
 
     @property
     def gamma(self) -> float:
@@ -105,9 +113,10 @@ class AdaptiveSpeculation:
     """Per-sequence budgets for the next tree, from running acceptance and costs."""
 
     def __init__(self, max_spec_len: int = 8, probe_every: int = 16, decay: float = 0.9,
-                 overlap: bool = True) -> None:
+                 overlap: bool = True, margin: float = 1.05) -> None:
         self.max_spec_len = max_spec_len
         self.probe_every = probe_every
+        self.margin = margin
         self.decay = decay
         self.costs = CostModel(overlap=overlap)
         self.seqs: dict[str, SeqState] = {}
@@ -146,11 +155,14 @@ class AdaptiveSpeculation:
             for s, k in zip(auto, ks):
                 st = self.seqs[s]
                 if k == 0:
+                    if st.probed:        # the probe did not win it back: wait twice as long
+                        st.probe_gap = min(2 * (st.probe_gap or self.probe_every), 8 * self.probe_every)
+                    st.probed = False
                     st.off_steps += 1
-                    if st.off_steps >= self.probe_every:   # probe: refresh a stale γ estimate
-                        st.off_steps, k = 0, min(2, st.max_len)
+                    if st.off_steps >= (st.probe_gap or self.probe_every):   # refresh a stale γ
+                        st.off_steps, k, st.probed = 0, min(2, st.max_len), True
                 else:
-                    st.off_steps = 0
+                    st.off_steps, st.probe_gap, st.probed = 0, 0, False
                 out[s] = (k, st.width) if k else (0, 0)
         return out
 
@@ -162,7 +174,7 @@ class AdaptiveSpeculation:
         total = sum(gain)
         rows = fixed_rows + len(states)
         levels = fixed_levels
-        rate = total / self.costs.step_time(rows, levels)
+        rate = base = total / self.costs.step_time(rows, levels)
         while True:
             best, best_rate = -1, rate
             for i, st in enumerate(states):
@@ -174,7 +186,7 @@ class AdaptiveSpeculation:
                 if r > best_rate * 1.001:
                     best, best_rate = i, r
             if best < 0:
-                return ks
+                return ks if rate >= base * self.margin else [0] * len(ks)
             st = states[best]
             ks[best] += 1
             new_gain = expected_tokens(st.gamma, ks[best])

@@ -56,3 +56,23 @@ def test_fixed_modes_bypass_the_optimiser_and_off_sequences_are_probed():
     ad2.probe_every = 3
     plans = [ad2.plan(["s"])["s"] for _ in range(3)]
     assert plans[:2] == [(0, 0), (0, 0)] and plans[2][0] > 0   # ... but probed now and then
+
+
+def test_a_gain_within_the_margin_is_not_worth_speculating():
+    # gamma 0.5, a 2-token verification 1.47x one token: K = 1 is predicted to win by ~2% only
+    ad = controller((1, 4), a=0.1, b=0.0887)
+    assert ad.plan(["s"]) == {"s": (0, 0)}
+    ad.margin = 1.0                                   # without the margin it would speculate
+    assert ad.plan(["s"]) == {"s": (1, 1)}
+
+
+def test_probes_that_do_not_win_speculation_back_come_ever_less_often():
+    ad = controller((0, 4), a=0.09, b=0.16)           # gamma ~ 0 on a costly verifier: held off
+    ad.probe_every = 3
+    probes = [i for i in range(40) if ad.plan(["s"])["s"][0] > 0]
+    assert probes[:3] == [2, 8, 20]                   # waits of 3, then 6, then 12 steps
+    ad.seqs["s"].attempts, ad.seqs["s"].accepts = 10.0, 9.5   # the draft agrees again, verifying is cheap
+    ad.costs = CostModel()
+    feed(ad.costs, 0.03, 0.0005)
+    plans = [ad.plan(["s"])["s"][0] for _ in range(30)]
+    assert any(plans) and ad.seqs["s"].probe_gap == 0 and ad.plan(["s"])["s"][0] > 0   # back to the normal rhythm
