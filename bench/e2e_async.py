@@ -260,11 +260,15 @@ def main(argv: list[str] | None = None) -> int:
     methods["async"] = measure_async(target_dir, draft_dir, args.spec_len, 1, args.async_mode)
     try:
         runs = run_interleaved(methods, work, args.max_tokens)
+        costs = pipeline_costs(methods["async"].stats())
     finally:
         methods["async"].close()
     rows = summarize(runs)
     print(markdown(rows))
-    result = {"args": vars(args), "rows": rows, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    print("pipeline step costs (ms, fitted by the verifier as it ran): " +
+          ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
+    result = {"args": vars(args), "rows": rows, "pipeline_costs_ms": costs,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.sweep:
         result["sweep"] = sweep(args, target_dir, draft_dir, work, methods, runs)
     RESULTS.mkdir(exist_ok=True)
@@ -272,6 +276,14 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {out}")
     return 0
+
+
+def pipeline_costs(stats: dict) -> dict:
+    """The verifier's own cost model after the run (what its planner uses): a + b * rows per step,
+    fitted on each step's wall time including any wait for a tree before it; d per draft level."""
+    c = (stats.get("costs") or [{}])[0]
+    a, b, d = c.get("verify_cost_a_s", 0.0), c.get("verify_cost_b_s", 0.0), c.get("draft_level_s", 0.0)
+    return {"step_1_row": 1e3 * (a + b), "step_4_rows": 1e3 * (a + 4 * b), "draft_level": 1e3 * d}
 
 
 def sweep(args, target_dir, draft_dir, work, methods, runs) -> dict:
