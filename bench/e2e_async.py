@@ -283,7 +283,11 @@ def pipeline_costs(stats: dict) -> dict:
     fitted on each step's wall time including any wait for a tree before it; d per draft level."""
     c = (stats.get("costs") or [{}])[0]
     a, b, d = c.get("verify_cost_a_s", 0.0), c.get("verify_cost_b_s", 0.0), c.get("draft_level_s", 0.0)
-    return {"step_1_row": 1e3 * (a + b), "step_4_rows": 1e3 * (a + 4 * b), "draft_level": 1e3 * d}
+    out = {"step_1_row": 1e3 * (a + b), "step_4_rows": 1e3 * (a + 4 * b), "draft_level": 1e3 * d}
+    # the target's own forward per batch shape inside the verifier actor (rows: 1 = plain step)
+    for rows, ms in sorted((int(r), ms) for r, ms in c.get("forward_ms_by_rows", {}).items()):
+        out[f"forward_{rows}_rows"] = ms
+    return out
 
 
 def sweep(args, target_dir, draft_dir, work, methods, runs) -> dict:

@@ -127,7 +127,9 @@ class PipelineEngine:
             except Exception:    # a dead verifier contributes nothing
                 continue
             total = total.merge(SpecStats.from_dict(raw))
-            costs.append({k: raw[k] for k in ("verify_cost_a_s", "verify_cost_b_s", "draft_level_s")})
+            costs.append({k: raw[k] for k in ("verify_cost_a_s", "verify_cost_b_s", "draft_level_s")
+                          if k in raw})
+            costs[-1]["forward_ms_by_rows"] = raw.get("forward_ms_by_rows", {})
             live = raw.get("drafters_live", [])
             alive += len(live)
             ids = getattr(p, "drafter_indices", None) or list(range(len(p.drafters)))

@@ -76,6 +76,7 @@ class VerifierActor:
         self._task: asyncio.Task | None = None
         self._error: str | None = None
         self._idle_carry = 0.0                       # idle seconds since the last verify step
+        self._forward_by_rows: dict[int, list[float]] = {}   # rows -> [count, seconds] of target forwards
 
     # -- public methods (called through Ray) ------------------------------------------
     async def ready(self) -> bool:
@@ -151,6 +152,8 @@ class VerifierActor:
         a, b = self.adaptive.costs.coefficients
         return {**self.stats.as_dict(), "verify_cost_a_s": a, "verify_cost_b_s": b,
                 "draft_level_s": self.adaptive.costs.d,
+                # mean target forward (ms) per batch shape: what a verification costs in here
+                "forward_ms_by_rows": {r: 1e3 * t / n for r, (n, t) in sorted(self._forward_by_rows.items())},
                 "drafters_live": [i for i in self.drafters if self._live(i)]}
 
     async def kv_usage(self) -> dict:
@@ -332,6 +335,7 @@ class VerifierActor:
     async def _step(self) -> None:
         start = time.monotonic()
         await self._reap_and_admit()
+        admitted = time.monotonic()        # prefills are not a verification step's cost
         active = [s for s in self.streams.values() if s.prefilled]
         if not active:
             self._wake.clear()
@@ -353,11 +357,15 @@ class VerifierActor:
                     for s, tree, _ in batch]
         results, seconds = await asyncio.to_thread(self.side.verify, requests)
         self.stats.observe_batch(seconds)
+        rows = sum(1 + t.num_nodes for _, t, _ in batch)
+        shape = self._forward_by_rows.setdefault(rows, [0, 0.0])
+        shape[0] += 1
+        shape[1] += seconds
         self._publish(batch, results)
-        wall = time.monotonic() - start
-        self.stats.observe_wall(wall)
+        end = time.monotonic()
+        self.stats.observe_wall(end - start)
         # the planner pays what a step really costs: its wall time plus the idle waits before it
-        self.adaptive.costs.observe_verify(sum(1 + t.num_nodes for _, t, _ in batch), wall + self._idle_carry)
+        self.adaptive.costs.observe_verify(rows, end - admitted + self._idle_carry)
         self._idle_carry = 0.0
 
     async def _sleep(self, seconds: float) -> None:
