@@ -213,6 +213,8 @@ class VerifyStream:
     bridge: bool = False                # decode the next token alone at once (see module doc)
     first_tree: bool = True             # no tree verified since the drafter was (re)synced
     budget: tuple[int, int] = (0, 0)
+    sent_budget: tuple[int, int] = (0, 0)   # the budget the drafter was last told
+    unsent: list[int] = field(default_factory=list)   # committed tokens the drafter has not heard of
 
     def commit(self, token_ids: list[int]) -> list[int]:
         """Append verified tokens up to a stop condition; returns the tokens kept."""

@@ -243,6 +243,7 @@ class VerifierActor:
         self._drop(ring.bump(ring.epoch + 1))
         params = _sampling_dict(s.params)
         params["seed"] = s.seed + 1   # the drafter's own stream of randomness
+        s.unsent, s.sent_budget = [], s.budget
         self._send(s.drafter, Signal("resync", s.request_id, ring.epoch, -1, len(s.committed),
                                      list(s.committed), s.budget, params))
 
@@ -494,10 +495,17 @@ class VerifierActor:
         for s, tree_id, kept in steps:
             s.budget = self._budget_of(s, plan[s.request_id])
             self.stats.observe_speculation(s.budget[0] > 0)
-            if s.drafter is not None:
-                ring = self.ring.stream(s.request_id)
-                self._send(s.drafter, Signal("step", s.request_id, ring.epoch, tree_id,
-                                             len(s.committed), kept, s.budget))
+            if s.drafter is None:
+                continue
+            if s.budget == s.sent_budget == (0, 0) and tree_id == -1:
+                # the drafter has nothing to draft and knows it: it hears of these tokens with
+                # the next signal it needs instead of once per step (no wake-ups, no calls)
+                s.unsent.extend(kept)
+                continue
+            ring = self.ring.stream(s.request_id)
+            self._send(s.drafter, Signal("step", s.request_id, ring.epoch, tree_id,
+                                         len(s.committed), s.unsent + kept, s.budget))
+            s.unsent, s.sent_budget = [], s.budget
         self.stats.observe_ring(self.ring.total(), self.ring.capacity())
 
     @staticmethod
