@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu as cpu_kernels
 from models.attention import tree_attention
 from models.config import ModelConfig, rope_inv_freq
 from models.kv_cache import OutOfBlocks, PagedKVCache
@@ -28,18 +29,6 @@ from models.kv_cache import OutOfBlocks, PagedKVCache
 
 _MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _SKINNY_ROWS = 12     # rows up to which kernels.cpu.skinny_linear takes a CPU fp32 matmul (beyond: oneDNN)
-
-
-def _skinny_ok() -> bool:
-    from kernels import cpu
-
-    return cpu.available()
-
-
-def _skinny(x, weight, bias):
-    from kernels.cpu import skinny_linear
-
-    return skinny_linear(x, weight, bias)
 
 
 class PackedWeight:
@@ -80,8 +69,8 @@ class PackedWeight:
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] @ weight [out, in].T + bias → [..., out]."""
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if 1 <= rows <= _SKINNY_ROWS and _cpu_fp32_inference(x, weight) and _skinny_ok():
-            return _skinny(x, self._half_copy(weight) if self.half else weight, bias)
+        if 1 <= rows <= _SKINNY_ROWS and _cpu_fp32_inference(x, weight) and cpu_kernels.available():
+            return cpu_kernels.skinny_linear(x, self._half_copy(weight) if self.half else weight, bias)
         fast = _MKLDNN_LINEAR and _cpu_fp32_inference(x, weight)
         one_thread = torch.get_num_threads() == 1
         if not fast or (rows == 1 and one_thread and not self.transposed_gemv) or rows == 0:

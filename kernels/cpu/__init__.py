@@ -87,27 +87,29 @@ def build(force: bool = False) -> Path:
 
 def _load() -> ctypes.CDLL | None:
     global _lib, _tried, _error
+    if _tried:                     # every few-row matmul asks: no lock once it is settled
+        return _lib
     with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("SPECFLASH_CPU_KERNELS", "1") == "0":
-            _error = "disabled by SPECFLASH_CPU_KERNELS=0"
-            return None
-        if not _cpu_has_avx2():
-            _error = "this CPU lacks AVX2/FMA/F16C"
-            return None
-        try:
-            lib = ctypes.CDLL(str(build()))
-        except (CpuKernelError, OSError) as e:
-            _error = str(e)
-            log.warning("CPU kernels unavailable, using torch's matmul: %s", e)
-            return None
-        for fn in (lib.sf_skinny_linear, lib.sf_skinny_linear_f16w):
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        _lib = lib
-        return lib
+        if not _tried:
+            _lib, _error = _open()
+            _tried = True
+        return _lib
+
+
+def _open() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get("SPECFLASH_CPU_KERNELS", "1") == "0":
+        return None, "disabled by SPECFLASH_CPU_KERNELS=0"
+    if not _cpu_has_avx2():
+        return None, "this CPU lacks AVX2/FMA/F16C"
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (CpuKernelError, OSError) as e:
+        log.warning("CPU kernels unavailable, using torch's matmul: %s", e)
+        return None, str(e)
+    for fn in (lib.sf_skinny_linear, lib.sf_skinny_linear_f16w):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    return lib, None
 
 
 def available() -> bool:
