@@ -198,46 +198,64 @@ def export(draft, rows: list[int], card: dict, assets: Path) -> None:
     (assets / "draft_card.json").write_text(json.dumps(card, indent=2) + "\n")
 
 
-def train_loop(draft, train: list[dict], heldout: list[dict], rows: list[int], args, pad_id: int,
-               reload=None):
-    """Time-budgeted AdamW training; evaluates every `args.eval_every` steps; returns (best, history).
+def train_for(model, train: list, loss_of, evaluate, *, seconds: float, eval_every: int, lr: float,
+              batch_size: int, seed: int, score: str, desc: str, reload=None) -> tuple[int, list[dict]]:
+    """Time-budgeted AdamW on `model`'s trainable parameters; returns (best step, history).
 
-    `reload()`, if given, is called at every epoch boundary and returns the training records
-    (so answers that `generate` is still writing join the next epoch).
+    Each step draws `batch_size` records of `train` (reshuffled every epoch) and minimises
+    `loss_of(records)`. `evaluate()` runs every `eval_every` steps and once when the
+    budget is spent; its dict joins the history and the state with the highest
+    `result[score]` is loaded back into `model` at the end. `reload()`, if given, is
+    called at every epoch boundary and returns the training records (so answers that
+    `generate` is still writing join the next epoch). Shared by the draft and EAGLE recipes.
     """
     from tqdm import tqdm
 
-    head = torch.tensor(rows)
-    others = torch.tensor(sorted(set(range(draft.config.vocab_size)) - set(rows)))
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    rng = random.Random(args.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    rng = random.Random(seed)
     history, best, start, step, order = [], None, time.time(), 0, []
-    bar = tqdm(total=int(args.train_seconds), desc="distilling draft", unit="s")
+    bar = tqdm(total=int(seconds), desc=desc, unit="s")
     while True:
         elapsed = time.time() - start
-        if step % args.eval_every == 0 or elapsed > args.train_seconds:
-            result = agreement(draft, heldout, head, pad_id)
+        if step % eval_every == 0 or elapsed > seconds:
+            result = evaluate()
             history.append({"step": step, "train_seconds": round(elapsed), **result})
             tqdm.write(json.dumps(history[-1]))
-            if best is None or result["mean_subset"] > best[0]:
-                best = (result["mean_subset"], step, {k: v.clone() for k, v in draft.state_dict().items()})
-            if elapsed > args.train_seconds:
+            if best is None or result[score] > best[0]:
+                best = (result[score], step, {k: v.clone() for k, v in model.state_dict().items()})
+            if elapsed > seconds:
                 break
         if not order:
             train = reload() if reload else train
+            if not train:
+                raise ValueError("no training records")
             order = list(range(len(train)))
             rng.shuffle(order)
-        batch = make_batch([train[order.pop()] for _ in range(min(args.batch_size, len(order)))], pad_id)
-        negatives = others[torch.randperm(len(others))[:args.negatives]]
-        loss = distill_loss(draft, batch, torch.cat([head, negatives]), args.kl_weight)
-        apply_step(opt, params, loss, lr_at(elapsed / args.train_seconds, args.lr))
+        loss = loss_of([train[order.pop()] for _ in range(min(batch_size, len(order)))])
+        apply_step(opt, params, loss, lr_at(elapsed / seconds, lr))
         step += 1
-        bar.n = min(int(time.time() - start), int(args.train_seconds))
+        bar.n = min(int(time.time() - start), int(seconds))
         bar.set_postfix(step=step, loss=f"{loss.item():.3f}")
     bar.close()
-    draft.load_state_dict(best[2])
+    model.load_state_dict(best[2])
     return best[1], history
+
+
+def train_loop(draft, train: list[dict], heldout: list[dict], rows: list[int], args, pad_id: int,
+               reload=None):
+    """The draft's distillation under `train_for`: scored by mean held-out subset agreement."""
+    head = torch.tensor(rows)
+    others = torch.tensor(sorted(set(range(draft.config.vocab_size)) - set(rows)))
+
+    def loss_of(records: list[dict]) -> torch.Tensor:
+        negatives = others[torch.randperm(len(others))[:args.negatives]]
+        return distill_loss(draft, make_batch(records, pad_id), torch.cat([head, negatives]), args.kl_weight)
+
+    return train_for(draft, train, loss_of, lambda: agreement(draft, heldout, head, pad_id),
+                     seconds=args.train_seconds, eval_every=args.eval_every, lr=args.lr,
+                     batch_size=args.batch_size, seed=args.seed, score="mean_subset",
+                     desc="distilling draft", reload=reload)
 
 
 def cmd_train(args) -> None:

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "recipes"))
 
-from draft_train import apply_step, lr_at  # noqa: E402
+from draft_train import train_for  # noqa: E402
 
 ASSETS = ROOT / "models" / "assets"
 
@@ -183,8 +181,6 @@ def export(head: EagleHead, subset: list[int], card: dict, out: Path) -> None:
 
 
 def main(argv=None) -> None:
-    from tqdm import tqdm
-
     from models import embedded
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -205,7 +201,6 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
 
     subset = embedded.draft_logit_rows(embedded.draft_dir())
     subset_t = torch.tensor(subset)
@@ -217,38 +212,18 @@ def main(argv=None) -> None:
         warm_start(head, args.init_from)
     position = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
     position[subset_t] = torch.arange(len(subset))
-    params = [q for q in head.parameters() if q.requires_grad]
-    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
     print(f"{len(train)} train / {len(heldout)} held-out answers, "
-          f"{sum(len(r['ids']) for r in train)} train positions, {sum(q.numel() for q in params)} parameters")
-    history, best, start, step, order = [], None, time.time(), 0, []
-    bar = tqdm(total=int(args.train_seconds), desc="training EAGLE head", unit="s")
-    while True:
-        elapsed = time.time() - start
-        if step % args.eval_every == 0 or elapsed > args.train_seconds:
-            result = agreement(head, heldout, subset_t)
-            history.append({"step": step, "train_seconds": round(elapsed), **result})
-            tqdm.write(json.dumps(history[-1]))
-            if best is None or result["score"] > best[0]:
-                best = (result["score"], step, {k: v.clone() for k, v in head.state_dict().items()})
-            if elapsed > args.train_seconds:
-                break
-        if not order:
-            order = list(range(len(train)))
-            rng.shuffle(order)
-        batch = make_batch([train[order.pop()] for _ in range(min(args.batch_size, len(order)))])
-        loss = losses(head, batch, subset_t, position, args.noise, args.unroll)
-        apply_step(opt, params, loss, lr_at(elapsed / args.train_seconds, args.lr))
-        step += 1
-        bar.n = min(int(time.time() - start), int(args.train_seconds))
-        bar.set_postfix(step=step, loss=f"{loss.item():.3f}")
-    bar.close()
-    head.load_state_dict(best[2])
+          f"{sum(len(r['ids']) for r in train)} train positions, "
+          f"{sum(q.numel() for q in head.parameters() if q.requires_grad)} parameters")
+    best_step, history = train_for(
+        head, train, lambda records: losses(head, make_batch(records), subset_t, position, args.noise, args.unroll),
+        lambda: agreement(head, heldout, subset_t), seconds=args.train_seconds, eval_every=args.eval_every,
+        lr=args.lr, batch_size=args.batch_size, seed=args.seed, score="score", desc="training EAGLE head")
     card = {"metric": "teacher-forced greedy agreement with the target along its greedy answers to held-out "
                       "prompts, argmax over the draft's vocabulary subset; depth1 reads the target's true "
                       "previous feature, depth2 the head's own prediction of it",
             "recipe": "recipes/eagle_features.py + recipes/eagle_train.py", "args": {k: str(v) for k, v in vars(args).items()},
-            "init_layer": args.init_layer, "best_step": best[1], "final": next(h for h in history if h["step"] == best[1]),
+            "init_layer": args.init_layer, "best_step": best_step, "final": next(h for h in history if h["step"] == best_step),
             "history": history, "train_answers": len(train), "heldout_answers": len(heldout)}
     export(head, subset, card, args.out)
     print(json.dumps(card["final"]))
