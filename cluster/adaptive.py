@@ -25,8 +25,11 @@ machine a busy drafter also slows the target (memory bandwidth), so gains
 of a percent or two are noise that speculation's overheads eat. A sequence
 held at 0 is probed with a short tree after `probe_every` steps so its γ can
 recover; each probe that leaves it at 0 doubles its wait for the next one (up
-to 8×), so a draft that keeps missing, or a batch too large to gain, costs
-ever fewer wasted trees. The cost model learns its slope from the batch shapes it
+to 8×), so a draft that keeps missing costs ever fewer wasted trees. A probe
+is only sent when it could win: if the plan would keep the sequence at 0 even
+were its γ `probe_gamma` (0.8), as in a batch so large that extra rows cost
+more than any draft could return, the probe is skipped (no tree drafted, no
+rows verified) and the sequence waits for the next one. The cost model learns its slope from the batch shapes it
 sees (bridge and fallback steps are plain ones); while it has seen only one, it
 assumes b = `slope_ratio` · a rather than a free slope. Requests that fix their mode ("chain" / "tree" / "off")
 bypass the optimiser.
@@ -113,9 +116,10 @@ class AdaptiveSpeculation:
     """Per-sequence budgets for the next tree, from running acceptance and costs."""
 
     def __init__(self, max_spec_len: int = 8, probe_every: int = 16, decay: float = 0.9,
-                 overlap: bool = True, margin: float = 1.05) -> None:
+                 overlap: bool = True, margin: float = 1.05, probe_gamma: float = 0.8) -> None:
         self.max_spec_len = max_spec_len
         self.probe_every = probe_every
+        self.probe_gamma = probe_gamma
         self.margin = margin
         self.decay = decay
         self.costs = CostModel(overlap=overlap)
@@ -150,9 +154,10 @@ class AdaptiveSpeculation:
             else:
                 auto.append(s)
         if auto:
-            ks = self._optimise(auto, fixed_rows=sum(1 + k * w for k, w in out.values()),
-                                fixed_levels=max((k for k, _ in out.values()), default=0))
-            for s, k in zip(auto, ks):
+            fixed_rows = sum(1 + k * w for k, w in out.values())
+            fixed_levels = max((k for k, _ in out.values()), default=0)
+            ks = self._optimise(auto, fixed_rows, fixed_levels)
+            for i, (s, k) in enumerate(zip(auto, ks)):
                 st = self.seqs[s]
                 if k == 0:
                     if st.probed:        # the probe did not win it back: wait twice as long
@@ -160,17 +165,24 @@ class AdaptiveSpeculation:
                     st.probed = False
                     st.off_steps += 1
                     if st.off_steps >= (st.probe_gap or self.probe_every):   # refresh a stale γ
-                        st.off_steps, k, st.probed = 0, min(2, st.max_len), True
+                        st.off_steps = 0
+                        if self._optimise(auto, fixed_rows, fixed_levels, {i: self.probe_gamma})[i]:
+                            k, st.probed = min(2, st.max_len), True
                 else:
                     st.off_steps, st.probe_gap, st.probed = 0, 0, False
                 out[s] = (k, st.width) if k else (0, 0)
         return out
 
-    def _optimise(self, streams: list[str], fixed_rows: int, fixed_levels: int) -> list[int]:
-        """Greedy ascent on R(k) = Σ E(γ_i, k_i) / T(k); O(B) per move."""
+    def _optimise(self, streams: list[str], fixed_rows: int, fixed_levels: int,
+                  gammas: dict[int, float] | None = None) -> list[int]:
+        """Greedy ascent on R(k) = Σ E(γ_i, k_i) / T(k); O(B) per move. `gammas` overrides
+        the γ of the streams at those indices (a what-if for probes)."""
         states = [self.seqs[s] for s in streams]
+        gamma = [st.gamma for st in states]
+        for i, g in (gammas or {}).items():
+            gamma[i] = g
         ks = [0] * len(states)
-        gain = [expected_tokens(st.gamma, 0) for st in states]
+        gain = [expected_tokens(g, 0) for g in gamma]
         total = sum(gain)
         rows = fixed_rows + len(states)
         levels = fixed_levels
@@ -180,7 +192,7 @@ class AdaptiveSpeculation:
             for i, st in enumerate(states):
                 if ks[i] >= st.max_len:
                     continue
-                g = expected_tokens(st.gamma, ks[i] + 1)
+                g = expected_tokens(gamma[i], ks[i] + 1)
                 r = (total - gain[i] + g) / self.costs.step_time(
                     rows + st.width, max(levels, ks[i] + 1))
                 if r > best_rate * 1.001:
@@ -189,7 +201,7 @@ class AdaptiveSpeculation:
                 return ks if rate >= base * self.margin else [0] * len(ks)
             st = states[best]
             ks[best] += 1
-            new_gain = expected_tokens(st.gamma, ks[best])
+            new_gain = expected_tokens(gamma[best], ks[best])
             total += new_gain - gain[best]
             gain[best] = new_gain
             rows += st.width

@@ -76,3 +76,28 @@ def test_probes_that_do_not_win_speculation_back_come_ever_less_often():
     feed(ad.costs, 0.03, 0.0005)
     plans = [ad.plan(["s"])["s"][0] for _ in range(30)]
     assert any(plans) and ad.seqs["s"].probe_gap == 0 and ad.plan(["s"])["s"][0] > 0   # back to the normal rhythm
+
+
+def _held_off(names: list[str], a: float, b: float) -> AdaptiveSpeculation:
+    ad = AdaptiveSpeculation(probe_every=3)
+    for n in names:
+        ad.add(n, "auto", 4, 1)
+        for _ in range(40):
+            ad.observe(n, 4, 0)                       # gamma ~ 0: every sequence held off
+    feed(ad.costs, a, b)
+    return ad
+
+
+def test_no_probes_where_even_a_good_draft_could_not_pay():
+    # a CPU-like verifier, 16 ms per extra row: in a batch of 4, a recovered draft (gamma 0.8)
+    # would pay, so held-off sequences are probed; in a batch of 32 it would not, so none is
+    small = _held_off([f"s{i}" for i in range(4)], a=0.09, b=0.016)
+    assert any(k for _ in range(10) for k, _ in small.plan(list(small.seqs)).values())
+    big = _held_off([f"s{i}" for i in range(32)], a=0.09, b=0.016)
+    plans = [big.plan(list(big.seqs)) for _ in range(100)]
+    assert all(k == 0 for plan in plans for k, _ in plan.values())
+    assert all(st.probe_gap == 0 for st in big.seqs.values())    # skipped, not failed: no back-off
+    # the same batch with cheap rows (a GPU-like verifier) is probed again
+    big.costs = CostModel()
+    feed(big.costs, 0.03, 0.0002)
+    assert any(k for _ in range(10) for k, _ in big.plan(list(big.seqs)).values())
