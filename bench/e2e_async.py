@@ -3,13 +3,16 @@
     python bench/e2e_async.py                          # the embedded pair, greedy chat prompts
     python bench/e2e_async.py --target DIR --draft DIR --max-tokens 64 --spec-len 4
     python bench/e2e_async.py --sweep 0,0.02,0.05,0.1  # + speedup vs acceptance (draft noise levels)
+    python bench/e2e_async.py --draft-noise 1.0        # a draft far from the target: speculation must stop
 
 Methods, interleaved prompt by prompt (order rotating), one run, same prompts:
 - `off`: the in-process engine, target alone (the baseline of every speedup);
 - `sync`: the in-process engine, draft-then-verify with a chain of K;
 - `async`: `cluster.pipeline.PipelineEngine` on a local Ray, the drafter and the
-  verifier each an actor given **one core** (`num_cpus=1`, one torch thread);
-  mode `auto` (adaptive) unless `--async-mode` says otherwise.
+  verifier each an actor given **one core** (`num_cpus=1`, one torch thread;
+  a plain step taken while the drafter has nothing to draft runs on both cores,
+  `PipelineSettings.plain_threads`); mode `auto` (adaptive) unless
+  `--async-mode` says otherwise.
 Columns: tokens/s (prefill included), speedup over `off`, acceptance rate,
 mean accepted length (bonus included), verifier idle fraction (time the
 verifier waited for a tree with a sequence active, over its wall time).
@@ -245,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process methods")
     p.add_argument("--async-mode", default="auto", choices=("auto", "chain"))
     p.add_argument("--sweep", default="", help="draft noise levels for the speedup-vs-acceptance plot")
+    p.add_argument("--draft-noise", type=float, default=0.0,
+                   help="run every method with the draft plus Gaussian noise of this relative size "
+                        "(1.0: a draft far from the target, where speculation must switch off)")
     p.add_argument("--tag", default="cpu")
     args = p.parse_args(argv)
     target_dir, draft_dir = args.target, args.draft
@@ -256,18 +262,26 @@ def main(argv: list[str] | None = None) -> int:
 
     work = [w for w in chat_prompts(load_tokenizer(target_dir), args.prompts)
             if w[0] in args.categories.split(",")]
+    if args.draft_noise:
+        import tempfile
+
+        draft_dir = noisy_draft(draft_dir, args.draft_noise, Path(tempfile.mkdtemp()) / "draft")
     methods, pair = sync_methods(target_dir, draft_dir, args.spec_len, args.threads)
     methods["async"] = measure_async(target_dir, draft_dir, args.spec_len, 1, args.async_mode)
     try:
         runs = run_interleaved(methods, work, args.max_tokens)
-        costs = pipeline_costs(methods["async"].stats())
+        final = methods["async"].stats()
+        costs = pipeline_costs(final)
     finally:
         methods["async"].close()
     rows = summarize(runs)
     print(markdown(rows))
     print("pipeline step costs (ms, fitted by the verifier as it ran): " +
           ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
-    result = {"args": vars(args), "rows": rows, "pipeline_costs_ms": costs,
+    # plain steps that ran on the idle drafter's core too (warm-up included)
+    borrowed = {"borrowed_steps": final.get("borrowed_steps", 0), "target_forwards": final.get("num_batches", 0)}
+    print(f"verifier forwards on borrowed cores: {borrowed['borrowed_steps']} of {borrowed['target_forwards']}")
+    result = {"args": vars(args), "rows": rows, "pipeline_costs_ms": costs, **borrowed,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.sweep:
         result["sweep"] = sweep(args, target_dir, draft_dir, work, methods, runs)
@@ -287,6 +301,9 @@ def pipeline_costs(stats: dict) -> dict:
     # the target's own forward per batch shape inside the verifier actor (rows: 1 = plain step)
     for rows, ms in sorted((int(r), ms) for r, ms in c.get("forward_ms_by_rows", {}).items()):
         out[f"forward_{rows}_rows"] = ms
+    # the same on the idle drafter's cores too (plain steps, PipelineSettings.plain_threads)
+    for rows, ms in sorted((int(r), ms) for r, ms in c.get("borrowed_forward_ms_by_rows", {}).items()):
+        out[f"borrowed_forward_{rows}_rows"] = ms
     return out
 
 

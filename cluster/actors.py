@@ -49,6 +49,7 @@ class DrafterActor:
         self.settings = PipelineSettings(**settings)
         set_threads(self.settings.num_cpus)
         self.index, self.verifier = index, verifier
+        self._node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self.incarnation = uuid.uuid4().hex
         self.side = DraftSide(draft_dir, target_dir, self.settings)
         self.streams: dict[str, DraftStream] = {}
@@ -97,7 +98,7 @@ class DrafterActor:
             try:
                 reply = ray.get(self.verifier.exchange.remote(
                     self.index, self.incarnation, puts, 0.0 if busy else self._idle_wait_s,
-                    draft_s, levels, resync))
+                    draft_s, levels, resync, self._node, self.settings.num_cpus))
             except ray.exceptions.RayActorError as e:
                 # dead or restarting: what it held of ours is gone; keep calling until it is back
                 self.counters["verifier_errors"] += 1

@@ -33,6 +33,11 @@ rows verified) and the sequence waits for the next one. The cost model learns it
 sees (bridge and fallback steps are plain ones); while it has seen only one, it
 assumes b = `slope_ratio` · a rather than a free slope. Requests that fix their mode ("chain" / "tree" / "off")
 bypass the optimiser.
+
+A new sequence starts from the acceptance the drafter has been earning: its γ
+prior (worth `prior_weight` levels) is the pooled γ of recent verifications
+across all sequences, or 0.6 before there are any. A draft far from the target
+thus does not pay a round of rejected trees at the start of every request.
 """
 from __future__ import annotations
 
@@ -101,7 +106,7 @@ class SeqState:
     mode: str            # "auto" | "chain" | "tree" | "off"
     max_len: int         # K ceiling (request's spec_len or the server default)
     width: int           # tree width W (1 = chain)
-    attempts: float = 2.0   # EMA counts of per-level attempts / accepts (prior γ = 0.6)
+    attempts: float = 2.0   # EMA counts of per-level attempts / accepts (the prior γ, see `add`)
     accepts: float = 1.2
     off_steps: int = 0
     probe_gap: int = 0      # steps at 0 before the next probe (0 = the controller's probe_every)
@@ -116,8 +121,12 @@ class AdaptiveSpeculation:
     """Per-sequence budgets for the next tree, from running acceptance and costs."""
 
     def __init__(self, max_spec_len: int = 8, probe_every: int = 16, decay: float = 0.9,
-                 overlap: bool = True, margin: float = 1.05, probe_gamma: float = 0.8) -> None:
+                 overlap: bool = True, margin: float = 1.05, probe_gamma: float = 0.8,
+                 prior_weight: float = 2.0, pool_decay: float = 0.98) -> None:
         self.max_spec_len = max_spec_len
+        self.prior_weight = prior_weight
+        self.pool_decay = pool_decay
+        self._pool = [0.0, 0.0]    # EMA of per-level attempts / accepts over every sequence
         self.probe_every = probe_every
         self.probe_gamma = probe_gamma
         self.margin = margin
@@ -127,7 +136,15 @@ class AdaptiveSpeculation:
 
     def add(self, stream: str, mode: str, spec_len: int, width: int) -> None:
         width = 1 if mode == "chain" else max(1, width)
-        self.seqs[stream] = SeqState(mode, min(spec_len, self.max_spec_len), width)
+        w = self.prior_weight
+        self.seqs[stream] = SeqState(mode, min(spec_len, self.max_spec_len), width,
+                                     attempts=w, accepts=w * self.prior_gamma)
+
+    @property
+    def prior_gamma(self) -> float:
+        """The γ a new sequence starts from: pooled over recent verifications, else 0.6."""
+        attempts, accepts = self._pool
+        return accepts / attempts if attempts >= 4.0 else 0.6
 
     def remove(self, stream: str) -> None:
         self.seqs.pop(stream, None)
@@ -140,6 +157,8 @@ class AdaptiveSpeculation:
         tries = min(accepted_depth + 1, max_depth)
         st.attempts = st.attempts * self.decay + tries
         st.accepts = st.accepts * self.decay + accepted_depth
+        d = self.pool_decay
+        self._pool = [self._pool[0] * d + tries, self._pool[1] * d + accepted_depth]
 
     def plan(self, streams: list[str], drafter_ok: bool = True) -> dict[str, tuple[int, int]]:
         """(spec_len, tree_width) for each stream's next tree; (0, 0) = decode alone."""

@@ -45,11 +45,35 @@ class PipelineSettings:
     poll_s: float = 0.05             # verifier idle poll; the drafter long-polls max(this, timeout / 4)
     replay_file: str | None = None   # BENCHMARK ONLY (proposer "replay", cluster/replay.py)
     replay_corruption: float = 0.0
+    # torch threads of a CPU verifier's step while its drafters have nothing to draft:
+    # -1 = its own plus the CPUs of the live drafters on its node (theirs sit idle then);
+    # 0 = its own only; n > 0 = n (see `plain_step_threads`)
+    plain_threads: int = -1
 
 
 def set_threads(num_cpus: float) -> None:
     """One intra-op thread per reserved CPU (at least one): actors must not oversubscribe."""
-    torch.set_num_threads(max(1, int(num_cpus)))
+    torch.set_num_threads(threads_of(num_cpus))
+
+
+def threads_of(num_cpus: float) -> int:
+    return max(1, int(num_cpus))
+
+
+def plain_step_threads(setting: int, own: int, device: str, node: str, drafters: list[dict]) -> int:
+    """Threads for a verifier step taken while no drafter has work (every sequence decodes alone).
+
+    On a CPU node the drafter's cores then idle: a plain step may use them, so that an
+    asynchronous pipeline with speculation switched off decodes as fast as the target
+    alone on the same cores instead of on the verifier's share of them. `drafters`: the
+    live drafters, each {"node": node id, "cpus": CPUs it reserved}; only those on the
+    verifier's own `node` lend their cores. GPU verifiers keep `own`.
+    """
+    if device != "cpu" or setting == 0:
+        return own
+    if setting > 0:
+        return setting
+    return own + sum(threads_of(d.get("cpus", 0)) for d in drafters if node and d.get("node") == node)
 
 
 def rss_bytes() -> int:
@@ -122,8 +146,14 @@ class TargetSide:
     def prefill(self, seq_id: str, prompt: list[int]) -> None:
         self.verifier.prefill(seq_id, prompt)
 
-    def verify(self, requests: list) -> tuple[list, float]:
-        """`requests`: verifier.VerifyRequest list. Returns (VerifyResult list, seconds)."""
+    def verify(self, requests: list, threads: int | None = None) -> tuple[list, float]:
+        """`requests`: verifier.VerifyRequest list. Returns (VerifyResult list, seconds).
+
+        `threads`: torch threads for this forward, set in the calling thread (the actor
+        runs forwards on pool threads, each with its own OpenMP setting).
+        """
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         start = time.perf_counter()
         results = self.verifier.verify(requests)
         return results, time.perf_counter() - start

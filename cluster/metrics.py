@@ -45,6 +45,7 @@ class SpecStats:
     spec_off_decisions: int = 0
     fallback_steps: int = 0           # sequence-steps decoded alone while speculation was wanted
     frames_rejected: int = 0          # malformed / version-mismatched wire frames refused
+    borrowed_steps: int = 0           # target forwards run on idle drafters' cores too (CPU)
 
     # -- observers ---------------------------------------------------------------
     def observe_verification(self, num_nodes: int, num_accepted: int, max_depth: int,
@@ -98,6 +99,9 @@ class SpecStats:
 
     def observe_rejected_frame(self) -> None:
         self.frames_rejected += 1
+
+    def observe_borrowed_step(self) -> None:
+        self.borrowed_steps += 1
 
     def _grow(self, depth: int) -> None:
         while len(self.depth_attempts) < depth:

@@ -130,6 +130,7 @@ class PipelineEngine:
             costs.append({k: raw[k] for k in ("verify_cost_a_s", "verify_cost_b_s", "draft_level_s")
                           if k in raw})
             costs[-1]["forward_ms_by_rows"] = raw.get("forward_ms_by_rows", {})
+            costs[-1]["borrowed_forward_ms_by_rows"] = raw.get("borrowed_forward_ms_by_rows", {})
             live = raw.get("drafters_live", [])
             alive += len(live)
             ids = getattr(p, "drafter_indices", None) or list(range(len(p.drafters)))

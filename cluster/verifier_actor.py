@@ -17,6 +17,10 @@ missing or late decodes alone (a tree of zero nodes). A drafter that
 reattaches with a new incarnation id (Ray restarted it) is resynchronised from
 the committed prefixes; streams of a dead drafter move to a live one.
 
+On a CPU node, a plain step taken while no drafter has work runs on the idle
+drafters' cores too (`_step_threads`, `backends.plain_step_threads`): with
+speculation switched off the pipeline then decodes as fast as the target alone.
+
 The verifier itself may be restarted by Ray (`max_restarts`, cluster/pipeline.py):
 it comes back empty under a new incarnation id, its old requests having failed
 with a retryable error on the caller's side, and it tells every drafter that
@@ -38,7 +42,8 @@ import ray
 import torch
 
 from cluster.adaptive import AdaptiveSpeculation
-from cluster.backends import PipelineSettings, TargetSide, eos_ids_of, rss_bytes, set_threads
+from cluster.backends import (PipelineSettings, TargetSide, eos_ids_of, plain_step_threads, rss_bytes,
+                               set_threads, threads_of)
 from cluster.metrics import SpecStats
 from cluster.protocol import GenerationChunk
 from cluster.ring import Ring, RingEntry
@@ -57,6 +62,8 @@ class VerifierActor:
     def __init__(self, target_dir: str, settings: dict) -> None:
         self.settings = PipelineSettings(**settings)
         set_threads(self.settings.num_cpus)
+        self.threads = threads_of(self.settings.num_cpus)
+        self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self.incarnation = uuid.uuid4().hex
         self.side = TargetSide(target_dir, self.settings.num_blocks, self.settings.block_size,
                                self.settings.device, self.settings.dtype)
@@ -68,7 +75,7 @@ class VerifierActor:
         self.queues: dict[str, asyncio.Queue] = {}
         self.joins: deque[str] = deque()
         self.outbox: dict[int, list[Signal]] = defaultdict(list)
-        self.drafters: dict[int, dict] = {}          # index -> {incarnation, last_seen, tree_s}
+        self.drafters: dict[int, dict] = {}          # index -> {incarnation, last_seen, tree_s, node, cpus}
         self._to_free: list[str] = []
         self._reserved_blocks: dict[str, int] = {}
         self._wake: asyncio.Event | None = None
@@ -77,6 +84,7 @@ class VerifierActor:
         self._error: str | None = None
         self._idle_carry = 0.0                       # idle seconds since the last verify step
         self._forward_by_rows: dict[int, list[float]] = {}   # rows -> [count, seconds] of target forwards
+        self._borrowed_by_rows: dict[int, list[float]] = {}  # the same, for steps on borrowed cores
 
     # -- public methods (called through Ray) ------------------------------------------
     async def ready(self) -> bool:
@@ -109,8 +117,11 @@ class VerifierActor:
         return True
 
     async def exchange(self, drafter: int, incarnation: str, puts: list, wait_s: float,
-                       draft_s: float = 0.0, draft_levels: int = 0, resync: list | tuple = ()) -> bytes:
-        """Drafter -> verifier: file its trees in the ring; return the signals queued for it."""
+                       draft_s: float = 0.0, draft_levels: int = 0, resync: list | tuple = (),
+                       node: str = "", cpus: float = 0.0) -> bytes:
+        """Drafter -> verifier: file its trees in the ring; return the signals queued for it.
+        `node` / `cpus`: where the drafter runs and the CPUs it reserved (cores a plain step
+        may borrow while it has nothing to draft, `plain_step_threads`)."""
         self._ensure_loop()
         headers = self._unpack_puts(drafter, puts)     # refuses the whole call on a bad frame
         now = time.monotonic()
@@ -119,6 +130,7 @@ class VerifierActor:
             self._attach(drafter, incarnation)
             info = self.drafters[drafter]
         info["last_seen"] = now
+        info["node"], info["cpus"] = node, cpus
         if draft_levels:
             self.adaptive.costs.observe_draft(draft_levels, draft_s)
             info["tree_s"] = 0.7 * info["tree_s"] + 0.3 * draft_s
@@ -154,6 +166,8 @@ class VerifierActor:
                 "draft_level_s": self.adaptive.costs.d,
                 # mean target forward (ms) per batch shape: what a verification costs in here
                 "forward_ms_by_rows": {r: 1e3 * t / n for r, (n, t) in sorted(self._forward_by_rows.items())},
+                "borrowed_forward_ms_by_rows": {r: 1e3 * t / n for r, (n, t)
+                                                in sorted(self._borrowed_by_rows.items())},
                 "drafters_live": [i for i in self.drafters if self._live(i)]}
 
     async def kv_usage(self) -> dict:
@@ -356,10 +370,14 @@ class VerifierActor:
 
         requests = [VerifyRequest(s.request_id, s.committed[-1], tree, s.params, s.generator)
                     for s, tree, _ in batch]
-        results, seconds = await asyncio.to_thread(self.side.verify, requests)
+        threads = self._step_threads(batch)
+        results, seconds = await asyncio.to_thread(self.side.verify, requests, threads)
         self.stats.observe_batch(seconds)
+        if threads != self.threads:
+            self.stats.observe_borrowed_step()
         rows = sum(1 + t.num_nodes for _, t, _ in batch)
-        shape = self._forward_by_rows.setdefault(rows, [0, 0.0])
+        shapes = self._forward_by_rows if threads == self.threads else self._borrowed_by_rows
+        shape = shapes.setdefault(rows, [0, 0.0])
         shape[0] += 1
         shape[1] += seconds
         self._publish(batch, results)
@@ -417,6 +435,7 @@ class VerifierActor:
             s.prefilled = True
 
     def _free_and_prefill(self, to_free: list[str], joins: list[str]) -> None:
+        torch.set_num_threads(self.threads)      # a pool thread may have run a borrowing step
         for rid in to_free:
             self.side.release(rid)
         for rid in joins:
@@ -448,6 +467,18 @@ class VerifierActor:
             s.bridge = False
             batch.append((s, TokenTree.empty(len(s.committed)), None))
         return batch, deadline
+
+    def _step_threads(self, batch: list) -> int:
+        """The verifier's own threads, or more for a plain step while no drafter has work:
+        no tree in the batch and every sequence at budget 0, its drafter told so."""
+        if any(tree.num_nodes for _, tree, _ in batch):
+            return self.threads
+        if any(s.budget[0] or s.sent_budget[0] or s.bridge for s in self.streams.values()
+               if s.admitted and s.drafter is not None):
+            return self.threads
+        live = [d for i, d in self.drafters.items() if self._live(i)]
+        return plain_step_threads(self.settings.plain_threads, self.threads, self.settings.device,
+                                  self.node_id, live)
 
     def _patience(self, s: VerifyStream) -> float:
         """How long a sequence may wait for its drafter's tree: a few of its tree times, or

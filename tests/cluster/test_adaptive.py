@@ -101,3 +101,19 @@ def test_no_probes_where_even_a_good_draft_could_not_pay():
     big.costs = CostModel()
     feed(big.costs, 0.03, 0.0002)
     assert any(k for _ in range(10) for k, _ in big.plan(list(big.seqs)).values())
+
+
+def test_a_new_sequence_starts_from_the_acceptance_the_drafter_has_been_earning():
+    ad = AdaptiveSpeculation(max_spec_len=4)
+    feed(ad.costs, 0.09, 0.016)                       # CPU-like: a 0.6 draft pays, a useless one does not
+    ad.add("first", "auto", 4, 1)
+    assert ad.prior_gamma == 0.6 and ad.plan(["first"])["first"][0] > 0   # nothing known yet: optimistic
+    for _ in range(30):
+        ad.observe("first", 3, 0)                     # every tree rejected at its first node
+    ad.remove("first")
+    ad.add("next", "auto", 4, 1)
+    assert ad.prior_gamma < 0.05 and ad.plan(["next"]) == {"next": (0, 0)}   # starts off, no wasted trees
+    for _ in range(60):
+        ad.observe("next", 3, 3)                      # (its probes) now accepted in full
+    ad.add("third", "auto", 4, 1)
+    assert ad.prior_gamma > 0.7 and ad.plan(["third"])["third"][0] >= 2

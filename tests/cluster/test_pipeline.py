@@ -137,3 +137,43 @@ def test_rollback_storm_far_draft_exact(make_engine, tiny_target, far_draft, hf_
     assert stats["acceptance_rate"] < 0.5
     assert stats["drafter_rollbacks"] > 5, stats
     assert {d["streams"] for d in stats["drafters"]} == {0}
+
+
+def _borrowed(engine) -> int:
+    return run(engine.stats())["borrowed_steps"]
+
+
+def test_plain_steps_borrow_the_cores_of_an_idle_drafter_on_the_same_node(ray_cluster, tiny_target,
+                                                                          close_draft, hf_target):
+    """On one CPU node, a step with no tree while the drafter has nothing to draft runs on the
+    drafter's cores too; a speculating request never does; a drafter on another node lends nothing."""
+    from cluster.config import ActorPlacement, AppArgs, PlacementConfig
+    from cluster.pipeline import build_pipeline_engine
+    from .conftest import VERIFIER_RESOURCE
+
+    same_node = ActorPlacement(num_cpus=1, resources={VERIFIER_RESOURCE: 1})
+    engine = build_pipeline_engine(AppArgs(placement=PlacementConfig(drafter=same_node, verifier=same_node)),
+                                   target_dir=str(tiny_target), draft_dir=str(close_draft), num_blocks=256)
+    try:
+        verifier, drafters = node_ids(engine)
+        assert drafters == [verifier]
+        prompt = prompts(1, seed=11)[0]
+        tokens, _ = run(collect(engine, request("borrow-off", prompt, 24, "off", 4, 1)))
+        assert tokens == hf_greedy(hf_target, prompt, 24)
+        after_off = _borrowed(engine)
+        assert after_off >= 20              # 24 tokens: one prefill + 23 plain steps, on 2 threads
+        tokens, last = run(collect(engine, request("borrow-chain", prompt, 24, "chain", 3, 1)))
+        assert tokens == hf_greedy(hf_target, prompt, 24) and last.num_drafted > 0
+        # the drafter was busy throughout, but for at most the last step (one token left: no draft fits)
+        assert _borrowed(engine) - after_off <= 1
+        assert run(engine.stats())["costs"]
+    finally:
+        engine.kill_pipeline_actors()
+
+
+def test_a_drafter_on_another_node_lends_no_cores(close_engine, hf_target):
+    before = _borrowed(close_engine)
+    prompt = prompts(1, seed=12)[0]
+    tokens, _ = run(collect(close_engine, request("noborrow-off", prompt, 16, "off", 4, 1)))
+    assert tokens == hf_greedy(hf_target, prompt, 16)
+    assert _borrowed(close_engine) == before

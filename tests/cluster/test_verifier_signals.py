@@ -49,3 +49,65 @@ def test_a_sequence_held_off_is_signalled_only_when_its_drafter_is_needed(tiny_t
         asyncio.run(asyncio.wait_for(scenario(), 120))
     finally:
         torch.set_num_threads(threads)
+
+
+def test_plain_step_threads_rule():
+    from cluster.backends import plain_step_threads
+
+    here = [{"node": "n1", "cpus": 1.0}]
+    assert plain_step_threads(-1, 1, "cpu", "n1", here) == 2                       # borrows the drafter's core
+    assert plain_step_threads(-1, 2, "cpu", "n1", here + [{"node": "n1", "cpus": 2}]) == 5
+    assert plain_step_threads(-1, 1, "cpu", "n1", [{"node": "n2", "cpus": 4}]) == 1   # another node's cores
+    assert plain_step_threads(-1, 1, "cpu", "", [{"node": "", "cpus": 1}]) == 1       # where unknown: no
+    assert plain_step_threads(0, 1, "cpu", "n1", here) == 1                        # switched off
+    assert plain_step_threads(3, 1, "cpu", "n1", []) == 3                          # fixed
+    assert plain_step_threads(-1, 1, "cuda", "n1", here) == 1                      # GPUs: threads don't matter
+
+
+def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(tiny_target):
+    from models.tree import TokenTree
+
+    async def run_request(plan: tuple[int, int]) -> tuple[list, int, VerifierActor]:
+        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16})
+        va.node_id = "n1"
+        await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)         # a drafter on our node
+        used = []
+        verify = va.side.verify
+        va.side.verify = lambda requests, threads=None: (used.append(threads), verify(requests, threads))[1]
+        va.adaptive.plan = lambda streams, drafter_ok=True: {s: plan for s in streams}
+        params = asdict(SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        tokens = []
+        async for chunk in va.generate("r", list(range(3, 12)), params, {"mode": "auto"}):
+            tokens += chunk.token_ids
+            await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)     # stays live, puts no tree
+        assert len(tokens) == 6
+        return used, va.stats.borrowed_steps, va
+
+    async def scenario():
+        used, borrowed, _ = await run_request((0, 0))           # held off: the drafter idles
+        assert used == [2] * 6 and borrowed == 6
+        used, borrowed, va = await run_request((2, 1))          # trees wanted: the drafter is busy
+        # no tree came, so each step fell back to decoding alone on one thread; only the last,
+        # with one token left (no draft fits, budget 0, the drafter told so), borrows
+        assert used == [1] * 5 + [2] and borrowed == 1
+        # the rule, state by state, on a live stream of that actor
+        s = va._new_stream("q", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), {"mode": "auto"})
+        s.admitted, s.drafter = True, 0
+        va.streams["q"] = s
+        plain = [(s, TokenTree.empty(3), None)]
+        assert va._step_threads(plain) == 2
+        for field, value in (("budget", (2, 1)), ("sent_budget", (2, 1)), ("bridge", True)):
+            setattr(s, field, value)                            # drafting, told to, or bridging
+            assert va._step_threads(plain) == 1
+            setattr(s, field, (0, 0) if field != "bridge" else False)
+        tree = TokenTree(torch.tensor([9]), torch.tensor([-1]), torch.tensor([1]), None, 3, 0)
+        assert va._step_threads([(s, tree, None)]) == 1         # a tree in the batch
+        va.drafters[0]["last_seen"] -= 60                       # a silent drafter lends nothing
+        assert va._step_threads(plain) == 1
+        del va.streams["q"]
+
+    threads = torch.get_num_threads()
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        torch.set_num_threads(threads)
