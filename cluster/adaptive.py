@@ -19,8 +19,8 @@ when none does). Consequences, all wanted by the issue:
 - costs are measured, not assumed: `CostModel` fits verify time as
   a + b · rows and draft time per level from the actors' own timings.
 
-A plan must beat plain decoding by `margin` (5 %) in predicted tokens per second,
-or the batch decodes alone: the cost model is an estimate, and on a shared
+A plan must beat plain decoding by `margin` (5 %) in predicted tokens per second
+(scaled by the share of the batch that speculates), or the batch decodes alone: the cost model is an estimate, and on a shared
 machine a busy drafter also slows the target (memory bandwidth), so gains
 of a percent or two are noise that speculation's overheads eat. A sequence
 held at 0 is probed with a short tree after `probe_every` steps so its γ can
@@ -33,6 +33,17 @@ rows verified) and the sequence waits for the next one. The cost model learns it
 sees (bridge and fallback steps are plain ones); while it has seen only one, it
 assumes b = `slope_ratio` · a rather than a free slope. Requests that fix their mode ("chain" / "tree" / "off")
 bypass the optimiser.
+
+Two facts of the asynchronous pipeline enter the plan (`overlap=True`):
+
+- a tree whose outcome contradicts what the drafter assumed (all of it
+  accepted plus its guess of the bonus token, probability ≈ γ^(k+1)) is
+  followed by a bridge step in which the sequence decodes alone (DESIGN §3).
+  With m = 1 - γ^(k+1), a sequence at depth k commits (E + m) / (1 + m) tokens
+  and adds k·W / (1 + m) rows per step on average;
+- a step in which every sequence decodes alone may run on idle drafters'
+  cores (cluster/verifier_actor.py): its measured cost, `plain_step_s`, is the
+  baseline a plan must beat, not the verifier's own-thread step.
 
 A new sequence starts from the acceptance the drafter has been earning: its γ
 prior (worth `prior_weight` levels) is the pooled γ of recent verifications
@@ -75,6 +86,11 @@ class CostModel:
     def observe_verify(self, rows: int, seconds: float) -> None:
         self._s = [v * self.decay for v in self._s]
         self._add(float(rows), seconds, 1.0)
+
+    @property
+    def observed(self) -> bool:
+        """Whether any verification has been measured (else `coefficients` is the prior)."""
+        return self._s[0] > 0
 
     def observe_draft(self, levels: int, seconds: float) -> None:
         if levels > 0:
@@ -160,8 +176,11 @@ class AdaptiveSpeculation:
         d = self.pool_decay
         self._pool = [self._pool[0] * d + tries, self._pool[1] * d + accepted_depth]
 
-    def plan(self, streams: list[str], drafter_ok: bool = True) -> dict[str, tuple[int, int]]:
-        """(spec_len, tree_width) for each stream's next tree; (0, 0) = decode alone."""
+    def plan(self, streams: list[str], drafter_ok: bool = True,
+             plain_step_s: float | None = None) -> dict[str, tuple[int, int]]:
+        """(spec_len, tree_width) for each stream's next tree; (0, 0) = decode alone.
+        `plain_step_s`: what a step of this batch costs when every sequence decodes
+        alone, where that is cheaper than the cost model's (borrowed cores); None = the model's."""
         out: dict[str, tuple[int, int]] = {}
         auto = []
         for s in streams:
@@ -175,7 +194,7 @@ class AdaptiveSpeculation:
         if auto:
             fixed_rows = sum(1 + k * w for k, w in out.values())
             fixed_levels = max((k for k, _ in out.values()), default=0)
-            ks = self._optimise(auto, fixed_rows, fixed_levels)
+            ks = self._optimise(auto, fixed_rows, fixed_levels, plain_step_s=plain_step_s)
             for i, (s, k) in enumerate(zip(auto, ks)):
                 st = self.seqs[s]
                 if k == 0:
@@ -185,44 +204,59 @@ class AdaptiveSpeculation:
                     st.off_steps += 1
                     if st.off_steps >= (st.probe_gap or self.probe_every):   # refresh a stale γ
                         st.off_steps = 0
-                        if self._optimise(auto, fixed_rows, fixed_levels, {i: self.probe_gamma})[i]:
+                        if self._optimise(auto, fixed_rows, fixed_levels, {i: self.probe_gamma},
+                                          plain_step_s)[i]:
                             k, st.probed = min(2, st.max_len), True
                 else:
                     st.off_steps, st.probe_gap, st.probed = 0, 0, False
                 out[s] = (k, st.width) if k else (0, 0)
         return out
 
+    def _per_step(self, gamma: float, k: int, width: int) -> tuple[float, float]:
+        """(committed tokens, verified rows) per step of a sequence at depth k, on average."""
+        if k <= 0:
+            return 1.0, 1.0
+        e = expected_tokens(gamma, k)
+        if not self.costs.overlap:
+            return e, 1.0 + k * width
+        m = 1.0 - min(gamma, 1.0) ** (k + 1)    # the outcome contradicts the drafter: a bridge step
+        return (e + m) / (1.0 + m), 1.0 + k * width / (1.0 + m)
+
     def _optimise(self, streams: list[str], fixed_rows: int, fixed_levels: int,
-                  gammas: dict[int, float] | None = None) -> list[int]:
-        """Greedy ascent on R(k) = Σ E(γ_i, k_i) / T(k); O(B) per move. `gammas` overrides
-        the γ of the streams at those indices (a what-if for probes)."""
+                  gammas: dict[int, float] | None = None, plain_step_s: float | None = None) -> list[int]:
+        """Greedy ascent on R(k) = Σ tokens_i(k_i) / T(k); O(1) per candidate move. `gammas`
+        overrides the γ of the streams at those indices (a what-if for probes). The plan
+        found must beat decoding alone, at the model's cost or `plain_step_s`, by `margin`."""
         states = [self.seqs[s] for s in streams]
         gamma = [st.gamma for st in states]
         for i, g in (gammas or {}).items():
             gamma[i] = g
         ks = [0] * len(states)
-        gain = [expected_tokens(g, 0) for g in gamma]
-        total = sum(gain)
-        rows = fixed_rows + len(states)
-        levels = fixed_levels
+        tokens = [1.0] * len(states)
+        rows_of = [1.0] * len(states)
+        total, rows, levels = float(len(states)), float(fixed_rows + len(states)), fixed_levels
         rate = base = total / self.costs.step_time(rows, levels)
+        if plain_step_s and fixed_levels == 0:      # no fixed-mode stream drafts either
+            base = max(base, total / plain_step_s)
         while True:
-            best, best_rate = -1, rate
+            best, best_rate, best_step = -1, rate, None
             for i, st in enumerate(states):
                 if ks[i] >= st.max_len:
                     continue
-                g = expected_tokens(gamma[i], ks[i] + 1)
-                r = (total - gain[i] + g) / self.costs.step_time(
-                    rows + st.width, max(levels, ks[i] + 1))
-                if r > best_rate * 1.001:
-                    best, best_rate = i, r
+                t, r = self._per_step(gamma[i], ks[i] + 1, st.width)
+                new_rate = (total - tokens[i] + t) / self.costs.step_time(
+                    rows - rows_of[i] + r, max(levels, ks[i] + 1))
+                if new_rate > best_rate * 1.001:
+                    best, best_rate, best_step = i, new_rate, (t, r)
             if best < 0:
-                return ks if rate >= base * self.margin else [0] * len(ks)
-            st = states[best]
+                # the margin is owed by the sequences that speculate, in proportion to their
+                # share of the batch: one sequence among 32 need not lift the whole batch 5 %
+                share = sum(k > 0 for k in ks) / len(ks)
+                return ks if rate >= base * (1.0 + (self.margin - 1.0) * share) else [0] * len(ks)
+            t, r = best_step
             ks[best] += 1
-            new_gain = expected_tokens(gamma[best], ks[best])
-            total += new_gain - gain[best]
-            gain[best] = new_gain
-            rows += st.width
+            total += t - tokens[best]
+            rows += r - rows_of[best]
+            tokens[best], rows_of[best] = t, r
             levels = max(levels, ks[best])
             rate = best_rate

@@ -41,7 +41,7 @@ from dataclasses import asdict
 import ray
 import torch
 
-from cluster.adaptive import AdaptiveSpeculation
+from cluster.adaptive import AdaptiveSpeculation, CostModel
 from cluster.backends import (PipelineSettings, TargetSide, eos_ids_of, plain_step_threads, rss_bytes,
                                set_threads, threads_of)
 from cluster.metrics import SpecStats
@@ -70,6 +70,7 @@ class VerifierActor:
         self.eos_ids = set(eos_ids_of(target_dir))
         self.ring = Ring(self.settings.ring_slots)
         self.adaptive = AdaptiveSpeculation(max_spec_len=16)
+        self.plain_costs = CostModel()               # steps on borrowed cores: a + b * rows
         self.stats = SpecStats()
         self.streams: dict[str, VerifyStream] = {}
         self.queues: dict[str, asyncio.Queue] = {}
@@ -162,7 +163,9 @@ class VerifierActor:
 
     async def get_stats(self) -> dict:
         a, b = self.adaptive.costs.coefficients
+        pa, pb = self.plain_costs.coefficients if self.plain_costs.observed else (None, None)
         return {**self.stats.as_dict(), "verify_cost_a_s": a, "verify_cost_b_s": b,
+                "plain_cost_a_s": pa, "plain_cost_b_s": pb,     # steps on borrowed cores
                 "draft_level_s": self.adaptive.costs.d,
                 # mean target forward (ms) per batch shape: what a verification costs in here
                 "forward_ms_by_rows": {r: 1e3 * t / n for r, (n, t) in sorted(self._forward_by_rows.items())},
@@ -383,8 +386,10 @@ class VerifierActor:
         self._publish(batch, results)
         end = time.monotonic()
         self.stats.observe_wall(end - start)
-        # the planner pays what a step really costs: its wall time plus the idle waits before it
-        self.adaptive.costs.observe_verify(rows, end - admitted + self._idle_carry)
+        # the planner pays what a step really costs: its wall time plus the idle waits before it;
+        # steps on borrowed cores have their own model (the baseline a plan must beat)
+        costs = self.plain_costs if threads != self.threads else self.adaptive.costs
+        costs.observe_verify(rows, end - admitted + self._idle_carry)
         self._idle_carry = 0.0
 
     async def _sleep(self, seconds: float) -> None:
@@ -476,9 +481,22 @@ class VerifierActor:
         if any(s.budget[0] or s.sent_budget[0] or s.bridge for s in self.streams.values()
                if s.admitted and s.drafter is not None):
             return self.threads
+        return self._lendable_threads()
+
+    def _lendable_threads(self) -> int:
+        """Threads a plain step would run on now: its own plus the live drafters' lent ones."""
         live = [d for i, d in self.drafters.items() if self._live(i)]
         return plain_step_threads(self.settings.plain_threads, self.threads, self.settings.device,
                                   self.node_id, live)
+
+    def _plain_step_s(self, rows: int) -> float | None:
+        """What a step of `rows` sequences all decoding alone costs on borrowed cores, when it
+        would borrow now and such steps have been measured; else None (the planner's own model)."""
+        if not self.plain_costs.observed:
+            return None
+        if self._lendable_threads() == self.threads:
+            return None
+        return self.plain_costs.step_time(rows, 0)
 
     def _patience(self, s: VerifyStream) -> float:
         """How long a sequence may wait for its drafter's tree: a few of its tree times, or
@@ -522,7 +540,8 @@ class VerifierActor:
             else:
                 steps.append((s, tree_id, kept))
         live = [s for s, _, _ in steps]
-        plan = self.adaptive.plan([s.request_id for s in live]) if live else {}
+        plan = self.adaptive.plan([s.request_id for s in live],
+                                  plain_step_s=self._plain_step_s(len(live))) if live else {}
         for s, tree_id, kept in steps:
             s.budget = self._budget_of(s, plan[s.request_id])
             self.stats.observe_speculation(s.budget[0] > 0)

@@ -117,3 +117,48 @@ def test_a_new_sequence_starts_from_the_acceptance_the_drafter_has_been_earning(
         ad.observe("next", 3, 3)                      # (its probes) now accepted in full
     ad.add("third", "auto", 4, 1)
     assert ad.prior_gamma > 0.7 and ad.plan(["third"])["third"][0] >= 2
+
+
+def _pipeline(gamma_hits: tuple[int, int], a: float, b: float, overlap: bool = True) -> AdaptiveSpeculation:
+    ad = AdaptiveSpeculation(max_spec_len=8, overlap=overlap)
+    ad.add("s", "auto", 8, 1)
+    feed(ad.costs, a, b)
+    for _ in range(10):
+        ad.costs.observe_draft(1, 0.001)
+    accepted, depth = gamma_hits
+    for _ in range(40):
+        ad.observe("s", depth, accepted)
+    return ad
+
+
+def test_the_pipeline_counts_the_bridge_step_after_a_contradicted_tree():
+    # gamma ~ 0.5, each verified row costs 70 % of a plain step: a synchronous engine gains from a
+    # 1-token draft, but in the pipeline that tree is followed by a bridge step 3 times in 4
+    sync = _pipeline((1, 2), a=0.05, b=0.035, overlap=False)
+    assert sync.plan(["s"])["s"][0] >= 1
+    assert _pipeline((1, 2), a=0.05, b=0.035).plan(["s"]) == {"s": (0, 0)}
+    # with a draft that is nearly always right, bridges are rare and deep trees still win
+    k, _ = _pipeline((19, 20), a=0.05, b=0.003).plan(["s"])["s"]
+    assert k >= 4
+
+
+def test_a_plan_must_beat_decoding_alone_on_borrowed_cores():
+    # gamma ~ 0.75 on the verifier's own core: a 2-deep tree is predicted to win by ~25 %
+    ad = _pipeline((3, 4), a=0.05, b=0.01)
+    assert ad.plan(["s"])["s"][0] >= 1
+    # but decoding alone on the drafter's idle core too takes 40 ms, not 60: it wins
+    assert ad.plan(["s"], plain_step_s=0.040) == {"s": (0, 0)}
+    # a fixed-mode chain in the batch keeps the drafter busy: no borrowed baseline then
+    ad.add("c", "chain", 2, 1)
+    assert ad.plan(["s", "c"], plain_step_s=0.040)["s"][0] >= 1
+
+
+def test_one_good_sequence_in_a_large_batch_still_speculates():
+    # 31 sequences whose draft never agrees and one whose draft agrees 3 times in 4, on a GPU-like
+    # verifier: that one must speculate although it lifts the whole batch by less than 5 %
+    ad = _held_off([f"s{i}" for i in range(31)], a=0.03, b=0.0002)
+    ad.add("good", "auto", 4, 1)
+    for _ in range(40):
+        ad.observe("good", 4, 3)
+    plan = ad.plan(list(ad.seqs))
+    assert plan["good"][0] >= 2 and all(plan[f"s{i}"] == (0, 0) for i in range(31))

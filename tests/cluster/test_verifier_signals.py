@@ -21,7 +21,7 @@ def test_a_sequence_held_off_is_signalled_only_when_its_drafter_is_needed(tiny_t
     async def scenario():
         va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16})
         await va.exchange(0, "d0", [], 0.0)                              # a drafter attaches
-        va.adaptive.plan = lambda streams, drafter_ok=True: {s: (0, 0) for s in streams}   # held off
+        va.adaptive.plan = lambda streams, drafter_ok=True, **_: {s: (0, 0) for s in streams}   # held off
         prompt = list(range(3, 12))
         params = asdict(SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
         gen = va.generate("r", prompt, params, {"mode": "auto"})
@@ -33,7 +33,7 @@ def test_a_sequence_held_off_is_signalled_only_when_its_drafter_is_needed(tiny_t
         assert [s.kind for s in signals] == ["resync"]                  # told once: budget 0, no steps
         assert signals[0].budget == (0, 0) and len(tokens) == 6
         # now the planner wants a tree: one signal carries every token committed meanwhile
-        va.adaptive.plan = lambda streams, drafter_ok=True: {s: (2, 1) for s in streams}
+        va.adaptive.plan = lambda streams, drafter_ok=True, **_: {s: (2, 1) for s in streams}
         tokens += (await asyncio.wait_for(gen.__anext__(), 10)).token_ids
         late = [s for s in decode_signals(await va.exchange(0, "d0", [], 0.0)) if s.kind == "step"]
         assert len(late) == 1 and late[0].budget == (2, 1)
@@ -74,7 +74,7 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
         used = []
         verify = va.side.verify
         va.side.verify = lambda requests, threads=None: (used.append(threads), verify(requests, threads))[1]
-        va.adaptive.plan = lambda streams, drafter_ok=True: {s: plan for s in streams}
+        va.adaptive.plan = lambda streams, drafter_ok=True, **_: {s: plan for s in streams}
         params = asdict(SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
         tokens = []
         async for chunk in va.generate("r", list(range(3, 12)), params, {"mode": "auto"}):
@@ -84,8 +84,13 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
         return used, va.stats.borrowed_steps, va
 
     async def scenario():
-        used, borrowed, _ = await run_request((0, 0))           # held off: the drafter idles
+        used, borrowed, va0 = await run_request((0, 0))         # held off: the drafter idles
         assert used == [2] * 6 and borrowed == 6
+        # those steps fit the borrowed-cores model the planner must beat, not the verifier's own
+        assert va0.plain_costs.observed and not va0.adaptive.costs.observed
+        assert 0 < va0._plain_step_s(1) < 5
+        va0.drafters[0]["last_seen"] -= 60                      # no drafter to lend cores: no baseline
+        assert va0._plain_step_s(1) is None
         used, borrowed, va = await run_request((2, 1))          # trees wanted: the drafter is busy
         # no tree came, so each step fell back to decoding alone on one thread; only the last,
         # with one token left (no draft fits, budget 0, the drafter told so), borrows
