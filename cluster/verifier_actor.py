@@ -7,7 +7,7 @@ nodes when speculation is off, the drafter is dead, or its tree is late),
 verifies them all in **one** target forward (continuous batching: sequences
 join and leave between steps), commits, streams the tokens to the client at
 once, and queues an accept / rollback signal for the sequence's drafter. The
-forward runs in a worker thread, so drafters' `exchange` calls (puts and
+forward runs on the actor's model thread, so drafters' `exchange` calls (puts and
 signal pick-up) are served while it runs. The drafter half is in
 cluster/actors.py.
 
@@ -17,8 +17,8 @@ missing or late decodes alone (a tree of zero nodes). A drafter that
 reattaches with a new incarnation id (Ray restarted it) is resynchronised from
 the committed prefixes; streams of a dead drafter move to a live one.
 
-On a CPU node, a plain step taken while no drafter has work runs on the idle
-drafters' cores too (`_step_threads`, `backends.plain_step_threads`): with
+On a CPU node, a plain step or a prompt prefill taken while no drafter has
+work runs on the idle drafters' cores too (`_step_threads`, `backends.plain_step_threads`): with
 speculation switched off the pipeline then decodes as fast as the target alone.
 
 The verifier itself may be restarted by Ray (`max_restarts`, cluster/pipeline.py):
@@ -36,6 +36,7 @@ import os
 import time
 import uuid
 from collections import defaultdict, deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 import ray
@@ -84,6 +85,9 @@ class VerifierActor:
         self._task: asyncio.Task | None = None
         self._error: str | None = None
         self._idle_carry = 0.0                       # idle seconds since the last verify step
+        # every forward runs on this one thread: one OpenMP thread team, not one per pool thread
+        # (idle teams spin on the cores the next forward needs)
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-model")
         self._forward_by_rows: dict[int, list[float]] = {}   # rows -> [count, seconds] of target forwards
         self._borrowed_by_rows: dict[int, list[float]] = {}  # the same, for steps on borrowed cores
 
@@ -374,7 +378,7 @@ class VerifierActor:
         requests = [VerifyRequest(s.request_id, s.committed[-1], tree, s.params, s.generator)
                     for s, tree, _ in batch]
         threads = self._step_threads(batch)
-        results, seconds = await asyncio.to_thread(self.side.verify, requests, threads)
+        results, seconds = await self._on_model_thread(self.side.verify, requests, threads)
         self.stats.observe_batch(seconds)
         if threads != self.threads:
             self.stats.observe_borrowed_step()
@@ -391,6 +395,9 @@ class VerifierActor:
         costs = self.plain_costs if threads != self.threads else self.adaptive.costs
         costs.observe_verify(rows, end - admitted + self._idle_carry)
         self._idle_carry = 0.0
+
+    async def _on_model_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
 
     async def _sleep(self, seconds: float) -> None:
         try:
@@ -431,7 +438,9 @@ class VerifierActor:
             if s.mode != "off" and live:
                 load = {i: sum(t.drafter == i for t in self.streams.values()) for i in live}
                 self._assign(s, min(live, key=load.get))
-        await asyncio.to_thread(self._free_and_prefill, to_free, joins)
+        # a prefill, like a plain step, may run on the idle drafters' cores
+        threads = self._lendable_threads() if self._drafters_idle() else self.threads
+        await self._on_model_thread(self._free_and_prefill, to_free, joins, threads)
         for rid in joins:
             s = self.streams.get(rid)
             if s is None:                    # aborted during its prefill
@@ -439,8 +448,8 @@ class VerifierActor:
                 continue
             s.prefilled = True
 
-    def _free_and_prefill(self, to_free: list[str], joins: list[str]) -> None:
-        torch.set_num_threads(self.threads)      # a pool thread may have run a borrowing step
+    def _free_and_prefill(self, to_free: list[str], joins: list[str], threads: int) -> None:
+        torch.set_num_threads(threads)           # set per call: pool threads keep their own
         for rid in to_free:
             self.side.release(rid)
         for rid in joins:
@@ -476,12 +485,14 @@ class VerifierActor:
     def _step_threads(self, batch: list) -> int:
         """The verifier's own threads, or more for a plain step while no drafter has work:
         no tree in the batch and every sequence at budget 0, its drafter told so."""
-        if any(tree.num_nodes for _, tree, _ in batch):
-            return self.threads
-        if any(s.budget[0] or s.sent_budget[0] or s.bridge for s in self.streams.values()
-               if s.admitted and s.drafter is not None):
+        if any(tree.num_nodes for _, tree, _ in batch) or not self._drafters_idle():
             return self.threads
         return self._lendable_threads()
+
+    def _drafters_idle(self) -> bool:
+        """No stream has work for a drafter: every budget 0, the drafter told so, no bridge."""
+        return not any(s.budget[0] or s.sent_budget[0] or s.bridge for s in self.streams.values()
+                       if s.admitted and s.drafter is not None)
 
     def _lendable_threads(self) -> int:
         """Threads a plain step would run on now: its own plus the live drafters' lent ones."""

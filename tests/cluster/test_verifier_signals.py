@@ -67,13 +67,16 @@ def test_plain_step_threads_rule():
 def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(tiny_target):
     from models.tree import TokenTree
 
-    async def run_request(plan: tuple[int, int]) -> tuple[list, int, VerifierActor]:
+    async def run_request(plan: tuple[int, int]) -> tuple[list, int, VerifierActor, list]:
         va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16})
         va.node_id = "n1"
         await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)         # a drafter on our node
         used = []
         verify = va.side.verify
         va.side.verify = lambda requests, threads=None: (used.append(threads), verify(requests, threads))[1]
+        prefills = []
+        prefill = va.side.prefill
+        va.side.prefill = lambda sid, prompt: (prefills.append(torch.get_num_threads()), prefill(sid, prompt))[1]
         va.adaptive.plan = lambda streams, drafter_ok=True, **_: {s: plan for s in streams}
         params = asdict(SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
         tokens = []
@@ -81,17 +84,18 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
             tokens += chunk.token_ids
             await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)     # stays live, puts no tree
         assert len(tokens) == 6
-        return used, va.stats.borrowed_steps, va
+        return used, va.stats.borrowed_steps, va, prefills
 
     async def scenario():
-        used, borrowed, va0 = await run_request((0, 0))         # held off: the drafter idles
-        assert used == [2] * 6 and borrowed == 6
+        used, borrowed, va0, prefills = await run_request((0, 0))   # held off: the drafter idles
+        assert used == [2] * 6 and borrowed == 6 and prefills == [2]   # the prompt's prefill too
         # those steps fit the borrowed-cores model the planner must beat, not the verifier's own
         assert va0.plain_costs.observed and not va0.adaptive.costs.observed
         assert 0 < va0._plain_step_s(1) < 5
         va0.drafters[0]["last_seen"] -= 60                      # no drafter to lend cores: no baseline
         assert va0._plain_step_s(1) is None
-        used, borrowed, va = await run_request((2, 1))          # trees wanted: the drafter is busy
+        used, borrowed, va, prefills = await run_request((2, 1))    # trees wanted: the drafter is busy
+        assert prefills == [1]
         # no tree came, so each step fell back to decoding alone on one thread; only the last,
         # with one token left (no draft fits, budget 0, the drafter told so), borrows
         assert used == [1] * 5 + [2] and borrowed == 1
