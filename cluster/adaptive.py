@@ -48,7 +48,9 @@ Two facts of the asynchronous pipeline enter the plan (`overlap=True`):
 A new sequence starts from the acceptance the drafter has been earning: its γ
 prior (worth `prior_weight` levels) is the pooled γ of recent verifications
 across all sequences, or 0.6 before there are any. A draft far from the target
-thus does not pay a round of rejected trees at the start of every request.
+thus does not pay a round of rejected trees at the start of every request, and
+the probe back-off is pooled the same way: a new sequence waits as long as the
+latest failed probe's (until any sequence speculates again).
 """
 from __future__ import annotations
 
@@ -143,6 +145,7 @@ class AdaptiveSpeculation:
         self.prior_weight = prior_weight
         self.pool_decay = pool_decay
         self._pool = [0.0, 0.0]    # EMA of per-level attempts / accepts over every sequence
+        self._pool_gap = 0         # probe wait a new sequence starts with (see `add`)
         self.probe_every = probe_every
         self.probe_gamma = probe_gamma
         self.margin = margin
@@ -154,7 +157,7 @@ class AdaptiveSpeculation:
         width = 1 if mode == "chain" else max(1, width)
         w = self.prior_weight
         self.seqs[stream] = SeqState(mode, min(spec_len, self.max_spec_len), width,
-                                     attempts=w, accepts=w * self.prior_gamma)
+                                     attempts=w, accepts=w * self.prior_gamma, probe_gap=self._pool_gap)
 
     @property
     def prior_gamma(self) -> float:
@@ -200,6 +203,7 @@ class AdaptiveSpeculation:
                 if k == 0:
                     if st.probed:        # the probe did not win it back: wait twice as long
                         st.probe_gap = min(2 * (st.probe_gap or self.probe_every), 8 * self.probe_every)
+                        self._pool_gap = max(self._pool_gap, st.probe_gap)
                     st.probed = False
                     st.off_steps += 1
                     if st.off_steps >= (st.probe_gap or self.probe_every):   # refresh a stale γ
@@ -209,6 +213,7 @@ class AdaptiveSpeculation:
                             k, st.probed = min(2, st.max_len), True
                 else:
                     st.off_steps, st.probe_gap, st.probed = 0, 0, False
+                    self._pool_gap = 0           # speculation pays again somewhere: probe as usual
                 out[s] = (k, st.width) if k else (0, 0)
         return out
 

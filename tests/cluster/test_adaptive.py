@@ -162,3 +162,20 @@ def test_one_good_sequence_in_a_large_batch_still_speculates():
         ad.observe("good", 4, 3)
     plan = ad.plan(list(ad.seqs))
     assert plan["good"][0] >= 2 and all(plan[f"s{i}"] == (0, 0) for i in range(31))
+
+
+def test_the_probe_back_off_carries_over_to_new_sequences_until_speculation_pays_again():
+    ad = controller((0, 4), a=0.09, b=0.16)           # gamma ~ 0 on a costly verifier: held off
+    ad.probe_every = 3
+    probes = [i for i in range(40) if ad.plan(["s"])["s"][0] > 0]
+    assert probes[:3] == [2, 8, 20]                   # 3, 6, 12 steps
+    ad.remove("s")
+    ad.add("t", "auto", 8, 1)                         # the next request: no probe after 3 steps
+    probes = [i for i in range(40) if ad.plan(["t"])["t"][0] > 0]
+    assert probes[0] >= 11 and ad.seqs["t"].probe_gap >= 12
+    ad.costs = CostModel()                            # verifying becomes cheap, the draft good
+    feed(ad.costs, 0.03, 0.0005)
+    ad.seqs["t"].attempts, ad.seqs["t"].accepts = 10.0, 9.5
+    assert ad.plan(["t"])["t"][0] > 0                 # it speculates by plan ...
+    ad.add("u", "auto", 8, 1)
+    assert ad.seqs["u"].probe_gap == 0                # ... so new sequences probe as usual again
