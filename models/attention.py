@@ -2,9 +2,13 @@
 
 CUDA tensors go to the Triton split-K kernel (`kernels.tree_decode_attention`),
 imported lazily so CPU-only installs never touch Triton; everything else goes
-to the pure-torch reference `kernels.ref.tree_decode_attention`.
+to the pure-torch reference `kernels.ref.tree_decode_attention`, or, when the
+model passes the per-forward `CpuAttentionContext`, to the same computation
+with the layer-independent work (slots, masks) done once per forward.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -19,6 +23,7 @@ def tree_attention(
     prefix_lens: torch.Tensor,   # [B] int32
     tree_mask: torch.Tensor,     # [B, T, T] bool
     sm_scale: float | None = None,
+    context: "CpuAttentionContext | None" = None,
 ) -> torch.Tensor:               # [B, T, Hq, D]
     if q.is_cuda:
         from kernels import tree_decode_attention   # Triton; lazy on purpose
@@ -26,6 +31,60 @@ def tree_attention(
         return tree_decode_attention(
             q.contiguous(), k_cache, v_cache, block_tables, prefix_lens, tree_mask, sm_scale=sm_scale
         )
+    if context is not None:
+        return context.attend(q, k_cache, v_cache, sm_scale)
     return ref.tree_decode_attention(
         q, k_cache, v_cache, block_tables, prefix_lens, tree_mask, sm_scale=sm_scale
     )
+
+
+class CpuAttentionContext:
+    """The layer-independent half of the CPU tree attention, built once per forward.
+
+    The reference (`kernels.ref.tree_decode_attention`) gathers each sequence's
+    pages and builds its mask again in every layer, a score of small ops per
+    sequence and layer. Which cache slots a forward reads, and which of them each
+    query may see, are the same in every layer: this holds the flat slots of
+    every sequence's prefix + tree, padded to the longest ([B * S]), and the
+    visibility as an additive mask already laid out for the grouped query heads
+    ([B * Hkv, G * T, S]: 0 where visible, -inf elsewhere). A layer then costs
+    two gathers, one baddbmm, a softmax and one bmm, whatever B is. Same
+    arithmetic as the reference (fp32 scores, softmax, weighted sum), to
+    rounding.
+    """
+
+    def __init__(self, block_tables: torch.Tensor, prefix_lens: torch.Tensor, tree_mask: torch.Tensor,
+                 block_size: int, num_heads: int, num_kv_heads: int) -> None:
+        B, T = tree_mask.shape[0], tree_mask.shape[1]
+        device = tree_mask.device
+        P = prefix_lens.to(device=device, dtype=torch.long)                          # [B]
+        S = int(P.max()) + T
+        pos = torch.arange(S, device=device)                                         # [S]
+        table = block_tables.to(device=device, dtype=torch.long)
+        # past its own end a row repeats its last slot (masked): it never reads another sequence's pages
+        own = torch.minimum(pos[None, :], (P + T - 1)[:, None])                      # [B, S]
+        self.slots = (table.gather(1, own // block_size) * block_size + own % block_size).reshape(B * S)
+        rel = pos[None, :] - P[:, None]                                              # [B, S] offset into the tree
+        in_tree = (rel >= 0) & (rel < T)
+        tree_part = tree_mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, S))
+        visible = torch.where(in_tree[:, None, :], tree_part, (rel < 0)[:, None, :])    # [B, T, S]
+        bias = torch.zeros(B, T, S, device=device).masked_fill_(~visible, float("-inf"))
+        G = num_heads // num_kv_heads
+        self.bias = bias[:, None, None].expand(B, num_kv_heads, G, T, S).reshape(B * num_kv_heads, G * T, S)
+        self.B, self.T, self.S = B, T, S
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               sm_scale: float | None = None) -> torch.Tensor:                      # [B, T, Hq, D]
+        B, T, S = self.B, self.T, self.S
+        Hq, D = q.shape[2], q.shape[3]
+        Hkv = k_cache.shape[2]
+        G = Hq // Hkv
+        scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+        k = k_cache.reshape(-1, Hkv, D).index_select(0, self.slots).float()        # [B*S, Hkv, D]
+        v = v_cache.reshape(-1, Hkv, D).index_select(0, self.slots).float()
+        k = k.view(B, S, Hkv, D).permute(0, 2, 3, 1).reshape(B * Hkv, D, S)
+        v = v.view(B, S, Hkv, D).permute(0, 2, 1, 3).reshape(B * Hkv, S, D)
+        qg = q.float().reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B * Hkv, G * T, D)
+        probs = torch.softmax(torch.baddbmm(self.bias, qg, k, alpha=scale), dim=-1)  # [B*Hkv, G*T, S]
+        out = torch.bmm(probs, v).view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4)        # [B, T, Hkv, G, D]
+        return out.reshape(B, T, Hq, D).to(q.dtype)

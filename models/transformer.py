@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu as cpu_kernels
-from models.attention import tree_attention
+from models.attention import CpuAttentionContext, tree_attention
 from models.config import ModelConfig, rope_inv_freq
 from models.kv_cache import OutOfBlocks, PagedKVCache
 
@@ -158,12 +158,12 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],   # cos, sin: [B, T, 1, D/2]
         k_cache: torch.Tensor,     # [N_blocks, block_size, Hkv, D]  this layer's pages
         v_cache: torch.Tensor,     # [N_blocks, block_size, Hkv, D]
-        attn_meta: tuple[torch.Tensor, ...],   # slots [B*T], block_tables [B, W], prefix_lens [B], tree_mask
+        attn_meta: tuple,          # slots [B*T], block_tables [B, W], prefix_lens [B], tree_mask, CPU context
     ) -> torch.Tensor:             # [B, T, hidden]
         c = self.c
         B, T, _ = h.shape
         Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
-        slots, block_tables, prefix_lens, tree_mask = attn_meta
+        slots, block_tables, prefix_lens, tree_mask, context = attn_meta
 
         qkv = self.qkv_proj(rms_norm(h, self.attn_norm, c.rms_norm_eps))   # [B, T, (Hq+2Hkv)*D]
         qk = apply_rope(qkv[..., : (Hq + Hkv) * D].view(B, T, Hq + Hkv, D), *rope)
@@ -171,7 +171,7 @@ class DecoderLayer(nn.Module):
         v = qkv[..., (Hq + Hkv) * D :].reshape(B * T, Hkv, D)
         k_cache.view(-1, Hkv, D).index_copy_(0, slots, k.reshape(B * T, Hkv, D))
         v_cache.view(-1, Hkv, D).index_copy_(0, slots, v)
-        attn = tree_attention(q, k_cache, v_cache, block_tables, prefix_lens, tree_mask)
+        attn = tree_attention(q, k_cache, v_cache, block_tables, prefix_lens, tree_mask, context=context)
         h = h + self.o_proj(attn.reshape(B, T, Hq * D))
 
         gate_up = self.gate_up_proj(rms_norm(h, self.mlp_norm, c.rms_norm_eps))   # [B, T, 2I]
@@ -264,7 +264,11 @@ class Transformer(nn.Module):
         pos = prefix_lens[:, None].long() + torch.arange(T, device=device)     # [B, T] cache positions
         bs = cache.block_size
         slots = (block_tables.long().gather(1, pos // bs) * bs + pos % bs).reshape(B * T)
-        attn_meta = (slots, block_tables, prefix_lens, tree_mask)
+        context = None            # on the CPU, what every layer's attention shares, built once
+        if not input_ids.is_cuda:
+            context = CpuAttentionContext(block_tables, prefix_lens, tree_mask, bs, self.config.num_heads,
+                                          self.config.num_kv_heads)
+        attn_meta = (slots, block_tables, prefix_lens, tree_mask, context)
         rope = self.rope(positions)
         h = self._inputs(input_ids, features)
         for i, layer in enumerate(self.layers):

@@ -130,3 +130,41 @@ def test_launcher_rejects_bad_inputs(bad):
         q = torch.randn(1, 3, 3, 64)
     with pytest.raises(AssertionError):
         kernels.tree_decode_attention(q, k, v, bt, pl, m)
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,page,prefix,dtype", CASES)
+def test_cpu_context_matches_reference_and_float64(poisoned, B, T, Hq, Hkv, D, page, prefix, dtype):
+    """models.attention.CpuAttentionContext: the models' CPU path, slots and masks built once per forward."""
+    from models.attention import CpuAttentionContext
+
+    q, kc, vc, bt, pl, tm = make_inputs(B, T, Hq, Hkv, D, page, prefix, dtype, seed=3)
+    ctx = CpuAttentionContext(bt, pl, tm, page, Hq, Hkv)
+    for layer in range(2):                           # one context serves every layer's cache
+        k, v = (kc, vc) if layer == 0 else (vc, kc)
+        got = ctx.attend(q, k, v)
+        assert got.dtype == q.dtype and got.shape == q.shape and not got.isnan().any()
+        want = attention_f64(q, k, v, bt, pl, tm, 1.0 / math.sqrt(D))
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert rel_err(got, want) < tol
+        torch.testing.assert_close(got, ref.tree_decode_attention(q, k, v, bt, pl, tm), rtol=tol, atol=tol)
+
+
+def test_cpu_context_reads_only_each_sequences_own_pages():
+    """Rows are padded to the longest sequence; the padding repeats the row's own last slot."""
+    from models.attention import CpuAttentionContext
+
+    B, T, page, prefix = 3, 3, 16, [0, 40, 5]
+    q, kc, vc, bt, pl, tm = make_inputs(B, T, 4, 2, 64, page, prefix, torch.float32, seed=4)
+    ctx = CpuAttentionContext(bt, pl, tm, page, 4, 2)
+    slots = ctx.slots.view(B, -1)
+    for b in range(B):
+        own = bt[b, : (prefix[b] + T + page - 1) // page].long()
+        assert set((slots[b] // page).tolist()) <= set(own.tolist())
+    nan_k, nan_v = kc.clone(), vc.clone()            # poison every page no sequence owns a token in
+    used = {int(s) // page for s in ctx.slots}
+    for p_ in range(kc.shape[0]):
+        if p_ not in used:
+            nan_k[p_], nan_v[p_] = float("nan"), float("nan")
+    assert not ctx.attend(q, nan_k, nan_v).isnan().any()
+    scale = 1.0 / math.sqrt(64)
+    assert rel_err(ctx.attend(q, nan_k, nan_v), attention_f64(q, kc, vc, bt, pl, tm, scale)) < 1e-5
