@@ -8,10 +8,10 @@ verification, so one step of a batch costs
     T(k) = max(verify(rows), draft(max_i k_i)),   rows = Σ_i (1 + k_i · W_i)
 (the verifier's target forward over all trees, or the drafter's K levels when
 it is the slower side). In the synchronous engine (`overlap=False`) drafting and
-verification take turns, so T(k) = verify(rows) + draft(max_i k_i) instead. We choose the budgets k_i that maximise the batch's
-committed tokens per second  R(k) = Σ_i E(γ_i, k_i) / T(k)  by greedy ascent
-from k = 0 (each move adds one level to the sequence that raises R most; stop
-when none does). Consequences, all wanted by the issue:
+verification take turns, so T(k) = verify(rows) + draft(max_i k_i) instead.
+We choose the budgets k_i that maximise the batch's committed tokens per
+second  R(k) = Σ_i E(γ_i, k_i) / T(k)  by greedy ascent from k = 0 (each move
+adds one level to the sequence that raises R most; stop when none does). Consequences, all wanted by the issue:
 
 - a sequence whose γ is low gains γ^(k+1) per level and stays at 0 (off);
 - under heavy load the per-row cost dominates the fixed cost of a forward and
@@ -19,20 +19,21 @@ when none does). Consequences, all wanted by the issue:
 - costs are measured, not assumed: `CostModel` fits verify time as
   a + b · rows and draft time per level from the actors' own timings.
 
-A plan must beat plain decoding by `margin` (5 %) in predicted tokens per second
-(scaled by the share of the batch that speculates), or the batch decodes alone: the cost model is an estimate, and on a shared
-machine a busy drafter also slows the target (memory bandwidth), so gains
-of a percent or two are noise that speculation's overheads eat. A sequence
-held at 0 is probed with a short tree after `probe_every` steps so its γ can
-recover; each probe that leaves it at 0 doubles its wait for the next one (up
-to 8×), so a draft that keeps missing costs ever fewer wasted trees. A probe
-is only sent when it could win: if the plan would keep the sequence at 0 even
-were its γ `probe_gamma` (0.8), as in a batch so large that extra rows cost
-more than any draft could return, the probe is skipped (no tree drafted, no
-rows verified) and the sequence waits for the next one. The cost model learns its slope from the batch shapes it
-sees (bridge and fallback steps are plain ones); while it has seen only one, it
-assumes b = `slope_ratio` · a rather than a free slope. Requests that fix their mode ("chain" / "tree" / "off")
-bypass the optimiser.
+A plan must beat plain decoding by `margin` (5 %) in predicted tokens per
+second, owed in proportion to the share of the batch that speculates, or the
+batch decodes alone: the cost model is an estimate, and on a shared machine a
+busy drafter also slows the target (memory bandwidth), so gains of a percent
+or two are noise that speculation's overheads eat. A sequence held at 0 is
+probed with a short tree after `probe_every` steps so its γ can recover; each
+probe that leaves it at 0 doubles its wait for the next one (up to 8×), so a
+draft that keeps missing costs ever fewer wasted trees. A probe is only sent
+when it could win: if the plan would keep the sequence at 0 even were its γ
+`probe_gamma` (0.8), as in a batch so large that extra rows cost more than any
+draft could return, the probe is skipped (no tree drafted, no rows verified)
+and the sequence waits for the next one. The cost model learns its slope from
+the batch shapes it sees (bridge and fallback steps are plain ones); while it
+has seen only one, it assumes b = `slope_ratio` · a rather than a free slope.
+Requests that fix their mode ("chain" / "tree" / "off") bypass the optimiser.
 
 Two facts of the asynchronous pipeline enter the plan (`overlap=True`):
 

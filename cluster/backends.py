@@ -149,8 +149,8 @@ class TargetSide:
     def verify(self, requests: list, threads: int | None = None) -> tuple[list, float]:
         """`requests`: verifier.VerifyRequest list. Returns (VerifyResult list, seconds).
 
-        `threads`: torch threads for this forward, set in the calling thread (the actor
-        runs forwards on pool threads, each with its own OpenMP setting).
+        `threads`: torch threads for this forward, set in the calling thread (OpenMP's
+        thread count is a per-thread setting).
         """
         if threads is not None and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)

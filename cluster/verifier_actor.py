@@ -85,8 +85,8 @@ class VerifierActor:
         self._task: asyncio.Task | None = None
         self._error: str | None = None
         self._idle_carry = 0.0                       # idle seconds since the last verify step
-        # every forward runs on this one thread: one OpenMP thread team, not one per pool thread
-        # (idle teams spin on the cores the next forward needs)
+        # every forward and prefill runs on this one thread, so one OpenMP thread team serves
+        # them all (asyncio's pool would spread them over threads, each with a team of its own)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-model")
         self._forward_by_rows: dict[int, list[float]] = {}   # rows -> [count, seconds] of target forwards
         self._borrowed_by_rows: dict[int, list[float]] = {}  # the same, for steps on borrowed cores
@@ -378,12 +378,13 @@ class VerifierActor:
         requests = [VerifyRequest(s.request_id, s.committed[-1], tree, s.params, s.generator)
                     for s, tree, _ in batch]
         threads = self._step_threads(batch)
+        borrowed = threads != self.threads
         results, seconds = await self._on_model_thread(self.side.verify, requests, threads)
         self.stats.observe_batch(seconds)
-        if threads != self.threads:
+        if borrowed:
             self.stats.observe_borrowed_step()
         rows = sum(1 + t.num_nodes for _, t, _ in batch)
-        shapes = self._forward_by_rows if threads == self.threads else self._borrowed_by_rows
+        shapes = self._borrowed_by_rows if borrowed else self._forward_by_rows
         shape = shapes.setdefault(rows, [0, 0.0])
         shape[0] += 1
         shape[1] += seconds
@@ -392,7 +393,7 @@ class VerifierActor:
         self.stats.observe_wall(end - start)
         # the planner pays what a step really costs: its wall time plus the idle waits before it;
         # steps on borrowed cores have their own model (the baseline a plan must beat)
-        costs = self.plain_costs if threads != self.threads else self.adaptive.costs
+        costs = self.plain_costs if borrowed else self.adaptive.costs
         costs.observe_verify(rows, end - admitted + self._idle_carry)
         self._idle_carry = 0.0
 
@@ -449,7 +450,7 @@ class VerifierActor:
             s.prefilled = True
 
     def _free_and_prefill(self, to_free: list[str], joins: list[str], threads: int) -> None:
-        torch.set_num_threads(threads)           # set per call: pool threads keep their own
+        torch.set_num_threads(threads)           # per call: the step before may have run on lent cores
         for rid in to_free:
             self.side.release(rid)
         for rid in joins:
