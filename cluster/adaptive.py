@@ -120,6 +120,20 @@ class CostModel:
         return a + b * rows + self.d * max_levels
 
 
+class VerifyCosts:
+    """The verify half of a CostModel alone: what a step of trees nobody had to draft
+    costs (the verifier's own prompt-lookup chains), for an `overlap=False` planner."""
+
+    overlap = False
+
+    def __init__(self, model: CostModel) -> None:
+        self.model = model
+
+    def step_time(self, rows: float, max_levels: int) -> float:
+        a, b = self.model.coefficients
+        return a + b * rows
+
+
 @dataclass
 class SeqState:
     mode: str            # "auto" | "chain" | "tree" | "off"
@@ -181,10 +195,12 @@ class AdaptiveSpeculation:
         self._pool = [self._pool[0] * d + tries, self._pool[1] * d + accepted_depth]
 
     def plan(self, streams: list[str], drafter_ok: bool = True,
-             plain_step_s: float | None = None) -> dict[str, tuple[int, int]]:
+             plain_step_s: float | None = None, alone: int = 0) -> dict[str, tuple[int, int]]:
         """(spec_len, tree_width) for each stream's next tree; (0, 0) = decode alone.
         `plain_step_s`: what a step of this batch costs when every sequence decodes
-        alone, where that is cheaper than the cost model's (borrowed cores); None = the model's."""
+        alone, where that is cheaper than the cost model's (borrowed cores); None = the model's.
+        `alone`: sequences outside `streams` in the same forward, each decoding alone (one row,
+        one token a step)."""
         out: dict[str, tuple[int, int]] = {}
         auto = []
         for s in streams:
@@ -196,9 +212,9 @@ class AdaptiveSpeculation:
             else:
                 auto.append(s)
         if auto:
-            fixed_rows = sum(1 + k * w for k, w in out.values())
+            fixed_rows = alone + sum(1 + k * w for k, w in out.values())
             fixed_levels = max((k for k, _ in out.values()), default=0)
-            ks = self._optimise(auto, fixed_rows, fixed_levels, plain_step_s=plain_step_s)
+            ks = self._optimise(auto, fixed_rows, fixed_levels, plain_step_s=plain_step_s, alone=alone)
             for i, (s, k) in enumerate(zip(auto, ks)):
                 st = self.seqs[s]
                 if k == 0:
@@ -210,7 +226,7 @@ class AdaptiveSpeculation:
                     if st.off_steps >= (st.probe_gap or self.probe_every):   # refresh a stale γ
                         st.off_steps = 0
                         if self._optimise(auto, fixed_rows, fixed_levels, {i: self.probe_gamma},
-                                          plain_step_s)[i]:
+                                          plain_step_s, alone)[i]:
                             k, st.probed = min(2, st.max_len), True
                 else:
                     st.off_steps, st.probe_gap, st.probed = 0, 0, False
@@ -229,10 +245,12 @@ class AdaptiveSpeculation:
         return (e + m) / (1.0 + m), 1.0 + k * width / (1.0 + m)
 
     def _optimise(self, streams: list[str], fixed_rows: int, fixed_levels: int,
-                  gammas: dict[int, float] | None = None, plain_step_s: float | None = None) -> list[int]:
+                  gammas: dict[int, float] | None = None, plain_step_s: float | None = None,
+                  alone: int = 0) -> list[int]:
         """Greedy ascent on R(k) = Σ tokens_i(k_i) / T(k); O(1) per candidate move. `gammas`
         overrides the γ of the streams at those indices (a what-if for probes). The plan
-        found must beat decoding alone, at the model's cost or `plain_step_s`, by `margin`."""
+        found must beat decoding alone, at the model's cost or `plain_step_s`, by `margin`.
+        `alone` sequences of the batch commit one token a step whatever the plan."""
         states = [self.seqs[s] for s in streams]
         gamma = [st.gamma for st in states]
         for i, g in (gammas or {}).items():
@@ -240,7 +258,7 @@ class AdaptiveSpeculation:
         ks = [0] * len(states)
         tokens = [1.0] * len(states)
         rows_of = [1.0] * len(states)
-        total, rows, levels = float(len(states)), float(fixed_rows + len(states)), fixed_levels
+        total, rows, levels = float(len(states) + alone), float(fixed_rows + len(states)), fixed_levels
         rate = base = total / self.costs.step_time(rows, levels)
         if plain_step_s and fixed_levels == 0:      # no fixed-mode stream drafts either
             base = max(base, total / plain_step_s)
@@ -257,7 +275,7 @@ class AdaptiveSpeculation:
             if best < 0:
                 # the margin is owed by the sequences that speculate, in proportion to their
                 # share of the batch: one sequence among 32 need not lift the whole batch 5 %
-                share = sum(k > 0 for k in ks) / len(ks)
+                share = sum(k > 0 for k in ks) / (len(ks) + alone)
                 return ks if rate >= base * (1.0 + (self.margin - 1.0) * share) else [0] * len(ks)
             t, r = best_step
             ks[best] += 1
@@ -266,3 +284,44 @@ class AdaptiveSpeculation:
             tokens[best], rows_of[best] = t, r
             levels = max(levels, ks[best])
             rate = best_rate
+
+
+def plan_lookups(planner: AdaptiveSpeculation, candidates: list[tuple[str, list[int], int, bool]],
+                 alone: int, vocab_size: int) -> dict:
+    """Prompt-lookup chains worth verifying, for the verifier's own speculation.
+
+    `candidates`: (stream, committed tokens, deepest useful node, greedy) of the streams in
+    `planner` (their γ of these chains) that would decode alone this step; `alone`: the
+    other sequences of the step, decoding alone. Each candidate's proposal is the tokens
+    that followed the latest earlier occurrence of its last 3 (else 2) tokens
+    (`drafter.ngram.lookup`), at most its `max_len`; the planner chooses how many of them
+    to verify where that beats decoding alone. Returns {stream: TokenTree} for the chosen
+    (a chain of point masses: exact under sampling too)."""
+    from drafter.base import point_mass_rows
+    from drafter.ngram import lookup
+    from models.tree import TokenTree
+
+    proposals = {}
+    for stream, tokens, depth, greedy in candidates:
+        k = min(planner.seqs[stream].max_len, depth)
+        found = lookup(tokens, k, 3, 2) if k > 0 else []
+        if found:
+            proposals[stream] = (found, len(tokens), greedy)
+    if not proposals:
+        return {}
+    caps = {s: planner.seqs[s].max_len for s in proposals}
+    for s, (found, _, _) in proposals.items():
+        planner.seqs[s].max_len = len(found)           # this step's ceiling: what was found
+    try:
+        plan = planner.plan(list(proposals), alone=alone + len(candidates) - len(proposals))
+    finally:
+        for s, cap in caps.items():
+            planner.seqs[s].max_len = cap
+    out = {}
+    for s, (found, prefix_len, greedy) in proposals.items():
+        k = plan[s][0]
+        if k:
+            probs = None if greedy else point_mass_rows(found[:k], vocab_size)
+            out[s] = TokenTree.chain(found[:k], probs, prefix_len)
+    return out
+

@@ -49,6 +49,9 @@ class PipelineSettings:
     # -1 = its own plus the CPUs of the live drafters on its node (theirs sit idle then);
     # 0 = its own only; n > 0 = n (see `plain_step_threads`)
     plain_threads: int = -1
+    # a sequence in "auto" mode whose draft model is off (budget 0, no drafter tree) may
+    # still speculate with prompt lookup drafted by the verifier itself, where it pays
+    lookup: bool = True
 
 
 def set_threads(num_cpus: float) -> None:

@@ -133,6 +133,9 @@ class SpeculationDefaults(_Model):
     proposer: Literal["model", "ngram"] = Field("model", description="Draft model or prompt-lookup n-grams.")
     ring_slots: int = Field(2, ge=1, le=64, description="Trees in flight per sequence (ring buffer depth).")
     max_batch_size: int = Field(32, ge=1, le=4096, description="Sequences per verifier forward.")
+    lookup: bool = Field(
+        True, description="In auto mode, where the draft model does not pay, the verifier speculates "
+                          "with prompt lookup (n-grams of the prompt and output) when that pays.")
 
     @model_validator(mode="after")
     def _chain_is_width_one(self) -> SpeculationDefaults:

@@ -7,8 +7,11 @@ alone (trees of zero nodes); "chain" and "tree" are classic draft-then-verify
 proposer. "auto" with the draft model chooses each sequence's depth every step
 (`cluster.adaptive`, with draft and verify costs added since they take turns
 here): a sequence whose drafts are rarely accepted decodes alone, probed now
-and then, so speculation that does not pay costs little. "auto" with the
-n-gram proposer drafts at full depth wherever the prompt has a match. Requests of one `generate` call step in lockstep:
+and then, so speculation that does not pay costs little; in a step where the
+model drafts for no sequence, an "auto" sequence may verify a prompt-lookup
+chain instead, where its own running acceptance says that pays (`lookup=False`
+turns this off). "auto" with the n-gram proposer drafts at full depth wherever
+the prompt has a match. Requests of one `generate` call step in lockstep:
 one batched draft pass and one batched target forward per step.
 
 No Ray here: `cluster/` wraps this in actors and the Serve app.
@@ -24,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.adaptive import AdaptiveSpeculation
+from cluster.adaptive import AdaptiveSpeculation, VerifyCosts, plan_lookups
 from cluster.protocol import GenerationRequest, SpeculationOptions
 from drafter import DraftRequest, EagleProposer, ModelProposer, NgramProposer
 from models.tree import TokenTree
@@ -134,7 +137,8 @@ class _Sequence:
 class Engine:
     def __init__(self, target, draft=None, *, spec_len: int = 4, tree_width: int = 1,
                  max_nodes: int | None = None, draft_logit_rows: Sequence[int] | None = None,
-                 eos_token_ids: Sequence[int] | None = None, block_size: int = 16) -> None:
+                 eos_token_ids: Sequence[int] | None = None, block_size: int = 16,
+                 lookup: bool = True) -> None:
         check_speculation(spec_len, tree_width)
         self.target, self.draft = target, draft           # models.Transformer
         self.spec_len, self.tree_width, self.max_nodes = spec_len, tree_width, max_nodes
@@ -150,6 +154,12 @@ class Engine:
         # per-sequence depths of "auto" requests; draft and verify take turns here (no overlap)
         self.adaptive = AdaptiveSpeculation(max_spec_len=MAX_SPEC_LEN, overlap=False)
         self._planned: dict[str, tuple[int, int]] = {}
+        # prompt lookup for "auto" sequences while the draft model is off for every sequence
+        # of a step (`_lookup_trees`): its own γ per sequence, verify costs only (no drafting)
+        self.lookup_enabled = lookup
+        self.lookup = AdaptiveSpeculation(max_spec_len=MAX_SPEC_LEN, overlap=False)
+        self.lookup.costs = VerifyCosts(self.adaptive.costs)
+        self._looked_up: set[str] = set()              # sequences whose tree this step is a lookup
 
     # -- public -------------------------------------------------------------------------
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationOutput]:
@@ -177,6 +187,7 @@ class Engine:
         planned = [s.seq_id for s in seqs if s.seq_id in self.adaptive.seqs]
         self._planned = self.adaptive.plan(planned) if planned else {}
         trees = self._propose(seqs)
+        self._lookup_trees(seqs, trees)
         drafted = time.perf_counter()
         results = self.verifier.verify([
             VerifyRequest(s.seq_id, s.token_ids[-1], tree, s.request.sampling, s.generator)
@@ -186,7 +197,10 @@ class Engine:
         for s, tree, res in zip(seqs, trees, results):
             if res.features is not None and self._wants_features(s):
                 self.proposer.observe_features(s.seq_id, tree.prefix_len - 1, res.features)
-            self._proposer_of(s).on_verified(s.seq_id, tree, res.accepted_nodes)
+            if s.seq_id in self._looked_up:      # the draft model drafted nothing this step
+                self._proposer_of(s).on_verified(s.seq_id, TokenTree.empty(tree.prefix_len), [])
+            else:
+                self._proposer_of(s).on_verified(s.seq_id, tree, res.accepted_nodes)
             last = res.accepted_nodes[-1] if res.accepted_nodes else -1
             s.stats.observe_step(tree.num_nodes, res.num_accepted,
                                  rejected=bool((tree.parent_ids == last).any()))
@@ -202,7 +216,9 @@ class Engine:
         levels = 0
         for s, tree, res in zip(seqs, trees, results):
             depth = int(tree.depths.max()) if tree.num_nodes else 0
-            if s.seq_id in self._planned:
+            if s.seq_id in self._looked_up:
+                self.lookup.observe(s.seq_id, depth, res.num_accepted)
+            elif s.seq_id in self._planned:
                 self.adaptive.observe(s.seq_id, depth, res.num_accepted)
                 levels = max(levels, depth)
         self.adaptive.costs.observe_verify(sum(1 + t.num_nodes for t in trees), verify_s)
@@ -225,6 +241,8 @@ class Engine:
             if spec.mode == "auto" and spec.proposer == "model":
                 self.adaptive.add(r.request_id, "auto", spec.spec_len or self.spec_len,
                                   spec.tree_width or self.tree_width)
+                if self.lookup_enabled:
+                    self.lookup.add(r.request_id, "auto", spec.spec_len or self.spec_len, 1)
         features = self.verifier.prefill_batch([s.seq_id for s in seqs], [s.token_ids for s in seqs])
         for s in seqs:
             if features is not None and self._wants_features(s):
@@ -251,12 +269,28 @@ class Engine:
                 trees[i] = tree
         return trees
 
-    def _draft_request(self, s: _Sequence) -> DraftRequest:
+    def _lookup_trees(self, seqs: Sequence[_Sequence], trees: list[TokenTree]) -> None:
+        """Where no sequence of the step drafts with the model (its planner chose depth 0 for
+        every "auto" one), an "auto" sequence may verify a prompt-lookup chain instead: the
+        tokens that followed the latest earlier occurrence of its last n-gram
+        (`drafter.ngram.lookup`), as many as `self.lookup` finds worth a longer forward."""
+        self._looked_up = set()
+        if not self.lookup_enabled or any(t.num_nodes for t in trees):
+            return
+        index = {s.seq_id: i for i, s in enumerate(seqs)}
+        candidates = [(s.seq_id, s.token_ids, self._draft_request(s, planned=False).max_depth,
+                       s.request.sampling.greedy) for s in seqs if s.seq_id in self.lookup.seqs]
+        chains = plan_lookups(self.lookup, candidates, len(seqs) - len(candidates), self.vocab_size)
+        for sid, tree in chains.items():
+            trees[index[sid]] = tree
+        self._looked_up = set(chains)
+
+    def _draft_request(self, s: _Sequence, planned: bool = True) -> DraftRequest:
         spec = s.request.speculation
         remaining = s.request.sampling.max_tokens - len(s.output)
         depth = spec.spec_len or self.spec_len
         width = 1 if spec.mode == "chain" else (spec.tree_width or self.tree_width)
-        if s.seq_id in self._planned:                 # "auto": the planner's depth (0 = decode alone)
+        if planned and s.seq_id in self._planned:     # "auto": the planner's depth (0 = decode alone)
             depth, planned_width = self._planned[s.seq_id]
             width = planned_width or width
         depth = min(depth, remaining - 1, self.max_context - len(s.token_ids) - 1)
@@ -313,6 +347,8 @@ class Engine:
 
     def _release(self, seq_id: str) -> None:
         self.adaptive.remove(seq_id)
+        self.lookup.remove(seq_id)
+        self._looked_up.discard(seq_id)
         self._planned.pop(seq_id, None)
         self.verifier.release(seq_id)
         if self.proposer is not None:

@@ -46,6 +46,9 @@ class SpecStats:
     fallback_steps: int = 0           # sequence-steps decoded alone while speculation was wanted
     frames_rejected: int = 0          # malformed / version-mismatched wire frames refused
     borrowed_steps: int = 0           # target forwards run on idle drafters' cores too (CPU)
+    lookup_trees: int = 0             # prompt-lookup chains the verifier drafted itself
+    lookup_drafted: int = 0           # their nodes (also counted in num_drafted)
+    lookup_accepted: int = 0          # of those, accepted (also counted in num_accepted)
 
     # -- observers ---------------------------------------------------------------
     def observe_verification(self, num_nodes: int, num_accepted: int, max_depth: int,
@@ -99,6 +102,11 @@ class SpecStats:
 
     def observe_rejected_frame(self) -> None:
         self.frames_rejected += 1
+
+    def observe_lookup(self, num_nodes: int, num_accepted: int) -> None:
+        self.lookup_trees += 1
+        self.lookup_drafted += num_nodes
+        self.lookup_accepted += num_accepted
 
     def observe_borrowed_step(self) -> None:
         self.borrowed_steps += 1

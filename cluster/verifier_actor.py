@@ -42,7 +42,7 @@ from dataclasses import asdict
 import ray
 import torch
 
-from cluster.adaptive import AdaptiveSpeculation, CostModel
+from cluster.adaptive import AdaptiveSpeculation, CostModel, VerifyCosts, plan_lookups
 from cluster.backends import (PipelineSettings, TargetSide, eos_ids_of, plain_step_threads, rss_bytes,
                                set_threads, threads_of)
 from cluster.metrics import SpecStats
@@ -72,6 +72,7 @@ class VerifierActor:
         self.ring = Ring(self.settings.ring_slots)
         self.adaptive = AdaptiveSpeculation(max_spec_len=16)
         self.plain_costs = CostModel()               # steps on borrowed cores: a + b * rows
+        self.lookup = AdaptiveSpeculation(max_spec_len=16, overlap=False)   # γ of prompt lookup
         self.stats = SpecStats()
         self.streams: dict[str, VerifyStream] = {}
         self.queues: dict[str, asyncio.Queue] = {}
@@ -219,6 +220,7 @@ class VerifierActor:
         dropped = self.ring.remove_stream(s.request_id)
         self._drop(dropped)
         self.adaptive.remove(s.request_id)
+        self.lookup.remove(s.request_id)
         self._reserved_blocks.pop(s.request_id, None)
         if s.prefilled:
             self._to_free.append(s.request_id)
@@ -434,6 +436,8 @@ class VerifierActor:
             s.admitted = True
             self.ring.add_stream(rid)
             self.adaptive.add(rid, s.mode, s.spec_len, s.tree_width)
+            if s.mode == "auto" and self.settings.lookup:
+                self.lookup.add(rid, "auto", s.spec_len, 1)
             s.budget = self._budget_of(s, self.adaptive.plan([rid], drafter_ok=True)[rid])
             live = [i for i in self.drafters if self._live(i)]
             if s.mode != "off" and live:
@@ -460,7 +464,7 @@ class VerifierActor:
         """The batch of (stream, tree) to verify now, and when to look again if it is empty."""
         from models.tree import TokenTree
 
-        batch, deadline = [], now + self.settings.poll_s
+        batch, deadline, alone = [], now + self.settings.poll_s, []
         for s in active[: self.settings.max_batch_size]:
             ring = self.ring.stream(s.request_id)
             entry, dropped = ring.head_valid(s.committed)
@@ -479,14 +483,41 @@ class VerifierActor:
                     continue
                 self.stats.observe_fallback()
             s.waiting_since = None
+            if not (wants or s.bridge):
+                alone.append(len(batch))
             s.bridge = False
             batch.append((s, TokenTree.empty(len(s.committed)), None))
+        if alone:
+            self._lookup_trees(batch, alone)
         return batch, deadline
 
+    def _lookup_trees(self, batch: list, alone: list[int]) -> None:
+        """Prompt-lookup chains drafted here (`cluster.adaptive.plan_lookups`) for sequences of
+        `batch` (indices `alone`) that decode alone by plan (not bridging, no tree late), where
+        `self.lookup` (γ of these chains per sequence; the step costs of plain steps, on
+        borrowed cores where they run there) finds they beat decoding alone. Only in steps
+        without a drafter's tree, which run on the cores a plain step would (a mixed batch is
+        priced by the drafter's plan instead)."""
+        if len(alone) < len(batch) or not self._drafters_idle() or not self.settings.lookup:
+            return
+        candidates = [(s.request_id, s.committed, min(s.spec_len, s.max_depth()), s.params.greedy)
+                      for s in (batch[i][0] for i in alone)
+                      if s.mode == "auto" and s.request_id in self.lookup.seqs]
+        if not candidates:
+            return
+        borrow = self._lendable_threads() != self.threads and self.plain_costs.observed
+        self.lookup.costs = VerifyCosts(self.plain_costs if borrow else self.adaptive.costs)
+        chains = plan_lookups(self.lookup, candidates, len(batch) - len(candidates), self.side.vocab_size)
+        for i in alone:
+            s = batch[i][0]
+            if s.request_id in chains:
+                batch[i] = (s, chains[s.request_id], None)
+
     def _step_threads(self, batch: list) -> int:
-        """The verifier's own threads, or more for a plain step while no drafter has work:
-        no tree in the batch and every sequence at budget 0, its drafter told so."""
-        if any(tree.num_nodes for _, tree, _ in batch) or not self._drafters_idle():
+        """The verifier's own threads, or more for a step while no drafter has work: no
+        drafter's tree in the batch (prompt-lookup ones may be) and every sequence at budget 0,
+        its drafter told so."""
+        if any(tree.num_nodes for _, tree, header in batch if header is not None) or not self._drafters_idle():
             return self.threads
         return self._lendable_threads()
 
@@ -545,7 +576,11 @@ class VerifierActor:
             s.num_accepted += res.num_accepted
             depth = int(tree.depths.max()) if tree.num_nodes else 0
             self.stats.observe_verification(tree.num_nodes, res.num_accepted, depth, res.num_accepted)
-            self.adaptive.observe(s.request_id, depth, res.num_accepted)
+            if header is None and tree.num_nodes:       # the verifier's own prompt-lookup chain
+                self.lookup.observe(s.request_id, depth, res.num_accepted)
+                self.stats.observe_lookup(tree.num_nodes, res.num_accepted)
+            else:
+                self.adaptive.observe(s.request_id, depth, res.num_accepted)
             self.queues[s.request_id].put_nowait(self._chunk(s, kept))
             if s.finish_reason:
                 self._finish(s, s.finish_reason, notify=False)

@@ -123,6 +123,31 @@ def tiny_target(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def copying_target(tmp_path_factory):
+    """A target whose greedy output walks a cycle of bytes (a, b, ..., l, a, ...), mostly from
+    each token's own embedding (the blocks' outputs scaled down, not removed): a prompt that
+    walked the cycle is what its output repeats, so prompt-lookup chains get accepted."""
+    from transformers import LlamaForCausalLM
+
+    cycle = list(b"abcdefghijkl")
+    path = tmp_path_factory.mktemp("copying_target")
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(llama_config()).eval()
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        succ = torch.arange(emb.shape[0])
+        succ[cycle] = torch.tensor(cycle[1:] + cycle[:1])          # the token after each token
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[succ] = 4.0 * emb / emb.norm(dim=1, keepdim=True)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.05)
+            layer.mlp.down_proj.weight.mul_(0.05)
+    model.save_pretrained(path, safe_serialization=True)
+    byte_tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def hf_target(tiny_target):
     """The target through transformers itself: the reference every exactness test compares with."""
     from transformers import LlamaForCausalLM

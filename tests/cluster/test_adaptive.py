@@ -179,3 +179,19 @@ def test_the_probe_back_off_carries_over_to_new_sequences_until_speculation_pays
     assert ad.plan(["t"])["t"][0] > 0                 # it speculates by plan ...
     ad.add("u", "auto", 8, 1)
     assert ad.seqs["u"].probe_gap == 0                # ... so new sequences probe as usual again
+
+
+def test_sequences_decoding_alone_beside_the_plan_count_their_tokens():
+    """`alone` sequences share the forward: their rows raise its cost and their tokens its
+    yield, so a weak chain that lifts one sequence alone by 8 % is not worth 1 % more time
+    for a batch of 31 (counting the rows but not the tokens would say it is)."""
+    from cluster.adaptive import VerifyCosts
+
+    ad = AdaptiveSpeculation(max_spec_len=1, overlap=False)
+    ad.costs = VerifyCosts(CostModel(a=0.05, b=0.001))     # no drafting: the verifier's own chains
+    ad.add("s", "auto", 1, 1)
+    st = ad.seqs["s"]
+    st.attempts, st.accepts = 10.0, 1.0                     # γ = 0.1: E = 1.1 tokens at depth 1
+    assert ad.plan(["s"]) == {"s": (1, 1)}                  # 1.1 / 0.052 beats 1 / 0.051 by 8 %
+    assert ad.plan(["s"], alone=30) == {"s": (0, 0)}        # 31.1 / 0.082 < 31 / 0.081
+    assert VerifyCosts(CostModel(a=0.05, b=0.001, d=1.0)).step_time(3, 4) == 0.05 + 0.003

@@ -19,7 +19,7 @@ from models.sampling import SamplingParams
 
 def test_a_sequence_held_off_is_signalled_only_when_its_drafter_is_needed(tiny_target):
     async def scenario():
-        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16})
+        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False})
         await va.exchange(0, "d0", [], 0.0)                              # a drafter attaches
         va.adaptive.plan = lambda streams, drafter_ok=True, **_: {s: (0, 0) for s in streams}   # held off
         prompt = list(range(3, 12))
@@ -68,7 +68,7 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
     from models.tree import TokenTree
 
     async def run_request(plan: tuple[int, int]) -> tuple[list, int, VerifierActor, list]:
-        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16})
+        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False})
         va.node_id = "n1"
         await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)         # a drafter on our node
         used = []
@@ -109,8 +109,12 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
             setattr(s, field, value)                            # drafting, told to, or bridging
             assert va._step_threads(plain) == 1
             setattr(s, field, (0, 0) if field != "bridge" else False)
+        from cluster.wire import TreeHeader
+
         tree = TokenTree(torch.tensor([9]), torch.tensor([-1]), torch.tensor([1]), None, 3, 0)
-        assert va._step_threads([(s, tree, None)]) == 1         # a tree in the batch
+        header = TreeHeader("q", 0, 0, 3, 3, [], 1, 0)
+        assert va._step_threads([(s, tree, header)]) == 1       # a drafter's tree in the batch
+        assert va._step_threads([(s, tree, None)]) == 2         # the verifier's own lookup chain
         va.drafters[0]["last_seen"] -= 60                       # a silent drafter lends nothing
         assert va._step_threads(plain) == 1
         del va.streams["q"]
