@@ -28,13 +28,23 @@ from models.kv_cache import OutOfBlocks, PagedKVCache
 
 
 _MKLDNN_LINEAR = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-_SKINNY_ROWS = 12     # rows up to which kernels.cpu.skinny_linear takes a CPU fp32 matmul (beyond: oneDNN)
+_SKINNY_ROWS = 16     # rows up to which kernels.cpu.skinny_linear takes a CPU fp32 matmul (beyond: oneDNN)
+
+
+def few_row_limit(model) -> int | None:
+    """Rows per forward up to which `model`'s matmuls take the few-row C kernel, on a CPU in
+    fp32 where it is built: a forward of one row more costs ~30 % more at once (oneDNN),
+    a step the planners' linear cost model cannot see. None where there is no such limit."""
+    weight = next(model.parameters())
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or not cpu_kernels.available():
+        return None
+    return _SKINNY_ROWS
 
 
 class PackedWeight:
     """The CPU fp32 matmul of a weight: a C kernel for few rows, else a oneDNN-prepacked copy.
 
-    Up to 12 rows (plain decoding, tree verification, drafting) go to
+    Up to 16 rows (plain decoding, tree verification, drafting) go to
     `kernels.cpu.skinny_linear`, which reads the weight once in place and costs
     little more for 8 rows than for one (`python bench/cpu_matmul.py`,
     SmolLM2-135M, one thread: 4 / 8 tokens verified in 1.15x / 1.27x its own
