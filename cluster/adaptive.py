@@ -34,6 +34,9 @@ and the sequence waits for the next one. The cost model learns its slope from
 the batch shapes it sees (bridge and fallback steps are plain ones); while it
 has seen only one, it assumes b = `slope_ratio` · a rather than a free slope.
 Requests that fix their mode ("chain" / "tree" / "off") bypass the optimiser.
+On a CPU target a forward of more rows than its few-row kernel takes costs ~30 %
+more at once, which a linear model cannot see: `row_limit` keeps every plan
+within it unless decoding alone already exceeds it.
 
 Two facts of the asynchronous pipeline enter the plan (`overlap=True`):
 
@@ -167,6 +170,10 @@ class AdaptiveSpeculation:
         self.decay = decay
         self.costs = CostModel(overlap=overlap)
         self.seqs: dict[str, SeqState] = {}
+        # rows per forward beyond which the step costs jump (the CPU's few-row kernel,
+        # `models.transformer.few_row_limit`): plans stay within it unless decoding alone
+        # already exceeds it. None = no such limit.
+        self.row_limit: int | None = None
 
     def add(self, stream: str, mode: str, spec_len: int, width: int) -> None:
         width = 1 if mode == "chain" else max(1, width)
@@ -259,13 +266,15 @@ class AdaptiveSpeculation:
         tokens = [1.0] * len(states)
         rows_of = [1.0] * len(states)
         total, rows, levels = float(len(states) + alone), float(fixed_rows + len(states)), fixed_levels
+        peak = rows                                  # rows of the step itself (no bridge averaging)
+        limit = max(self.row_limit, peak) if self.row_limit else None
         rate = base = total / self.costs.step_time(rows, levels)
         if plain_step_s and fixed_levels == 0:      # no fixed-mode stream drafts either
             base = max(base, total / plain_step_s)
         while True:
             best, best_rate, best_step = -1, rate, None
             for i, st in enumerate(states):
-                if ks[i] >= st.max_len:
+                if ks[i] >= st.max_len or (limit is not None and peak + st.width > limit):
                     continue
                 t, r = self._per_step(gamma[i], ks[i] + 1, st.width)
                 new_rate = (total - tokens[i] + t) / self.costs.step_time(
@@ -278,6 +287,7 @@ class AdaptiveSpeculation:
                 share = sum(k > 0 for k in ks) / (len(ks) + alone)
                 return ks if rate >= base * (1.0 + (self.margin - 1.0) * share) else [0] * len(ks)
             t, r = best_step
+            peak += states[best].width
             ks[best] += 1
             total += t - tokens[best]
             rows += r - rows_of[best]

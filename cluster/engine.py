@@ -30,6 +30,7 @@ import torch
 from cluster.adaptive import AdaptiveSpeculation, VerifyCosts, plan_lookups
 from cluster.protocol import GenerationRequest, SpeculationOptions
 from drafter import DraftRequest, EagleProposer, ModelProposer, NgramProposer
+from models.transformer import few_row_limit
 from models.tree import TokenTree
 from verifier import Verifier, VerifyRequest
 
@@ -159,6 +160,7 @@ class Engine:
         self.lookup_enabled = lookup
         self.lookup = AdaptiveSpeculation(max_spec_len=MAX_SPEC_LEN, overlap=False)
         self.lookup.costs = VerifyCosts(self.adaptive.costs)
+        self.adaptive.row_limit = self.lookup.row_limit = few_row_limit(target)
         self._looked_up: set[str] = set()              # sequences whose tree this step is a lookup
 
     # -- public -------------------------------------------------------------------------

@@ -73,6 +73,9 @@ class VerifierActor:
         self.adaptive = AdaptiveSpeculation(max_spec_len=16)
         self.plain_costs = CostModel()               # steps on borrowed cores: a + b * rows
         self.lookup = AdaptiveSpeculation(max_spec_len=16, overlap=False)   # γ of prompt lookup
+        from models.transformer import few_row_limit
+
+        self.adaptive.row_limit = self.lookup.row_limit = few_row_limit(self.side.verifier.model)
         self.stats = SpecStats()
         self.streams: dict[str, VerifyStream] = {}
         self.queues: dict[str, asyncio.Queue] = {}

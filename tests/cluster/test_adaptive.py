@@ -195,3 +195,18 @@ def test_sequences_decoding_alone_beside_the_plan_count_their_tokens():
     assert ad.plan(["s"]) == {"s": (1, 1)}                  # 1.1 / 0.052 beats 1 / 0.051 by 8 %
     assert ad.plan(["s"], alone=30) == {"s": (0, 0)}        # 31.1 / 0.082 < 31 / 0.081
     assert VerifyCosts(CostModel(a=0.05, b=0.001, d=1.0)).step_time(3, 4) == 0.05 + 0.003
+
+
+def test_plans_stay_within_the_few_row_kernel_unless_decoding_alone_exceeds_it():
+    ad = AdaptiveSpeculation(max_spec_len=4)
+    ad.costs = CostModel(a=0.05, b=0.0005, d=0.0001)      # rows look nearly free to the linear model
+    for s in "abcd":
+        ad.add(s, "auto", 4, 1)
+        st = ad.seqs[s]
+        st.attempts, st.accepts = 10.0, 9.0                # γ = 0.9
+    assert sum(k for k, _ in ad.plan(list("abcd")).values()) == 16     # 4 + 16 = 20 rows
+    ad.row_limit = 16
+    plan = ad.plan(list("abcd"))
+    assert 4 + sum(k for k, _ in plan.values()) == 16 and all(k >= 2 for k, _ in plan.values())
+    ad.row_limit = 3                                       # decoding alone (4 rows) already exceeds it
+    assert ad.plan(list("abcd")) == {s: (0, 0) for s in "abcd"}
