@@ -17,6 +17,12 @@ For each concurrency (default 1, 4, 16, 64) and each speculation mode (default `
 - TPOT: per request, (last token time − first token time) ÷ (tokens after the first), p50 / p99
   — the same quantity averaged per request, immune to that coalescing.
 
+`--rounds R` runs R windows per mode at each concurrency, the modes alternating, and
+reports each ratio as the geometric mean over the rounds (the rounds' ratios listed too):
+on a shared host the same cell moves by 10-15 % between windows, more than the goals'
+margins. Each cell also records the pipeline's counters over its window (`engine`:
+forwards, those on borrowed cores, speculative steps, drafted / accepted, lookups).
+
 Writes `bench/results/load-<UTC time>.json` and prints a table. `--quick` is a smoke run.
 """
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import platform
 import signal
@@ -171,16 +178,44 @@ def print_table(cells: list[dict]) -> None:
 
 
 def summary(cells: list[dict], on: str) -> dict:
-    """The issue's goals: ITL ratio at concurrency 1, throughput ratios at 16 and 64."""
-    by = {(c["concurrency"], c["mode"]): c for c in cells}
+    """The issue's goals: ITL ratio at concurrency 1, throughput ratios at 16 and 64.
+
+    With several rounds, each ratio is the geometric mean of the rounds' ratios (each round
+    one window per mode, back to back), and `c<N>_<ratio>_rounds` lists them."""
+    by = {(c["concurrency"], c["mode"], c.get("round", 0)): c for c in cells}
     out = {}
     for conc in sorted({c["concurrency"] for c in cells}):
-        a, b = by.get((conc, on)), by.get((conc, "off"))
-        if a and b and b["throughput_tok_s"]:
-            out[f"c{conc}_throughput_ratio"] = a["throughput_tok_s"] / b["throughput_tok_s"]
-        for key in ("itl_p50_s", "tpot_p50_s"):
-            if a and b and a[key] and b[key]:
-                out[f"c{conc}_{key[:-2]}_ratio"] = a[key] / b[key]
+        rounds = sorted({c.get("round", 0) for c in cells if c["concurrency"] == conc})
+        for key, name in (("throughput_tok_s", "throughput"), ("itl_p50_s", "itl_p50"),
+                          ("tpot_p50_s", "tpot_p50")):
+            ratios = []
+            for r in rounds:
+                a, b = by.get((conc, on, r)), by.get((conc, "off", r))
+                if a and b and a[key] and b[key]:
+                    ratios.append(a[key] / b[key])
+            if ratios:
+                out[f"c{conc}_{name}_ratio"] = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+                if len(rounds) > 1:
+                    out[f"c{conc}_{name}_ratio_rounds"] = ratios
+    return out
+
+
+ENGINE_COUNTERS = ("num_batches", "borrowed_steps", "num_spec_steps", "num_drafted", "num_accepted",
+                   "lookup_trees", "lookup_accepted", "verifier_busy_s", "num_committed")
+
+
+def engine_counters(url: str) -> dict:
+    """The pipeline's counters from /metrics (specflash_engine_*), {} where there are none."""
+    out = {}
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return out
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        key = name.removeprefix("specflash_engine_")
+        if key != name and key in ENGINE_COUNTERS:
+            out[key] = float(value)
     return out
 
 
@@ -195,6 +230,8 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="off,auto", help="speculation modes; 'off' is the baseline")
     p.add_argument("--spec-len", type=int, default=None)
     p.add_argument("--duration", type=float, default=30.0, help="seconds per cell")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="windows per mode and concurrency, the modes alternating (off, auto, auto, off, ...)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="concurrency 1,4, 8 s cells, 16 tokens")
     p.add_argument("--out", default=None)
@@ -212,13 +249,20 @@ def main(argv=None) -> int:
         health = httpx.get(f"{url}/health", timeout=30).json()
         modes = args.modes.split(",")
         cells = []
-        for level, conc in enumerate(int(c) for c in args.concurrency.split(",")):
-            # alternate which mode goes first, so a drift in machine load favours neither
-            for mode in (modes if level % 2 == 0 else modes[::-1]):
-                cell = asyncio.run(run_cell(url, conc, mode, args.duration, args.max_tokens,
-                                            args.spec_len))
-                cells.append(cell)
-                print_table([cell])
+        turn = 0
+        for conc in (int(c) for c in args.concurrency.split(",")):
+            for rnd in range(args.rounds):
+                # alternate which mode goes first, so a drift in machine load favours neither
+                for mode in (modes if turn % 2 == 0 else modes[::-1]):
+                    before = engine_counters(url)
+                    cell = asyncio.run(run_cell(url, conc, mode, args.duration, args.max_tokens,
+                                                args.spec_len))
+                    after = engine_counters(url)
+                    cell["round"] = rnd
+                    cell["engine"] = {k: after[k] - before.get(k, 0.0) for k in after}
+                    cells.append(cell)
+                    print_table([cell])
+                turn += 1
         stats = httpx.get(f"{url}/metrics", timeout=30).text
     finally:
         if proc is not None:
@@ -231,7 +275,7 @@ def main(argv=None) -> int:
               "server": {"url": url, "health": health, "target": args.target, "draft": args.draft,
                          "engine": args.engine},
               "settings": {"duration_s": args.duration, "max_tokens": args.max_tokens,
-                           "modes": modes, "spec_len": args.spec_len},
+                           "modes": modes, "spec_len": args.spec_len, "rounds": args.rounds},
               "cells": cells, "summary": summary(cells, on),
               "engine_metrics": [l for l in stats.splitlines() if l.startswith("specflash_spec_")]}
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
@@ -240,6 +284,13 @@ def main(argv=None) -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print("\nall cells:")
     print_table(cells)
+    short = sorted({c["concurrency"] for c in cells if c["requests"] < c["concurrency"]})
+    if short:
+        result["short_windows"] = short
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"warning: at concurrency {short} fewer requests finished in a window than there are "
+              f"clients: the window holds about one wave of requests, so the throughput there is "
+              f"quantised by it; use a longer --duration for those levels")
     print(json.dumps(result["summary"], indent=2))
     print(f"written to {out}")
     return 0
