@@ -241,6 +241,24 @@ class AdaptiveSpeculation:
                 out[s] = (k, st.width) if k else (0, 0)
         return out
 
+    def plan_joining(self, streams: list[str], beside: list[tuple[int, int]],
+                     plain_step_s: float | None = None) -> dict[str, tuple[int, int]]:
+        """Budgets for new streams joining a batch whose running streams hold the budgets
+        `beside` ((k, W) each): planned with them (their rows, one token each), not as if
+        alone, so a stream joining a large batch does not start a tree that the batch's
+        plan would never allow. No probe bookkeeping (new streams have none)."""
+        out = {s: (0, 0) for s in streams if self.seqs[s].mode == "off"}
+        out.update({s: (self.seqs[s].max_len, self.seqs[s].width) for s in streams
+                    if self.seqs[s].mode in ("chain", "tree")})
+        auto = [s for s in streams if s not in out]
+        if auto:
+            fixed = beside + [out[s] for s in streams if s in out]
+            rows = sum(1 + k * w for k, w in fixed)
+            levels = max((k for k, _ in fixed), default=0)
+            ks = self._optimise(auto, rows, levels, plain_step_s=plain_step_s, alone=len(fixed))
+            out.update({s: (k, self.seqs[s].width) if k else (0, 0) for s, k in zip(auto, ks)})
+        return out
+
     def _per_step(self, gamma: float, k: int, width: int) -> tuple[float, float]:
         """(committed tokens, verified rows) per step of a sequence at depth k, on average."""
         if k <= 0:

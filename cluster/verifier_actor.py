@@ -432,16 +432,22 @@ class VerifierActor:
             joins.append(self.joins.popleft())
         if not to_free and not joins:
             return
+        beside = [t.budget for t in self.streams.values() if t.prefilled]
+        for rid in joins:
+            s = self.streams[rid]
+            self.adaptive.add(rid, s.mode, s.spec_len, s.tree_width)
+            if s.mode == "auto" and self.settings.lookup:
+                self.lookup.add(rid, "auto", s.spec_len, 1)
+        # first budgets planned with the running batch (a tree that a large batch's plan would
+        # never allow would also take its steps off the borrowed cores)
+        first = self.adaptive.plan_joining(joins, beside, self._plain_step_s(len(beside) + len(joins)))
         for rid in joins:
             # the drafter hears of the sequence now, so that its prefill and first tree run
             # while the target prefills: the first tree is then waiting, not waited for
             s = self.streams[rid]
             s.admitted = True
             self.ring.add_stream(rid)
-            self.adaptive.add(rid, s.mode, s.spec_len, s.tree_width)
-            if s.mode == "auto" and self.settings.lookup:
-                self.lookup.add(rid, "auto", s.spec_len, 1)
-            s.budget = self._budget_of(s, self.adaptive.plan([rid], drafter_ok=True)[rid])
+            s.budget = self._budget_of(s, first[rid])
             live = [i for i in self.drafters if self._live(i)]
             if s.mode != "off" and live:
                 load = {i: sum(t.drafter == i for t in self.streams.values()) for i in live}

@@ -210,3 +210,19 @@ def test_plans_stay_within_the_few_row_kernel_unless_decoding_alone_exceeds_it()
     assert 4 + sum(k for k, _ in plan.values()) == 16 and all(k >= 2 for k, _ in plan.values())
     ad.row_limit = 3                                       # decoding alone (4 rows) already exceeds it
     assert ad.plan(list("abcd")) == {s: (0, 0) for s in "abcd"}
+
+
+def test_a_stream_joining_a_batch_is_planned_with_it():
+    """Alone, a new stream with the prior γ would start with a tree; beside 31 streams
+    decoding alone on a CPU target (few-row kernel up to 16 rows) it must not."""
+    ad = AdaptiveSpeculation(max_spec_len=4)
+    ad.costs = CostModel(a=0.05, b=0.003, d=0.004)
+    ad.row_limit = 16
+    ad.add("new", "auto", 4, 1)
+    ad.add("fixed", "chain", 3, 1)
+    ad.add("quiet", "off", 4, 1)
+    alone = ad.plan_joining(["new", "fixed", "quiet"], [])
+    assert alone["new"][0] > 0 and alone["fixed"] == (3, 1) and alone["quiet"] == (0, 0)
+    crowded = ad.plan_joining(["new"], [(0, 0)] * 31)
+    assert crowded == {"new": (0, 0)}
+    assert ad.seqs["new"].off_steps == 0 and not ad.seqs["new"].probed     # a what-if, no bookkeeping

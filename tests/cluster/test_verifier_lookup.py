@@ -106,7 +106,7 @@ def test_lookup_steps_run_on_the_idle_drafters_core(copying_target):
         va = _actor(tiny_target)
         va.node_id = "n1"
         await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)       # a drafter on our node
-        va.adaptive.plan = lambda streams, drafter_ok=True, **_: {s: (0, 0) for s in streams}  # model off
+        va.adaptive.plan = va.adaptive.plan_joining = lambda streams, *_, **__: {s: (0, 0) for s in streams}
         used = []
         verify = va.side.verify
         va.side.verify = lambda requests, threads=None: (used.append((threads, max(

@@ -21,7 +21,7 @@ def test_a_sequence_held_off_is_signalled_only_when_its_drafter_is_needed(tiny_t
     async def scenario():
         va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False})
         await va.exchange(0, "d0", [], 0.0)                              # a drafter attaches
-        va.adaptive.plan = lambda streams, drafter_ok=True, **_: {s: (0, 0) for s in streams}   # held off
+        va.adaptive.plan = va.adaptive.plan_joining = lambda streams, *_, **__: {s: (0, 0) for s in streams}
         prompt = list(range(3, 12))
         params = asdict(SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
         gen = va.generate("r", prompt, params, {"mode": "auto"})
@@ -33,7 +33,7 @@ def test_a_sequence_held_off_is_signalled_only_when_its_drafter_is_needed(tiny_t
         assert [s.kind for s in signals] == ["resync"]                  # told once: budget 0, no steps
         assert signals[0].budget == (0, 0) and len(tokens) == 6
         # now the planner wants a tree: one signal carries every token committed meanwhile
-        va.adaptive.plan = lambda streams, drafter_ok=True, **_: {s: (2, 1) for s in streams}
+        va.adaptive.plan = lambda streams, *_, **__: {s: (2, 1) for s in streams}
         tokens += (await asyncio.wait_for(gen.__anext__(), 10)).token_ids
         late = [s for s in decode_signals(await va.exchange(0, "d0", [], 0.0)) if s.kind == "step"]
         assert len(late) == 1 and late[0].budget == (2, 1)
@@ -77,7 +77,7 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
         prefills = []
         prefill = va.side.prefill
         va.side.prefill = lambda sid, prompt: (prefills.append(torch.get_num_threads()), prefill(sid, prompt))[1]
-        va.adaptive.plan = lambda streams, drafter_ok=True, **_: {s: plan for s in streams}
+        va.adaptive.plan = va.adaptive.plan_joining = lambda streams, *_, **__: {s: plan for s in streams}
         params = asdict(SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
         tokens = []
         async for chunk in va.generate("r", list(range(3, 12)), params, {"mode": "auto"}):
