@@ -201,13 +201,13 @@ class AdaptiveSpeculation:
         d = self.pool_decay
         self._pool = [self._pool[0] * d + tries, self._pool[1] * d + accepted_depth]
 
-    def plan(self, streams: list[str], drafter_ok: bool = True,
-             plain_step_s: float | None = None, alone: int = 0) -> dict[str, tuple[int, int]]:
+    def plan(self, streams: list[str], drafter_ok: bool = True, plain_step_s: float | None = None,
+             alone: int = 0, caps: dict[str, int] | None = None) -> dict[str, tuple[int, int]]:
         """(spec_len, tree_width) for each stream's next tree; (0, 0) = decode alone.
         `plain_step_s`: what a step of this batch costs when every sequence decodes
         alone, where that is cheaper than the cost model's (borrowed cores); None = the model's.
         `alone`: sequences outside `streams` in the same forward, each decoding alone (one row,
-        one token a step)."""
+        one token a step). `caps`: this step's depth ceiling of some streams, below their own."""
         out: dict[str, tuple[int, int]] = {}
         auto = []
         for s in streams:
@@ -221,7 +221,8 @@ class AdaptiveSpeculation:
         if auto:
             fixed_rows = alone + sum(1 + k * w for k, w in out.values())
             fixed_levels = max((k for k, _ in out.values()), default=0)
-            ks = self._optimise(auto, fixed_rows, fixed_levels, plain_step_s=plain_step_s, alone=alone)
+            ks = self._optimise(auto, fixed_rows, fixed_levels, plain_step_s=plain_step_s, alone=alone,
+                                caps=caps)
             for i, (s, k) in enumerate(zip(auto, ks)):
                 st = self.seqs[s]
                 if k == 0:
@@ -233,8 +234,8 @@ class AdaptiveSpeculation:
                     if st.off_steps >= (st.probe_gap or self.probe_every):   # refresh a stale γ
                         st.off_steps = 0
                         if self._optimise(auto, fixed_rows, fixed_levels, {i: self.probe_gamma},
-                                          plain_step_s, alone)[i]:
-                            k, st.probed = min(2, st.max_len), True
+                                          plain_step_s, alone, caps)[i]:
+                            k, st.probed = min(2, st.max_len, (caps or {}).get(s, st.max_len)), True
                 else:
                     st.off_steps, st.probe_gap, st.probed = 0, 0, False
                     self._pool_gap = 0           # speculation pays again somewhere: probe as usual
@@ -271,12 +272,14 @@ class AdaptiveSpeculation:
 
     def _optimise(self, streams: list[str], fixed_rows: int, fixed_levels: int,
                   gammas: dict[int, float] | None = None, plain_step_s: float | None = None,
-                  alone: int = 0) -> list[int]:
+                  alone: int = 0, caps: dict[str, int] | None = None) -> list[int]:
         """Greedy ascent on R(k) = Σ tokens_i(k_i) / T(k); O(1) per candidate move. `gammas`
         overrides the γ of the streams at those indices (a what-if for probes). The plan
         found must beat decoding alone, at the model's cost or `plain_step_s`, by `margin`.
-        `alone` sequences of the batch commit one token a step whatever the plan."""
+        `alone` sequences of the batch commit one token a step whatever the plan; `caps`
+        lowers some streams' depth ceilings for this plan."""
         states = [self.seqs[s] for s in streams]
+        ceiling = [min(st.max_len, (caps or {}).get(s, st.max_len)) for s, st in zip(streams, states)]
         gamma = [st.gamma for st in states]
         for i, g in (gammas or {}).items():
             gamma[i] = g
@@ -292,7 +295,7 @@ class AdaptiveSpeculation:
         while True:
             best, best_rate, best_step = -1, rate, None
             for i, st in enumerate(states):
-                if ks[i] >= st.max_len or (limit is not None and peak + st.width > limit):
+                if ks[i] >= ceiling[i] or (limit is not None and peak + st.width > limit):
                     continue
                 t, r = self._per_step(gamma[i], ks[i] + 1, st.width)
                 new_rate = (total - tokens[i] + t) / self.costs.step_time(
@@ -337,14 +340,8 @@ def plan_lookups(planner: AdaptiveSpeculation, candidates: list[tuple[str, list[
             proposals[stream] = (found, len(tokens), greedy)
     if not proposals:
         return {}
-    caps = {s: planner.seqs[s].max_len for s in proposals}
-    for s, (found, _, _) in proposals.items():
-        planner.seqs[s].max_len = len(found)           # this step's ceiling: what was found
-    try:
-        plan = planner.plan(list(proposals), alone=alone + len(candidates) - len(proposals))
-    finally:
-        for s, cap in caps.items():
-            planner.seqs[s].max_len = cap
+    plan = planner.plan(list(proposals), alone=alone + len(candidates) - len(proposals),
+                        caps={s: len(found) for s, (found, _, _) in proposals.items()})
     out = {}
     for s, (found, prefix_len, greedy) in proposals.items():
         k = plan[s][0]

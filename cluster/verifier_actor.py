@@ -51,6 +51,7 @@ from cluster.ring import Ring, RingEntry
 from cluster.streams import VerifyStream
 from cluster.wire import Signal, TreeHeader, WireError, decode_tree, encode_signals, unpack_header
 from models.sampling import SamplingParams
+from models.transformer import few_row_limit
 
 log = logging.getLogger("specflash.cluster")
 
@@ -73,8 +74,6 @@ class VerifierActor:
         self.adaptive = AdaptiveSpeculation(max_spec_len=16)
         self.plain_costs = CostModel()               # steps on borrowed cores: a + b * rows
         self.lookup = AdaptiveSpeculation(max_spec_len=16, overlap=False)   # γ of prompt lookup
-        from models.transformer import few_row_limit
-
         self.adaptive.row_limit = self.lookup.row_limit = few_row_limit(self.side.verifier.model)
         self.stats = SpecStats()
         self.streams: dict[str, VerifyStream] = {}
@@ -507,11 +506,10 @@ class VerifierActor:
         borrowed cores where they run there) finds they beat decoding alone. Only in steps
         without a drafter's tree, which run on the cores a plain step would (a mixed batch is
         priced by the drafter's plan instead)."""
-        if len(alone) < len(batch) or not self._drafters_idle() or not self.settings.lookup:
+        if len(alone) < len(batch) or not self._drafters_idle():
             return
         candidates = [(s.request_id, s.committed, min(s.spec_len, s.max_depth()), s.params.greedy)
-                      for s in (batch[i][0] for i in alone)
-                      if s.mode == "auto" and s.request_id in self.lookup.seqs]
+                      for s in (batch[i][0] for i in alone) if s.request_id in self.lookup.seqs]
         if not candidates:
             return
         borrow = self._lendable_threads() != self.threads and self.plain_costs.observed
