@@ -512,8 +512,7 @@ class VerifierActor:
                       for s in (batch[i][0] for i in alone) if s.request_id in self.lookup.seqs]
         if not candidates:
             return
-        borrow = self._lendable_threads() != self.threads and self.plain_costs.observed
-        self.lookup.costs = VerifyCosts(self.plain_costs if borrow else self.adaptive.costs)
+        self.lookup.costs = VerifyCosts(self.plain_costs if self._borrowing_measured() else self.adaptive.costs)
         chains = plan_lookups(self.lookup, candidates, len(batch) - len(candidates), self.side.vocab_size)
         for i in alone:
             s = batch[i][0]
@@ -542,11 +541,11 @@ class VerifierActor:
     def _plain_step_s(self, rows: int) -> float | None:
         """What a step of `rows` sequences all decoding alone costs on borrowed cores, when it
         would borrow now and such steps have been measured; else None (the planner's own model)."""
-        if not self.plain_costs.observed:
-            return None
-        if self._lendable_threads() == self.threads:
-            return None
-        return self.plain_costs.step_time(rows, 0)
+        return self.plain_costs.step_time(rows, 0) if self._borrowing_measured() else None
+
+    def _borrowing_measured(self) -> bool:
+        """A plain step would run on borrowed cores now, and such steps have been measured."""
+        return self.plain_costs.observed and self._lendable_threads() != self.threads
 
     def _patience(self, s: VerifyStream) -> float:
         """How long a sequence may wait for its drafter's tree: a few of its tree times, or
