@@ -126,21 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     vocab = random_config(args.target).vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
+    # A bounded object store: trees and signals are small, and a VM's /dev/shm may be.
     ray.init(address="local", num_cpus=4, num_gpus=1 if args.device == "cuda" else 0,
-             include_dashboard=False, log_to_driver=False)
+             object_store_memory=2 << 30, include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory() as tmp:
         replay = Path(tmp) / "replay.json"
         replay.write_text("[]")
         engine = engine_for(args, str(replay))
         try:
-            points = measure(engine, prompts, args)
+            points = measure(engine, prompts, args, save=lambda pts: write_json(pts, args, partial=True))
         finally:
             engine.kill_pipeline_actors()
             ray.shutdown()
     return report(points, args)
 
 
-def measure(engine, prompts, args) -> list[dict]:
+def measure(engine, prompts, args, save=lambda points: None) -> list[dict]:
     import ray
 
     asyncio.run(run_prompts(engine, prompts[:1], "off", args))          # warm-up
@@ -153,15 +154,21 @@ def measure(engine, prompts, args) -> list[dict]:
     for c in [float(x) for x in args.corruption.split(",")]:
         ray.get(drafter.set_replay_corruption.remote(c))
         r = asyncio.run(run_prompts(engine, prompts, "chain", args))
-        exact = r.pop("outputs") == off["outputs"]
+        outs = r.pop("outputs")
+        exact = outs == off["outputs"]
+        # index of the first token that differs from the target alone, per prompt (None: equal)
+        diverge = [next((i for i, (x, y) in enumerate(zip(o, w)) if x != y), None if len(o) == len(w) else
+                        min(len(o), len(w))) for o, w in zip(outs, off["outputs"])]
         points.append({"corruption": c, "method": "async", **r, "speedup": r["tokens_per_s"] / off["tokens_per_s"],
-                       "exact": exact})
+                       "exact": exact, "first_divergence": diverge})
         print(f"corruption {c:.2f}: {r['tokens_per_s']:.1f} tok/s, speedup {points[-1]['speedup']:.2f}x, "
               f"gamma {r['gamma']}, idle {r['verifier_idle_fraction']}, exact {exact}", flush=True)
+        save(points)     # a run cut short by its time limit still leaves the points it measured
     return points
 
 
-def report(points: list[dict], args) -> int:
+def write_json(points: list[dict], args, partial: bool = False) -> tuple[Path, float]:
+    """Points beside Eq. 3.2 with the verifier's measured cost ratio T(K+1)/T(1)."""
     costs = next((p["costs"] for p in reversed(points) if p.get("costs")), None)
     a, b = (costs["verify_cost_a_s"], costs["verify_cost_b_s"]) if costs else (1.0, 0.0)
     ratio = (a + b * (args.spec_len + 1)) / (a + b)
@@ -169,9 +176,14 @@ def report(points: list[dict], args) -> int:
         pt["eq32_speedup"] = None if pt["gamma"] is None else eq32(pt["gamma"], args.spec_len) / ratio
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"gpu_e2e_async_{args.tag}.json"
-    out.write_text(json.dumps({"args": vars(args), "points": points, "verify_cost_ratio": ratio,
+    out.write_text(json.dumps({"args": vars(args), "points": points, "verify_cost_ratio": ratio, "partial": partial,
                                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, indent=1))
+    return out, ratio
+
+
+def report(points: list[dict], args) -> int:
+    out, ratio = write_json(points, args)
     png = RESULTS / f"gpu_e2e_async_speedup_vs_acceptance_{args.tag}.png"
     plot([p for p in points if p["method"] == "async"], args.spec_len, ratio, png)
     print(f"wrote {out} and {png}")
