@@ -93,12 +93,16 @@ def rss_bytes() -> int:
 def _load(spec: str, device: str, dtype: str):
     """A checkpoint directory, or `random:<preset>` (benchmark only, cluster/replay.py)."""
     from cluster.replay import is_random, random_model
+    from models import cuda_graphs
 
     if is_random(spec):
-        return random_model(spec, device, getattr(torch, dtype))
-    from models import load_model
+        model = random_model(spec, device, getattr(torch, dtype))
+    else:
+        from models import load_model
 
-    return load_model(spec, device=device, dtype=getattr(torch, dtype))
+        model = load_model(spec, device=device, dtype=getattr(torch, dtype))
+    cuda_graphs.enable(model)   # small forwards as CUDA graphs on a GPU (SPECFLASH_CUDA_GRAPHS=0: eager)
+    return model
 
 
 def _config_of(spec: str):

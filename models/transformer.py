@@ -190,6 +190,8 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
+    graphs = None   # models.cuda_graphs.GraphedLayers once enabled (CUDA only)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
@@ -267,10 +269,18 @@ class Transformer(nn.Module):
 
     def _hidden(self, input_ids, positions, cache, seq_ids, tree_mask, prefix, features=None) -> torch.Tensor:
         """Run the layers; returns the final-norm hidden states [B, T, hidden]."""
+        if self.graphs is not None and features is None:
+            hidden = self.graphs(input_ids, positions, cache, seq_ids, tree_mask, prefix)
+            if hidden is not None:
+                return hidden
+        block_tables = cache.block_table(seq_ids)                              # [B, W] int32
+        prefix_lens = torch.tensor(prefix, dtype=torch.int32, device=input_ids.device)   # [B]
+        return self._layers(input_ids, positions, cache, block_tables, prefix_lens, tree_mask, features)
+
+    def _layers(self, input_ids, positions, cache, block_tables, prefix_lens, tree_mask, features=None):
+        """The layers on device tensors alone (no host reads): what a CUDA graph captures."""
         B, T = input_ids.shape
         device = input_ids.device
-        block_tables = cache.block_table(seq_ids)                              # [B, W] int32
-        prefix_lens = torch.tensor(prefix, dtype=torch.int32, device=device)   # [B]
         pos = prefix_lens[:, None].long() + torch.arange(T, device=device)     # [B, T] cache positions
         bs = cache.block_size
         slots = (block_tables.long().gather(1, pos // bs) * bs + pos % bs).reshape(B * T)

@@ -1,0 +1,147 @@
+"""CUDA graphs for the small forwards: plain decoding steps, tree verification, drafting.
+
+On a GPU these forwards are bound by the host, not the device: an 8B-shaped
+target's one-token forward issued ~1200 kernels and took 32.8 ms of wall time
+for 5.7 ms of device time on an H200 (`bench/gpu_forward.py`,
+bench/results/gpu-20261130/). A CUDA graph issues the same kernels with one
+launch. vLLM and SGLang capture their decode batches the same way.
+
+`GraphedLayers` replaces `Transformer._layers` (embedding → layers → final norm)
+for forwards of at most `max_tokens` rows. A graph is keyed by the batch size B,
+the tokens per sequence T, the block-table width rounded up to a power of two
+and the cache; its inputs live in static buffers that each call fills (token
+ids, RoPE positions, block table padded with block 0, prefix lengths, tree
+mask). The tree attention kernel reads only the pages below each prefix length
+plus T, so the padding is never read; its split count follows the padded
+width. A key's first forward runs eagerly (it compiles the Triton kernels), its
+second captures, later ones replay. What the host did around `_layers` (cache
+reservations, the LM head, truncation on error) is unchanged.
+
+Not graphed: forwards with input features (EAGLE heads), more rows than
+`max_tokens` (prefill), models with dynamic RoPE (their frequencies depend on
+the positions' values), keys beyond `max_graphs`. Those run eagerly.
+
+Switch: `SPECFLASH_CUDA_GRAPHS=0` keeps every forward eager (vLLM's
+`enforce_eager`).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_GRAPHS = 64
+
+
+def wanted() -> bool:
+    """Graphs unless SPECFLASH_CUDA_GRAPHS is 0 / false / off."""
+    return os.environ.get("SPECFLASH_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def enable(model, max_tokens: int = DEFAULT_MAX_TOKENS, max_graphs: int = DEFAULT_MAX_GRAPHS,
+           capture: "Callable | None" = None) -> bool:
+    """Give `model` (a models.Transformer on CUDA) graphed small forwards; False where it cannot
+    have them (CPU, dynamic RoPE, a subclass with its own inputs), unless `capture` is given
+    (tests: a stand-in for CUDA capture)."""
+    from models.transformer import Transformer
+
+    if type(model)._inputs is not Transformer._inputs or getattr(model, "_dynamic_rope", False):
+        return False
+    if capture is None and (model.embed_tokens.weight.device.type != "cuda" or not wanted()):
+        return False
+    model.graphs = GraphedLayers(model, max_tokens, max_graphs, capture)
+    return True
+
+
+def _bucket(width: int) -> int:
+    return 1 << max(0, width - 1).bit_length()
+
+
+def _cuda_capture(fn: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], torch.Tensor]:
+    """Run `fn` once on a side stream (its work is real: it writes the K/V a replay writes again),
+    then capture it. Returns (replay, output buffer)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: a CUDA call from another thread of the process (an actor's I/O) during the
+    # capture is neither captured nor an error
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = fn()
+    return graph.replay, out
+
+
+class _Entry:
+    """One captured forward and its static inputs."""
+
+    def __init__(self, model, cache, B: int, T: int, width: int, capture, pool) -> None:
+        device = model.embed_tokens.weight.device
+        self.ids = torch.zeros(B, T, dtype=torch.long, device=device)
+        self.positions = torch.zeros(B, T, dtype=torch.long, device=device)
+        self.table = torch.zeros(B, width, dtype=torch.int32, device=device)
+        self.prefix_lens = torch.zeros(B, dtype=torch.int32, device=device)
+        self.mask = torch.zeros(B, T, T, dtype=torch.bool, device=device)
+        self._fn = lambda: model._layers(self.ids, self.positions, cache, self.table, self.prefix_lens, self.mask)
+        self._capture, self._pool = capture, pool
+        self.replay: Callable[[], None] | None = None
+        self.out: torch.Tensor | None = None
+
+    def fill(self, ids, positions, table, prefix_lens, mask) -> None:
+        self.ids.copy_(ids)
+        self.positions.copy_(positions)
+        w = table.shape[1]
+        self.table[:, :w].copy_(table)
+        if w < self.table.shape[1]:
+            self.table[:, w:].zero_()
+        self.prefix_lens.copy_(prefix_lens)
+        self.mask.copy_(mask)
+
+    def run(self) -> torch.Tensor:
+        if self.replay is None:
+            self.replay, self.out = self._capture(self._fn, self._pool)
+        self.replay()
+        return self.out.clone()   # the buffer is the next replay's; callers may keep what they get
+
+
+class GraphedLayers:
+    def __init__(self, model, max_tokens: int = DEFAULT_MAX_TOKENS, max_graphs: int = DEFAULT_MAX_GRAPHS,
+                 capture: "Callable | None" = None) -> None:
+        self.model = model
+        self.max_tokens = max_tokens
+        self.max_graphs = max_graphs
+        self._capture = capture or _cuda_capture
+        self._pool = torch.cuda.graph_pool_handle() if capture is None else None
+        self._entries: dict[tuple, _Entry] = {}
+        self._seen: dict[tuple, int] = {}
+        self.captures = 0
+        self.replays = 0
+        self.eager = 0
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, seq_ids: Sequence[Hashable],
+                 tree_mask: torch.Tensor, prefix: Sequence[int]) -> torch.Tensor | None:
+        """Hidden states [B, T, hidden] from a graph, or None: run eagerly."""
+        B, T = input_ids.shape
+        if B * T == 0 or B * T > self.max_tokens:
+            self.eager += 1
+            return None
+        table = cache.block_table(seq_ids)                                    # [B, w] int32, on device
+        key = (B, T, _bucket(table.shape[1]), cache.k.data_ptr())
+        entry = self._entries.get(key)
+        if entry is None:
+            seen = self._seen[key] = self._seen.get(key, 0) + 1
+            if seen < 2 or len(self._entries) >= self.max_graphs:
+                self.eager += 1
+                return None
+            entry = self._entries[key] = _Entry(self.model, cache, B, T, key[2], self._capture, self._pool)
+            self.captures += 1
+        prefix_lens = torch.tensor(prefix, dtype=torch.int32)
+        entry.fill(input_ids, positions, table, prefix_lens, tree_mask)
+        self.replays += 1
+        return entry.run()
+
+    def stats(self) -> dict:
+        return dict(graphs=len(self._entries), captures=self.captures, replays=self.replays, eager=self.eager)
