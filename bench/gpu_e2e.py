@@ -14,7 +14,8 @@ is still exactly the target's (checked against the recorded continuation).
         --device cpu --dtype float32 --max-tokens 24       # CPU smoke run
 
 Steps: record the target's greedy continuations (mode off: the baseline
-tokens/s), then for each corruption rate run the same prompts with chains of K
+tokens/s), warm up the speculating shapes on one prompt (unmeasured), then for
+each corruption rate run the same prompts with chains of K
 and report tokens/s, speedup, measured per-token acceptance γ and the verifier
 idle fraction, beside Eq. 3.2's model E(γ, K) · T(1) / T(K+1), with T(n) the
 verifier's measured forward cost for n tokens. Writes JSON and a PNG under
@@ -151,6 +152,10 @@ def measure(engine, prompts, args, save=lambda points: None) -> list[dict]:
     ray.get(drafter.set_replay.remote(refs))
     points = [{"corruption": None, "method": "off", **{k: v for k, v in off.items() if k != "outputs"},
                "speedup": 1.0, "gamma": None}]
+    # Warm-up of the speculating shapes (trees, partial accepts, bridge steps) on both sides:
+    # their first forwards compile kernels and capture CUDA graphs, hundreds of ms each.
+    ray.get(drafter.set_replay_corruption.remote(0.5))
+    asyncio.run(run_prompts(engine, prompts[:1], "chain", args))
     for c in [float(x) for x in args.corruption.split(",")]:
         ray.get(drafter.set_replay_corruption.remote(c))
         r = asyncio.run(run_prompts(engine, prompts, "chain", args))

@@ -73,7 +73,13 @@ def expected_tokens(gamma: float, k: int) -> float:
 class CostModel:
     """verify(rows) ≈ a + b · rows and draft(levels) ≈ d · levels, fitted by
     exponentially-weighted least squares; a prior until the first measurement,
-    and b = slope_ratio · a while only one batch shape has been seen."""
+    and b = slope_ratio · a while only one batch shape has been seen.
+
+    The first measurement of each batch shape (rows verified, levels drafted) is
+    left out: that forward pays one-off work — Triton compiling for the shape, a
+    CUDA graph's capture (on an H200 a first 2-row verification took 413 ms against
+    ~14 ms for one row), first-use weight packing on a CPU — and with the fit's slow
+    decay one such sample would misprice every plan for dozens of steps."""
 
     def __init__(self, a: float = 0.02, b: float = 0.002, d: float = 0.004,
                  decay: float = 0.98, slope_ratio: float = 0.1, overlap: bool = True) -> None:
@@ -83,6 +89,8 @@ class CostModel:
         self.slope_ratio = slope_ratio   # b / a assumed while the data cannot tell the slope
         self._s = [0.0] * 5              # weighted sums for y = a + b x: [w, wx, wy, wxx, wxy]
         self.d = d
+        self._seen_rows: set[int] = set()     # batch shapes whose first (one-off) cost was skipped
+        self._seen_levels: set[int] = set()
 
     def _add(self, x: float, y: float, w: float) -> None:
         s = self._s
@@ -90,6 +98,9 @@ class CostModel:
             s[i] += v
 
     def observe_verify(self, rows: int, seconds: float) -> None:
+        if rows not in self._seen_rows:
+            self._seen_rows.add(rows)
+            return
         self._s = [v * self.decay for v in self._s]
         self._add(float(rows), seconds, 1.0)
 
@@ -99,6 +110,9 @@ class CostModel:
         return self._s[0] > 0
 
     def observe_draft(self, levels: int, seconds: float) -> None:
+        if levels > 0 and levels not in self._seen_levels:
+            self._seen_levels.add(levels)
+            return
         if levels > 0:
             self.d = 0.8 * self.d + 0.2 * seconds / levels
 

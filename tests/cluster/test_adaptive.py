@@ -34,6 +34,21 @@ def test_cost_model_recovers_a_and_b():
     assert abs(a - 0.09) < 0.01 and abs(b - 0.16) < 0.01
 
 
+def test_first_cost_of_each_shape_is_left_out():
+    """A shape's first forward compiles / captures: a 40x outlier there must not reach the fit."""
+    c = CostModel()
+    for rows in (1, 5, 3):
+        c.observe_verify(rows, 0.5)          # one-off costs of three new shapes
+    assert not c.observed
+    feed(c, 0.01, 0.002)
+    a, b = c.coefficients
+    assert abs(a - 0.01) < 1e-3 and abs(b - 0.002) < 1e-3
+    c.observe_draft(4, 2.0)                  # the first 4-level draft: skipped
+    assert c.d == 0.004
+    c.observe_draft(4, 0.04)
+    assert abs(c.d - (0.8 * 0.004 + 0.2 * 0.01)) < 1e-12
+
+
 def test_speculation_off_when_verifying_more_tokens_costs_too_much():
     # a CPU where a 5-token verification costs 3.5x one token, and gamma ~ 0.35: plain decoding wins
     ad = controller((1, 3), a=0.09, b=0.16)
