@@ -15,9 +15,10 @@ is still exactly the target's (checked against the recorded continuation).
 
 Steps: record the target's greedy continuations (mode off: the baseline
 tokens/s), warm up the speculating shapes on one prompt (unmeasured), then for
-each corruption rate run the same prompts with chains of K
-and report tokens/s, speedup, measured per-token acceptance γ and the verifier
-idle fraction, beside Eq. 3.2's model E(γ, K) · T(1) / T(K+1), with T(n) the
+each corruption rate run the same prompts with chains of K (and in mode auto,
+where the planner may shorten or switch off speculation: graceful degradation)
+and report tokens/s, speedup, measured per-token acceptance γ, the verifier
+idle fraction and the step counts, beside Eq. 3.2's model E(γ, K) · T(1) / T(K+1), with T(n) the
 verifier's measured forward cost for n tokens. Writes JSON and a PNG under
 bench/results/.
 """
@@ -71,7 +72,8 @@ async def run_prompts(engine, prompts, mode: str, args) -> dict:
         outs.append(tokens)
     after = await engine.stats()
     d = {k: after[k] - before[k] for k in ("num_accepted", "num_drafted", "num_spec_steps", "num_rejected_steps",
-                                           "verifier_idle_s", "verifier_wall_s")}
+                                           "verifier_idle_s", "verifier_wall_s", "num_steps", "num_batches",
+                                           "fallback_steps", "trees_dropped", "rollbacks")}
     n = sum(len(t) for t in outs)
     acc, rej = d["num_accepted"], d["num_rejected_steps"]
     return {"outputs": outs, "tokens": n, "seconds": seconds, "tokens_per_s": n / seconds,
@@ -79,6 +81,10 @@ async def run_prompts(engine, prompts, mode: str, args) -> dict:
             "acceptance_rate": acc / d["num_drafted"] if d["num_drafted"] else None,
             "mean_accepted_len": (acc + d["num_spec_steps"]) / d["num_spec_steps"] if d["num_spec_steps"] else None,
             "verifier_idle_fraction": d["verifier_idle_s"] / d["verifier_wall_s"] if d["verifier_wall_s"] else None,
+            # why steps went without a tree: decoded alone after waiting (fallback), trees that
+            # arrived stale (dropped), contradicted assumptions (rollbacks)
+            "counts": {k: d[k] for k in ("num_steps", "num_spec_steps", "num_batches", "fallback_steps",
+                                         "trees_dropped", "rollbacks")},
             "costs": after["costs"][0] if after["costs"] else None}
 
 
@@ -95,8 +101,12 @@ def plot(points: list[dict], k: int, cost_ratio: float, path: Path) -> None:
     g = [i / 100 for i in range(100)]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(g, [eq32(x, k) / cost_ratio for x in g], label=f"Eq. 3.2 · T(1)/T(K+1), K={k}")
-    pts = [p for p in points if p["gamma"] is not None]
-    ax.scatter([p["gamma"] for p in pts], [p["speedup"] for p in pts], label="measured (async pipeline)")
+    pts = [p for p in points if p["gamma"] is not None and p["method"] == "async"]
+    ax.scatter([p["gamma"] for p in pts], [p["speedup"] for p in pts], label="measured (async pipeline, chains of K)")
+    auto = [p for p in points if p["gamma"] is not None and p["method"] == "async-auto"]
+    if auto:
+        ax.scatter([p["gamma"] for p in auto], [p["speedup"] for p in auto], marker="x",
+                   label="measured (async pipeline, auto)")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("per-token acceptance γ (controlled by replay corruption)")
     ax.set_ylabel("speedup over the target alone")
@@ -113,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--corruption", default="0,0.1,0.2,0.35,0.5,0.8")
+    p.add_argument("--modes", default="chain,auto",
+                   help="speculation modes run at each corruption rate: chain (fixed K, the plotted points) "
+                        "and auto (the planner may shorten or switch off speculation)")
     p.add_argument("--spec-len", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--prompts", type=int, default=3)
@@ -158,17 +171,20 @@ def measure(engine, prompts, args, save=lambda points: None) -> list[dict]:
     asyncio.run(run_prompts(engine, prompts[:1], "chain", args))
     for c in [float(x) for x in args.corruption.split(",")]:
         ray.get(drafter.set_replay_corruption.remote(c))
-        r = asyncio.run(run_prompts(engine, prompts, "chain", args))
-        outs = r.pop("outputs")
-        exact = outs == off["outputs"]
-        # index of the first token that differs from the target alone, per prompt (None: equal)
-        diverge = [next((i for i, (x, y) in enumerate(zip(o, w)) if x != y), None if len(o) == len(w) else
-                        min(len(o), len(w))) for o, w in zip(outs, off["outputs"])]
-        points.append({"corruption": c, "method": "async", **r, "speedup": r["tokens_per_s"] / off["tokens_per_s"],
-                       "exact": exact, "first_divergence": diverge})
-        print(f"corruption {c:.2f}: {r['tokens_per_s']:.1f} tok/s, speedup {points[-1]['speedup']:.2f}x, "
-              f"gamma {r['gamma']}, idle {r['verifier_idle_fraction']}, exact {exact}", flush=True)
-        save(points)     # a run cut short by its time limit still leaves the points it measured
+        for mode in args.modes.split(","):
+            r = asyncio.run(run_prompts(engine, prompts, mode, args))
+            outs = r.pop("outputs")
+            exact = outs == off["outputs"]
+            # index of the first token that differs from the target alone, per prompt (None: equal)
+            diverge = [next((i for i, (x, y) in enumerate(zip(o, w)) if x != y), None if len(o) == len(w) else
+                            min(len(o), len(w))) for o, w in zip(outs, off["outputs"])]
+            method = "async" if mode == "chain" else f"async-{mode}"
+            points.append({"corruption": c, "method": method, **r,
+                           "speedup": r["tokens_per_s"] / off["tokens_per_s"], "exact": exact,
+                           "first_divergence": diverge})
+            print(f"corruption {c:.2f} {mode:5s}: {r['tokens_per_s']:.1f} tok/s, speedup {points[-1]['speedup']:.2f}x, "
+                  f"gamma {r['gamma']}, idle {r['verifier_idle_fraction']}, exact {exact}, {r['counts']}", flush=True)
+            save(points)     # a run cut short by its time limit still leaves the points it measured
     return points
 
 
@@ -190,7 +206,7 @@ def write_json(points: list[dict], args, partial: bool = False) -> tuple[Path, f
 def report(points: list[dict], args) -> int:
     out, ratio = write_json(points, args)
     png = RESULTS / f"gpu_e2e_async_speedup_vs_acceptance_{args.tag}.png"
-    plot([p for p in points if p["method"] == "async"], args.spec_len, ratio, png)
+    plot([p for p in points if p["method"] != "off"], args.spec_len, ratio, png)
     print(f"wrote {out} and {png}")
     bad = [p["corruption"] for p in points if p.get("exact") is False]
     if bad:
