@@ -9,7 +9,8 @@ launch. vLLM and SGLang capture their decode batches the same way.
 `GraphedLayers` replaces `Transformer._layers` (embedding → layers → final norm)
 for forwards of at most `max_tokens` rows. A graph is keyed by the batch size B,
 the tokens per sequence T, the block-table width rounded up to a power of two
-and the cache; its inputs live in static buffers that each call fills (token
+and the cache (a forward on another cache drops the graphs of the one before,
+which would otherwise keep it allocated); its inputs live in static buffers that each call fills (token
 ids, RoPE positions, block table padded with block 0, prefix lengths, tree
 mask). The tree attention kernel reads only the pages below each prefix length
 plus T, so the padding is never read; its split count follows the padded
@@ -117,6 +118,7 @@ class GraphedLayers:
         self._pool = torch.cuda.graph_pool_handle() if capture is None else None
         self._entries: dict[tuple, _Entry] = {}
         self._seen: dict[tuple, int] = {}
+        self._cache: int | None = None      # the cache the graphs write (its K tensor's address)
         self.captures = 0
         self.replays = 0
         self.eager = 0
@@ -130,6 +132,11 @@ class GraphedLayers:
             return None
         table = cache.block_table(seq_ids)                                    # [B, w] int32, on device
         key = (B, T, _bucket(table.shape[1]), cache.k.data_ptr())
+        if key[3] != self._cache:
+            # another cache (one re-allocated larger): graphs of the old one would keep it alive
+            self._entries.clear()
+            self._seen.clear()
+            self._cache = key[3]
         entry = self._entries.get(key)
         if entry is None:
             seen = self._seen[key] = self._seen.get(key, 0) + 1

@@ -83,18 +83,19 @@ def test_graphed_forwards_equal_eager(eager, graphed):
     assert st["eager"] >= 2 + st["captures"], st   # the prefills, and each key's first use
 
 
-def test_keys_separate_shapes_widths_and_caches(graphed):
+def test_keys_separate_shapes_and_widths_and_a_new_cache_drops_the_old_graphs(graphed):
     g = graphed.graphs
     mask = causal_mask(1, 1)
-    for cache_blocks in (32, 48):          # two caches: their own graphs
+    widths = {}
+    for cache_blocks in (32, 48):          # a second cache (as when one is re-allocated larger)
         cache = graphed.new_cache(cache_blocks, 4)
         cache.add_sequence(0)
         with torch.inference_mode():
             for n in range(1, 20):         # widths 1..5 blocks: buckets 1, 2, 4, 8
                 graphed(torch.tensor([[n % 90]]), torch.tensor([[n - 1]]), cache, [0], mask)
-    widths = sorted({k[2] for k in g._entries})
-    caches = {k[3] for k in g._entries}
-    assert widths == [1, 2, 4, 8] and len(caches) == 2, g._entries.keys()
+        widths[cache_blocks] = sorted({k[2] for k in g._entries})
+        assert {k[3] for k in g._entries} == {cache.k.data_ptr()}   # only this cache's graphs
+    assert widths == {32: [1, 2, 4, 8], 48: [1, 2, 4, 8]}, widths
 
 
 def test_outputs_are_not_the_next_replays_buffer(graphed):
