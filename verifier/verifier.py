@@ -4,7 +4,8 @@ The target cache holds every committed token but the last (the root). One
 target forward over [root] + tree nodes, under the tree mask, yields the T+1
 target distributions: after the root (row 0) and after each node (row i+1).
 Rejection sampling (`kernels.rejection_sample` on CUDA, its torch reference
-`kernels.ref.rejection_sample` on the CPU) picks the accepted path and one
+`kernels.ref.rejection_sample` on the CPU; for greedy requests its greedy case
+on each row's argmax, `greedy_walk`) picks the accepted path and one
 more token; the
 accepted path's K/V are compacted behind the prefix and the rest rolled back.
 
@@ -32,6 +33,24 @@ def rejection_sample(draft_token_ids, *args):
     else:
         from kernels.ref import rejection_sample as sample
     return sample(draft_token_ids, *args)
+
+
+def greedy_walk(parents: Sequence[int], tokens: Sequence[int], best: Sequence[int]) -> tuple[list[int], int]:
+    """The rejection sampler's greedy case on the host: from the root, accept the first child
+    whose token is the target's argmax after its parent (`best[u + 1]`, row 0 = after the
+    root); stop where none is; the next token is the argmax there. Returns (accepted node
+    indices, next token): what `kernels.rejection_sample` gives with one-hot target probs."""
+    children: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        children.setdefault(p, []).append(i)
+    path, u = [], -1
+    while True:
+        want = best[u + 1]
+        child = next((i for i in children.get(u, ()) if tokens[i] == want), None)
+        if child is None:
+            return path, int(want)
+        path.append(child)
+        u = child
 
 
 class StaleTreeError(ValueError):
@@ -144,8 +163,20 @@ class Verifier:
 
         Everything lives on the target's device (the Triton sampler on CUDA); the
         random draws come from each request's CPU generator, so a seed means the
-        same on every device.
+        same on every device. Greedy trees need only each row's argmax: one small
+        copy to the host and the sampler's greedy walk there (`greedy_walk`), instead
+        of one-hot probabilities over the vocabulary and a launch.
         """
+        if greedy:
+            best = torch.cat([logits.argmax(-1) for logits in target_logits]).tolist()   # one sync
+            out, at = [], 0
+            for r, logits in zip(batch, target_logits):
+                rows = best[at:at + logits.shape[0]]
+                at += logits.shape[0]
+                path, next_id = greedy_walk(r.tree.parent_ids.tolist(), r.tree.token_ids.tolist(), rows)
+                tokens = [int(r.tree.token_ids[i]) for i in path] + [next_id]
+                out.append(VerifyResult(path, tokens, next_id, r.tree.num_nodes))
+            return out
         B, T = len(batch), max(r.tree.num_nodes for r in batch)
         V, device = target_logits[0].shape[-1], target_logits[0].device
         draft_token_ids = torch.zeros(B, T, dtype=torch.long)                # [B, T]

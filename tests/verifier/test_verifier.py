@@ -103,3 +103,34 @@ def test_stale_tree_is_refused(target):
     res, = v.verify([VerifyRequest("s", 3, TokenTree.empty(3), SamplingParams(temperature=0.0),
                                    torch.Generator())])
     assert res.accepted_nodes == [] and len(res.token_ids) == 1 and v.cache.seq_len("s") == 3
+
+
+def test_greedy_walk_equals_the_sampler_with_one_hot_targets():
+    """The verifier's greedy path (`greedy_walk` on each row's argmax) against the reference
+    sampler fed the one-hot probabilities it used to get, on random trees whose tokens hit
+    the argmax often, with ties in the logits (the first maximum wins in both)."""
+    from kernels import ref
+    from kernels.testing import random_parents
+    from models.sampling import logits_to_probs
+    from verifier.verifier import greedy_walk
+
+    gen = torch.Generator().manual_seed(5)
+    greedy = SamplingParams(temperature=0.0)
+    agreed_deep = 0
+    for trial in range(300):
+        T, vocab = int(torch.randint(1, 9, (1,), generator=gen)), 6
+        logits = torch.randint(0, 3, (T + 1, vocab), generator=gen).float()     # many ties
+        parents = random_parents(T, gen) if trial % 2 else list(range(-1, T - 1))
+        best = logits.argmax(-1).tolist()
+        tokens = []
+        for i, p in enumerate(parents):
+            x = best[p + 1] if float(torch.rand(1, generator=gen)) < 0.6 else int(torch.randint(0, vocab, (1,), generator=gen))
+            siblings = [tokens[j] for j in range(i) if parents[j] == p]
+            tokens.append(x if x not in siblings else next(t for t in range(vocab) if t not in siblings))
+        path, next_id = greedy_walk(parents, tokens, best)
+        acc, n, nxt = ref.rejection_sample(torch.tensor([tokens]), torch.tensor([parents]), torch.tensor([T]),
+                                           logits_to_probs(logits, greedy)[None], None,
+                                           torch.zeros(1, T), torch.ones(1, vocab))
+        assert path == acc[0, : int(n[0])].tolist() and next_id == int(nxt[0]), (parents, tokens, best)
+        agreed_deep += len(path) >= 2
+    assert agreed_deep > 30     # the walks went deep, not only rejected at the root
