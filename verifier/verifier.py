@@ -146,8 +146,8 @@ class Verifier:
         for greedy in (True, False):
             rows = [b for b, r in enumerate(batch) if r.params.greedy == greedy]
             if rows:
-                for b, res in zip(rows, self._sample([batch[b] for b in rows],
-                                                     [target_logits[b] for b in rows], greedy)):
+                sample = self._sample_greedy if greedy else self._sample
+                for b, res in zip(rows, sample([batch[b] for b in rows], [target_logits[b] for b in rows])):
                     results[b] = res
         for b, (r, res) in enumerate(zip(batch, results)):
             # commit [root] + accepted path behind the prefix; the rest of the tree is rolled back
@@ -158,42 +158,44 @@ class Verifier:
                 res.features = hidden[b][torch.tensor(rows)].cpu()
         return results
 
-    def _sample(self, batch, target_logits, greedy: bool) -> list[VerifyResult]:
-        """Pad the trees of one kind (greedy or stochastic) and run rejection sampling.
+    @staticmethod
+    def _sample_greedy(batch, target_logits) -> list[VerifyResult]:
+        """Greedy trees need only each row's argmax: one small copy to the host and the
+        sampler's greedy walk there (`greedy_walk`), not one-hot probabilities over the
+        vocabulary and a launch."""
+        best = torch.cat([logits.argmax(-1) for logits in target_logits]).tolist()   # one sync
+        out, at = [], 0
+        for r, logits in zip(batch, target_logits):
+            rows = best[at:at + logits.shape[0]]
+            at += logits.shape[0]
+            tokens = r.tree.token_ids.tolist()
+            path, next_id = greedy_walk(r.tree.parent_ids.tolist(), tokens, rows)
+            out.append(VerifyResult(path, [tokens[i] for i in path] + [next_id], next_id, r.tree.num_nodes))
+        return out
+
+    def _sample(self, batch, target_logits) -> list[VerifyResult]:
+        """Pad the stochastic trees and run rejection sampling.
 
         Everything lives on the target's device (the Triton sampler on CUDA); the
         random draws come from each request's CPU generator, so a seed means the
-        same on every device. Greedy trees need only each row's argmax: one small
-        copy to the host and the sampler's greedy walk there (`greedy_walk`), instead
-        of one-hot probabilities over the vocabulary and a launch.
+        same on every device.
         """
-        if greedy:
-            best = torch.cat([logits.argmax(-1) for logits in target_logits]).tolist()   # one sync
-            out, at = [], 0
-            for r, logits in zip(batch, target_logits):
-                rows = best[at:at + logits.shape[0]]
-                at += logits.shape[0]
-                path, next_id = greedy_walk(r.tree.parent_ids.tolist(), r.tree.token_ids.tolist(), rows)
-                tokens = [int(r.tree.token_ids[i]) for i in path] + [next_id]
-                out.append(VerifyResult(path, tokens, next_id, r.tree.num_nodes))
-            return out
         B, T = len(batch), max(r.tree.num_nodes for r in batch)
         V, device = target_logits[0].shape[-1], target_logits[0].device
         draft_token_ids = torch.zeros(B, T, dtype=torch.long)                # [B, T]
         parent_ids = torch.full((B, T), -1, dtype=torch.long)                # [B, T]
         target_probs = torch.zeros(B, T + 1, V, device=device)               # [B, T+1, V]
-        draft_probs = None if greedy else torch.zeros(B, T + 1, V, device=device)
+        draft_probs = torch.zeros(B, T + 1, V, device=device)
         uniform = torch.zeros(B, T)                                          # [B, T]
         exp_noise = torch.ones(B, V)                                         # [B, V]
         for b, (r, logits) in enumerate(zip(batch, target_logits)):
             n = r.tree.num_nodes
             draft_token_ids[b, :n], parent_ids[b, :n] = r.tree.token_ids, r.tree.parent_ids
             target_probs[b, : n + 1] = logits_to_probs(logits, r.params)
-            if not greedy:
-                if n:
-                    draft_probs[b, : n + 1] = r.tree.draft_probs.to(device)
-                uniform[b, :n] = torch.rand(n, generator=r.generator)
-                exp_noise[b] = torch.empty(V).exponential_(generator=r.generator)
+            if n:
+                draft_probs[b, : n + 1] = r.tree.draft_probs.to(device)
+            uniform[b, :n] = torch.rand(n, generator=r.generator)
+            exp_noise[b] = torch.empty(V).exponential_(generator=r.generator)
         num_nodes = torch.tensor([r.tree.num_nodes for r in batch], dtype=torch.long)
         accepted, num_accepted, next_ids = rejection_sample(
             draft_token_ids.to(device), parent_ids.to(device), num_nodes.to(device), target_probs,
