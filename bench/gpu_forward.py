@@ -30,13 +30,17 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def time_forward(model, cache, T: int, prefix: int, reps: int, device: str) -> tuple[float, list[float]]:
-    """Median wall ms of a T-token chain forward at a fixed prefix length (cache truncated back)."""
+def chain_inputs(model, T: int, prefix: int, device: str):
+    """Random token ids [1, T] of a chain after `prefix` cached tokens, their positions and mask."""
     from models.transformer import causal_mask
 
     ids = torch.randint(0, model.config.vocab_size, (1, T), device=device)
-    pos = torch.arange(prefix, prefix + T, device=device)[None]
-    mask = causal_mask(1, T, device)
+    return ids, torch.arange(prefix, prefix + T, device=device)[None], causal_mask(1, T, device)
+
+
+def time_forward(model, cache, T: int, prefix: int, reps: int, device: str) -> tuple[float, list[float]]:
+    """Median wall ms of a T-token chain forward at a fixed prefix length (cache truncated back)."""
+    ids, pos, mask = chain_inputs(model, T, prefix, device)
     times = []
     with torch.inference_mode():
         for _ in range(reps):
@@ -53,11 +57,7 @@ def time_forward(model, cache, T: int, prefix: int, reps: int, device: str) -> t
 def profile_forward(model, cache, T: int, prefix: int, device: str, top: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from models.transformer import causal_mask
-
-    ids = torch.randint(0, model.config.vocab_size, (1, T), device=device)
-    pos = torch.arange(prefix, prefix + T, device=device)[None]
-    mask = causal_mask(1, T, device)
+    ids, pos, mask = chain_inputs(model, T, prefix, device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with torch.inference_mode(), profile(activities=acts) as prof:
         for _ in range(3):
@@ -83,10 +83,9 @@ def chain_vs_steps(model, cache, T: int, prefix: int, device: str) -> dict:
     how far rounding moves them, how often the greedy token flips, and the top-2 gap."""
     from models.transformer import causal_mask
 
-    ids = torch.randint(0, model.config.vocab_size, (1, T), device=device)
-    pos = torch.arange(prefix, prefix + T, device=device)[None]
+    ids, pos, mask = chain_inputs(model, T, prefix, device)
     with torch.inference_mode():
-        chain = model(ids, pos, cache, [0], causal_mask(1, T, device))[0].double()
+        chain = model(ids, pos, cache, [0], mask)[0].double()
         cache.truncate(0, prefix)
         steps = torch.cat([model(ids[:, i:i + 1], pos[:, i:i + 1], cache, [0], causal_mask(1, 1, device))[0]
                            for i in range(T)]).double()
@@ -120,11 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         model = random_model(args.model, device=args.device, dtype=dtype)
         cache = model.new_cache(num_blocks=(args.prefix + max(args.tokens)) // 16 + 2)
         cache.add_sequence(0)
-        with torch.inference_mode():
-            from models.transformer import causal_mask
-            ids = torch.randint(0, model.config.vocab_size, (1, args.prefix), device=args.device)
-            model(ids, torch.arange(args.prefix, device=args.device)[None], cache, [0],
-                  causal_mask(1, args.prefix, args.device))
+        ids, pos, mask = chain_inputs(model, args.prefix, 0, args.device)
+        with torch.inference_mode():                                   # the prefix, cached once
+            model(ids, pos, cache, [0], mask)
         agree = chain_vs_steps(model, cache, max(args.tokens), args.prefix, args.device)
         result["runs"].append(dict(dtype=dtype_name, chain_vs_steps=agree))
         print(f"{dtype_name:9s} chain of {max(args.tokens)} vs one-token forwards: "
