@@ -28,7 +28,7 @@ Switch: `SPECFLASH_CUDA_GRAPHS=0` keeps every forward eager (vLLM's
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -123,14 +123,14 @@ class GraphedLayers:
         self.replays = 0
         self.eager = 0
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, seq_ids: Sequence[Hashable],
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, table: torch.Tensor,
                  tree_mask: torch.Tensor, prefix: Sequence[int]) -> torch.Tensor | None:
-        """Hidden states [B, T, hidden] from a graph, or None: run eagerly."""
+        """Hidden states [B, T, hidden] from a graph, or None: run eagerly. `table`: the
+        sequences' block table [B, w] int32 on the device (`cache.block_table`)."""
         B, T = input_ids.shape
         if B * T == 0 or B * T > self.max_tokens:
             self.eager += 1
             return None
-        table = cache.block_table(seq_ids)                                    # [B, w] int32, on device
         key = (B, T, _bucket(table.shape[1]), cache.k.data_ptr())
         if key[3] != self._cache:
             # another cache (one re-allocated larger): graphs of the old one would keep it alive
