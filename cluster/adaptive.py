@@ -222,16 +222,7 @@ class AdaptiveSpeculation:
         alone, where that is cheaper than the cost model's (borrowed cores); None = the model's.
         `alone`: sequences outside `streams` in the same forward, each decoding alone (one row,
         one token a step). `caps`: this step's depth ceiling of some streams, below their own."""
-        out: dict[str, tuple[int, int]] = {}
-        auto = []
-        for s in streams:
-            st = self.seqs[s]
-            if st.mode == "off" or not drafter_ok:
-                out[s] = (0, 0)
-            elif st.mode in ("chain", "tree"):
-                out[s] = (st.max_len, st.width)
-            else:
-                auto.append(s)
+        out, auto = self._fixed_budgets(streams, drafter_ok)
         if auto:
             fixed_rows = alone + sum(1 + k * w for k, w in out.values())
             fixed_levels = max((k for k, _ in out.values()), default=0)
@@ -256,18 +247,31 @@ class AdaptiveSpeculation:
                 out[s] = (k, st.width) if k else (0, 0)
         return out
 
+    def _fixed_budgets(self, streams: list[str], drafter_ok: bool = True
+                       ) -> tuple[dict[str, tuple[int, int]], list[str]]:
+        """The budgets a stream's mode fixes ("off", or without a drafter: (0, 0); "chain" /
+        "tree": its K and W), and the "auto" streams left to the optimiser."""
+        out: dict[str, tuple[int, int]] = {}
+        auto = []
+        for s in streams:
+            st = self.seqs[s]
+            if st.mode == "off" or not drafter_ok:
+                out[s] = (0, 0)
+            elif st.mode in ("chain", "tree"):
+                out[s] = (st.max_len, st.width)
+            else:
+                auto.append(s)
+        return out, auto
+
     def plan_joining(self, streams: list[str], beside: list[tuple[int, int]],
                      plain_step_s: float | None = None) -> dict[str, tuple[int, int]]:
         """Budgets for new streams joining a batch whose running streams hold the budgets
         `beside` ((k, W) each): planned with them (their rows, one token each), not as if
         alone, so a stream joining a large batch does not start a tree that the batch's
         plan would never allow. No probe bookkeeping (new streams have none)."""
-        out = {s: (0, 0) for s in streams if self.seqs[s].mode == "off"}
-        out.update({s: (self.seqs[s].max_len, self.seqs[s].width) for s in streams
-                    if self.seqs[s].mode in ("chain", "tree")})
-        auto = [s for s in streams if s not in out]
+        out, auto = self._fixed_budgets(streams)
         if auto:
-            fixed = beside + [out[s] for s in streams if s in out]
+            fixed = beside + list(out.values())
             rows = sum(1 + k * w for k, w in fixed)
             levels = max((k for k, _ in fixed), default=0)
             ks = self._optimise(auto, rows, levels, plain_step_s=plain_step_s, alone=len(fixed))
