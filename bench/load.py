@@ -280,14 +280,14 @@ def main(argv=None) -> int:
               "engine_metrics": [l for l in stats.splitlines() if l.startswith("specflash_spec_")]}
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
         "load-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + ".json")
+    short = sorted({c["concurrency"] for c in cells if c["requests"] < c["concurrency"]})
+    if short:
+        result["short_windows"] = short
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print("\nall cells:")
     print_table(cells)
-    short = sorted({c["concurrency"] for c in cells if c["requests"] < c["concurrency"]})
     if short:
-        result["short_windows"] = short
-        out.write_text(json.dumps(result, indent=2) + "\n")
         print(f"warning: at concurrency {short} fewer requests finished in a window than there are "
               f"clients: the window holds about one wave of requests, so the throughput there is "
               f"quantised by it; use a longer --duration for those levels")
