@@ -53,7 +53,7 @@ class TopKRecorder:
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         logp = torch.log_softmax(scores.float(), dim=-1)
         top = logp.topk(self.k, dim=-1)
-        self.ids.append(top.indices.to(torch.int32))
+        self.ids.append(top.indices.to(torch.int32))     # stays on the model's device until the end
         self.logp.append(top.values.to(torch.float16))
         return scores
 
@@ -72,15 +72,18 @@ def answer_batch(model, tokenizer, rows: list[dict], max_new_tokens: int, k: int
 
     prompts = [chat_ids(tokenizer, r["prompt"]) for r in rows]
     width = max(len(p) for p in prompts)
-    pad = tokenizer.pad_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = model.device
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [B, P] left-padded
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     recorder = TopKRecorder(k)
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
-                         max_new_tokens=max_new_tokens, logits_processor=LogitsProcessorList([recorder]),
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                         do_sample=False, max_new_tokens=max_new_tokens,
+                         logits_processor=LogitsProcessorList([recorder]),
                          pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
-    answers = out[:, width:]  # [B, T]
-    top_ids, top_logp = torch.stack(recorder.ids, 1), torch.stack(recorder.logp, 1)  # [B, T, k]
+    answers = out[:, width:].cpu()  # [B, T]
+    top_ids = torch.stack(recorder.ids, 1).cpu()        # [B, T, k]
+    top_logp = torch.stack(recorder.logp, 1).cpu()
     records = []
     for b, row in enumerate(rows):
         ids = answers[b].tolist()
@@ -100,7 +103,9 @@ def cmd_generate(args) -> None:
     torch.set_num_threads(args.threads)
     target = embedded.target_dir()
     tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval().to(args.device)
+    if args.device != "cpu":      # fp32 weights, fp32 accumulation: TF32 would round the logits
+        torch.backends.cuda.matmul.allow_tf32 = False
     rows = draft_prompts.build_prompts(args.prompts_per_domain, seed=args.seed)
     args.data.mkdir(parents=True, exist_ok=True)
     start, tokens = time.time(), 0
@@ -133,6 +138,7 @@ def main(argv=None) -> None:
     gen.add_argument("--topk", type=int, default=8)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--threads", type=int, default=2)
+    gen.add_argument("--device", default="cpu", help="where the target answers (cpu, cuda)")
     gen.set_defaults(func=cmd_generate)
     draft_train.add_parser(sub)
     args = parser.parse_args(argv)

@@ -22,7 +22,13 @@ STDLIB_MODULES = (
     "secrets zlib fractions decimal datetime ipaddress shlex uuid pprint keyword unicodedata colorsys "
     "struct binascii email.utils filecmp tempfile zipfile gzip tarfile mimetypes locale platform ast "
     "contextlib enum dataclasses queue sched threading subprocess socket logging argparse "
-    "configparser pickle sqlite3 xml.etree.ElementTree plistlib").split()
+    "configparser pickle sqlite3 xml.etree.ElementTree plistlib "
+    # added for the GPU distillation run (recipes/gpu_distill.sh): more asks to answer
+    "array bz2 cmath codecs dis doctest getopt gettext graphlib hmac http.client http.cookies io "
+    "inspect linecache lzma numbers optparse pathlib pkgutil reprlib selectors shelve signal stat "
+    "sysconfig timeit tokenize traceback types typing warnings weakref urllib.request "
+    "email.message xml.dom.minidom asyncio concurrent.futures unittest pstats code pdb "
+    "html.parser wave zipimport ftplib smtplib").split()
 
 CODE_TEMPLATES = (
     "Write a Python function that does the following: {doc}",
@@ -43,6 +49,25 @@ CODE_TASKS = (
     "groups a list of words by their first letter", "computes the average of a list of numbers",
     "transposes a matrix", "capitalizes the first letter of every word", "implements a stack class",
     "parses a date string and returns the day of the week", "chunks a list into pieces of size n",
+    "computes the greatest common divisor of two numbers", "rotates a list by k positions",
+    "checks whether two strings are anagrams", "returns all permutations of a string",
+    "finds the second largest number in a list", "counts the lines in a text file",
+    "converts a Roman numeral to an integer", "implements a queue with two stacks",
+    "computes the sum of the digits of a number", "finds the longest common prefix of a list of strings",
+    "checks whether brackets in a string are balanced", "returns the prime factors of a number",
+    "implements bubble sort", "implements quicksort", "implements merge sort",
+    "finds the missing number in a list from 1 to n", "reverses a linked list",
+    "computes the dot product of two vectors", "multiplies two matrices",
+    "returns the n-th row of Pascal's triangle", "converts a string to title case without built-ins",
+    "finds the most common element in a list", "checks whether a year is a leap year",
+    "computes compound interest", "generates a random password of a given length",
+    "removes all whitespace from a string", "splits a camelCase string into words",
+    "finds all pairs in a list that sum to a target", "computes the running average of a stream of numbers",
+    "implements a least-recently-used cache", "parses a query string into a dictionary",
+    "computes the Levenshtein distance between two strings", "checks whether a graph has a cycle",
+    "does a breadth-first search on a graph", "counts the islands in a grid of 0s and 1s",
+    "returns the intersection of two dictionaries", "converts a list of pairs into a dictionary",
+    "formats a number with thousands separators", "truncates a string to n characters with an ellipsis",
 )
 CODE_LANGS = ("Python", "Python", "Python", "JavaScript", "C", "Rust", "Go", "Java")
 
@@ -57,6 +82,14 @@ CHAT_TOPICS = (
     "the Moon landing", "electric cars", "sleep", "meditation", "the printing press", "rainforests",
     "cryptography", "the Great Wall of China", "DNA", "gravity", "social media", "recycling",
     "the Renaissance", "earthquakes", "antibiotics", "solar panels", "chess", "the Silk Road",
+    "the Industrial Revolution", "tides", "the speed of light", "evolution", "the ancient Egyptians",
+    "hurricanes", "nutrition", "the heart", "electricity", "magnets", "rain", "rainbows", "the seasons",
+    "supply and demand", "the United Nations", "the periodic table", "bacteria", "viruses", "coral reefs",
+    "the Amazon river", "mountains", "deserts", "the solar system", "Mars", "satellites", "airplanes",
+    "bridges", "the telephone", "photography", "cinema", "classical music", "the Beatles", "football",
+    "basketball", "yoga", "tea", "chocolate", "bread", "pizza", "dinosaurs", "whales", "penguins",
+    "cats", "dogs", "trees", "the ocean", "glaciers", "the Vikings", "the Cold War", "the Internet of Things",
+    "blockchain", "robots", "3D printing", "nuclear energy", "wind power", "batteries", "memory",
 )
 CHAT_TEMPLATES = (
     "Explain {t} in simple terms.", "What is {t}?", "Give me three interesting facts about {t}.",
@@ -64,6 +97,9 @@ CHAT_TEMPLATES = (
     "What are the main advantages and disadvantages of {t}?", "Summarize the history of {t}.",
     "Write a short poem about {t}.", "What should a beginner know about {t}?",
     "What is the difference between {t} and {u}?", "How are {t} and {u} related?",
+    "Tell me a fun fact about {t}.", "Explain {t} in two sentences.", "How does {t} work?",
+    "Write a short story that involves {t}.", "What would happen if there were no {t}?",
+    "Give me a list of five questions to ask an expert on {t}.",
 )
 CHAT_ASKS = (
     "Give me five tips for {g}.", "How can I get better at {g}?", "Write a short email asking my manager about {g}.",
@@ -74,7 +110,15 @@ CHAT_GOALS = (
     "cooking healthy meals", "public speaking", "sleeping better", "writing a resume",
     "starting a vegetable garden", "working from home", "learning to play the guitar",
     "taking a day off next week", "reading more books", "staying focused", "making new friends",
+    "learning to code", "drinking more water", "getting up early", "managing stress", "traveling on a budget",
+    "preparing for a job interview", "keeping a journal", "learning to draw", "decluttering my home",
+    "training a puppy", "planning a birthday party", "negotiating a salary", "writing a novel",
 )
+
+
+# appended to some code and chat asks (the GPU run needs more distinct prompts than the lists give)
+STYLE_SUFFIXES = ("", "", "", " Keep it short.", " Explain step by step.", " Include an example.",
+                  " Use bullet points.", " Answer in one paragraph.")
 
 
 def stdlib_docs() -> list[tuple[str, str, str]]:
@@ -104,7 +148,11 @@ def code_prompts(rng: random.Random, n: int) -> list[str]:
             out.append(f"Write a {lang} function that {rng.choice(CODE_TASKS)}.")
             continue
         module, name, doc = rng.choice(docs)
-        out.append(rng.choice(CODE_TEMPLATES).format(qual=f"{module}.{name}", name=name, doc=doc))
+        ask = rng.choice(CODE_TEMPLATES).format(qual=f"{module}.{name}", name=name, doc=doc)
+        suffix = rng.choice(STYLE_SUFFIXES)
+        if suffix and ask[-1] not in '.?!"':
+            ask += "."
+        out.append(ask + suffix)
     return out
 
 
@@ -139,10 +187,11 @@ def chat_prompts(rng: random.Random, n: int) -> list[str]:
     out = []
     for _ in range(n):
         if rng.random() < 0.25:
-            out.append(rng.choice(CHAT_ASKS).format(g=rng.choice(CHAT_GOALS)))
+            ask = rng.choice(CHAT_ASKS).format(g=rng.choice(CHAT_GOALS))
         else:
             t, u = rng.sample(CHAT_TOPICS, 2)
-            out.append(rng.choice(CHAT_TEMPLATES).format(t=t, u=u))
+            ask = rng.choice(CHAT_TEMPLATES).format(t=t, u=u)
+        out.append(ask + rng.choice(STYLE_SUFFIXES))
     return out
 
 

@@ -37,14 +37,13 @@ def load_records(data: Path) -> list[dict]:
 def vocab_subset(train: list[dict], size: int, eos_id: int) -> list[int]:
     """Most frequent greedy tokens, then the most probable top-k alternatives, up to `size`."""
     greedy = Counter(t for r in train for t in r["answer_ids"])
-    mass: Counter = Counter()
-    for r in train:
-        for ids, logp in zip(r["topk_ids"].tolist(), r["topk_logp"].float().exp().tolist()):
-            for t, p in zip(ids, logp):
-                mass[t] += p
+    ids = torch.cat([r["topk_ids"].reshape(-1).long() for r in train])
+    probs = torch.cat([r["topk_logp"].reshape(-1).double().exp() for r in train])
+    mass = torch.bincount(ids, weights=probs).tolist()          # summed top-k probability per token
+    by_mass = sorted((t for t, m in enumerate(mass) if m > 0), key=lambda t: (-mass[t], t))
     rows = [eos_id] + [t for t, _ in greedy.most_common() if t != eos_id]
     seen = set(rows)
-    rows += [t for t, _ in mass.most_common() if t not in seen]
+    rows += [t for t in by_mass if t not in seen]
     return rows[:size]
 
 
@@ -112,9 +111,11 @@ def head_logits(draft, input_ids: torch.Tensor, rows: torch.Tensor) -> torch.Ten
 
 def distill_loss(draft, batch, rows: torch.Tensor, kl_weight: float) -> torch.Tensor:
     """CE on the greedy token + kl_weight * soft CE on the top-k, both over the head rows."""
-    input_ids, labels, topk_ids, topk_p = batch
-    position = torch.full((draft.config.vocab_size,), -1, dtype=torch.long)
-    position[rows] = torch.arange(len(rows))
+    device = draft.model.embed_tokens.weight.device
+    input_ids, labels, topk_ids, topk_p = (t.to(device, non_blocking=True) for t in batch)
+    rows = rows.to(device)
+    position = torch.full((draft.config.vocab_size,), -1, dtype=torch.long, device=device)
+    position[rows] = torch.arange(len(rows), device=device)
     logp = torch.log_softmax(head_logits(draft, input_ids, rows), dim=-1)  # [B, L, R]
     mask = labels >= 0
     label_pos = position[labels.clamp(min=0)]
@@ -133,13 +134,14 @@ def agreement(draft, records: list[dict], rows: torch.Tensor, pad_id: int) -> di
     `full`: argmax over the whole vocabulary (what HF assisted generation proposes).
     """
     draft.eval()
+    device = draft.model.embed_tokens.weight.device
     hits: dict = {}
     for i in range(0, len(records), 16):
         chunk = records[i:i + 16]
         input_ids, labels, _, _ = make_batch(chunk, pad_id)
-        hidden = draft.model(input_ids=input_ids).last_hidden_state  # [B, L, H]
-        full = (hidden @ draft.model.embed_tokens.weight.T).argmax(-1)  # [B, L]
-        sub = rows[(hidden @ draft.model.embed_tokens.weight[rows].T).argmax(-1)]
+        hidden = draft.model(input_ids=input_ids.to(device)).last_hidden_state  # [B, L, H]
+        full = (hidden @ draft.model.embed_tokens.weight.T).argmax(-1).cpu()  # [B, L]
+        sub = rows[(hidden @ draft.model.embed_tokens.weight[rows.to(device)].T).argmax(-1).cpu()]
         for b, r in enumerate(chunk):
             m = labels[b] >= 0
             h = hits.setdefault(r["domain"], [0, 0, 0])
@@ -187,7 +189,7 @@ def export(draft, rows: list[int], card: dict, assets: Path) -> None:
     from safetensors.torch import save_file
 
     assets.mkdir(parents=True, exist_ok=True)
-    own = {k: v.detach().to(torch.float16).contiguous() for k, v in draft.state_dict().items()
+    own = {k: v.detach().cpu().to(torch.float16).contiguous() for k, v in draft.state_dict().items()
            if k.startswith("model.layers.") or k == "model.norm.weight"}
     save_file(own, assets / "draft_layers.safetensors", metadata={"format": "pt"})
     (assets / "draft_config.json").write_text(json.dumps(hf_config(draft.config.to_dict()), indent=2,
@@ -236,7 +238,8 @@ def train_for(model, train: list, loss_of, evaluate, *, seconds: float, eval_eve
         apply_step(opt, params, loss, lr_at(elapsed / seconds, lr))
         step += 1
         bar.n = min(int(time.time() - start), int(seconds))
-        bar.set_postfix(step=step, loss=f"{loss.item():.3f}")
+        bar.set_postfix(step=step, loss=f"{loss.item():.3f}", refresh=False)
+        bar.update(0)                     # redraws at most every `mininterval` seconds
     bar.close()
     model.load_state_dict(best[2])
     return best[1], history
@@ -271,18 +274,30 @@ def cmd_train(args) -> None:
     records = load_records(args.data)
     train = [r for r in records if not r["heldout"]]
     heldout = [r for r in records if r["heldout"]]
+    if args.eval_limit and len(heldout) > args.eval_limit:
+        # an even spread over the held-out prompts (they are interleaved by domain)
+        heldout = [heldout[round(i * len(heldout) / args.eval_limit)] for i in range(args.eval_limit)]
     rows = vocab_subset(train, args.vocab_size, tokenizer.eos_token_id)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     layers = [int(x) for x in args.layers.split(",")]
     draft = build_draft(target, layers)
     if args.init_from is not None:
         warm_start(draft, args.init_from)
+    if args.device != "cpu":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    draft.to(args.device)
+
+    known = {p.name for p in Path(args.data).glob("shard_*.pt")}
 
     def reload():
-        nonlocal train
-        train = [r for r in load_records(args.data) if not r["heldout"]]
+        """Add the training answers of shards written since the last epoch (none: keep all)."""
+        for shard in sorted(Path(args.data).glob("shard_*.pt")):
+            if shard.name not in known:
+                known.add(shard.name)
+                train.extend(r for r in torch.load(shard, weights_only=False) if not r["heldout"])
         return train
 
-    best_step, history = train_loop(draft, train, heldout, rows, args, tokenizer.pad_token_id, reload)
+    best_step, history = train_loop(draft, train, heldout, rows, args, pad_id, reload)
     domains = {d: {"prompts": sum(r["domain"] == d for r in heldout),
                    "coverage": coverage([r for r in heldout if r["domain"] == d], rows)}
                for d in sorted({r["domain"] for r in heldout})}
@@ -321,4 +336,7 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-every", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="where the draft trains (cpu, cuda)")
+    p.add_argument("--eval-limit", type=int, default=0,
+                   help="score on at most this many held-out answers (0: all of them)")
     p.set_defaults(func=cmd_train)
