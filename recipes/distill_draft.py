@@ -72,7 +72,7 @@ def answer_batch(model, tokenizer, rows: list[dict], max_new_tokens: int, k: int
 
     prompts = [chat_ids(tokenizer, r["prompt"]) for r in rows]
     width = max(len(p) for p in prompts)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = draft_train.pad_id_of(tokenizer)
     device = model.device
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [B, P] left-padded
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])

@@ -82,6 +82,11 @@ def warm_start(draft, assets: Path) -> None:
         raise ValueError(f"{assets}: not a draft of this shape (missing {missing[:3]}, unexpected {unexpected[:3]})")
 
 
+def pad_id_of(tokenizer) -> int:
+    """The tokenizer's pad id, or its EOS where it has none (padding is masked out either way)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def make_batch(records: list[dict], pad_id: int):
     """Right-padded sequences prompt + answer[:-1]; answer token j is predicted at P - 1 + j.
 
@@ -278,7 +283,7 @@ def cmd_train(args) -> None:
         # an even spread over the held-out prompts (they are interleaved by domain)
         heldout = [heldout[round(i * len(heldout) / args.eval_limit)] for i in range(args.eval_limit)]
     rows = vocab_subset(train, args.vocab_size, tokenizer.eos_token_id)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_id_of(tokenizer)
     layers = [int(x) for x in args.layers.split(",")]
     draft = build_draft(target, layers)
     if args.init_from is not None:
