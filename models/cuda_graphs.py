@@ -10,9 +10,9 @@ launch. vLLM and SGLang capture their decode batches the same way.
 for forwards of at most `max_tokens` rows. A graph is keyed by the batch size B,
 the tokens per sequence T, the block-table width rounded up to a power of two
 and the cache (a forward on another cache drops the graphs of the one before,
-which would otherwise keep it allocated); its inputs live in static buffers that each call fills (token
-ids, RoPE positions, block table padded with block 0, prefix lengths, tree
-mask). The tree attention kernel reads only the pages below each prefix length
+which would otherwise keep it allocated); its inputs live in static buffers
+that each call fills (token ids, RoPE positions, block table padded with block
+0, prefix lengths, tree mask). The tree attention kernel reads only the pages below each prefix length
 plus T, so the padding is never read; its split count follows the padded
 width. A key's first forward runs eagerly (it compiles the Triton kernels), its
 second captures, later ones replay. What the host did around `_layers` (cache
