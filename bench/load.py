@@ -4,9 +4,10 @@
     python bench/load.py --start --target DIR --draft DIR       # start one (python -m cluster.serve_cli)
 
 For each concurrency (default 1, 4, 16, 64) and each speculation mode (default `off` and
-`auto`), N clients stream `/v1/completions` back to back for `--duration` seconds (greedy,
+`auto`), N clients stream requests back to back for `--duration` seconds (greedy,
 `ignore_eos`, `--max-tokens` each) against the *same* server; the mode goes in the request's
-`speculation` field. Reported per cell:
+`speculation` field. `--workload completions` (default) sends raw prompts to `/v1/completions`;
+`--workload chat-code-math` sends code and math questions to `/v1/chat/completions`. Reported per cell:
 
 - throughput: output tokens received in the window ÷ window length (tokens/s);
 - TTFT: request sent → first token received, p50 / p99 (requests that got a token in the window;
@@ -54,6 +55,30 @@ PROMPTS = [
     "import numpy as np\n\ndef normalize(x):",
 ]
 
+# `--workload chat-code-math`: the chat endpoint (the model's chat template) on the kinds of
+# request the project's claim is about; answers run past `--max-tokens` with room to spare.
+CHAT_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Write a Python function is_palindrome(s) that ignores case and spaces.",
+    "Write a Python class Stack with push, pop and peek methods.",
+    "Write a Python function that merges two sorted lists into one sorted list.",
+    "What is 17 multiplied by 23? Explain step by step.",
+    "Solve for x: 3x + 7 = 22. Show your work.",
+    "A train travels 120 km in 2 hours. What is its average speed in km per hour?",
+    "What is the sum of the integers from 1 to 50? Show your reasoning.",
+]
+WORKLOADS = ("completions", "chat-code-math")
+
+
+def request_body(workload: str, k: int, max_tokens: int, speculation: dict) -> tuple[str, dict]:
+    """(path, body) of the k-th request of a client: greedy, `ignore_eos`, streamed."""
+    body = {"model": "specflash", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True, "speculation": speculation}
+    if workload == "chat-code-math":
+        text = CHAT_PROMPTS[k % len(CHAT_PROMPTS)]
+        return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": text}]}
+    return "/v1/completions", {**body, "prompt": PROMPTS[k % len(PROMPTS)]}
+
 
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
@@ -64,13 +89,13 @@ def percentile(values: list[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-async def one_request(client: httpx.AsyncClient, url: str, body: dict, window_end: float,
-                      rec: dict) -> None:
+async def one_request(client: httpx.AsyncClient, url: str, path: str, body: dict,
+                      window_end: float, rec: dict) -> None:
     start = time.perf_counter()
     first = last = None
     n = 0   # tokens after the first chunk
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        async with client.stream("POST", f"{url}{path}", json=body) as r:
             if r.status_code != 200:
                 rec["errors"] += 1
                 await r.aread()
@@ -102,7 +127,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict, window_en
 
 
 async def run_cell(url: str, concurrency: int, mode: str, duration: float, max_tokens: int,
-                   spec_len: int | None) -> dict:
+                   spec_len: int | None, workload: str = "completions",
+                   transport: httpx.AsyncBaseTransport | None = None) -> dict:
     rec = {"tokens": 0, "ttft": [], "itl": [], "tpot": [], "requests": 0, "errors": 0}
     speculation = {"mode": mode}
     if spec_len and mode in ("chain", "tree"):
@@ -113,18 +139,16 @@ async def run_cell(url: str, concurrency: int, mode: str, duration: float, max_t
     async def client_loop(i: int, client: httpx.AsyncClient) -> None:
         j = 0
         while time.perf_counter() < window_end:
-            body = {"model": "specflash", "prompt": PROMPTS[(i + j) % len(PROMPTS)],
-                    "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-                    "return_token_ids": True, "speculation": speculation}
+            path, body = request_body(workload, i + j, max_tokens, speculation)
             j += 1
             try:
-                await one_request(client, url, body, window_end, rec)
+                await one_request(client, url, path, body, window_end, rec)
             except httpx.HTTPError:
                 rec["errors"] += 1
                 await asyncio.sleep(0.5)
 
     limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(timeout=600, limits=limits, transport=transport) as client:
         tasks = [asyncio.ensure_future(client_loop(i, client)) for i in range(concurrency)]
         # Requests still running at the end of the window are cut (their streams closed, which
         # aborts them in the server): tokens after the window do not count anyway.
@@ -233,6 +257,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="windows per mode and concurrency, the modes alternating (off, auto, auto, off, ...)")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--workload", choices=WORKLOADS, default="completions",
+                   help="completions: raw prompts on /v1/completions (a mix, continued past the "
+                        "answer); chat-code-math: code and math questions on /v1/chat/completions")
     p.add_argument("--quick", action="store_true", help="concurrency 1,4, 8 s cells, 16 tokens")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -256,7 +283,7 @@ def main(argv=None) -> int:
                 for mode in (modes if turn % 2 == 0 else modes[::-1]):
                     before = engine_counters(url)
                     cell = asyncio.run(run_cell(url, conc, mode, args.duration, args.max_tokens,
-                                                args.spec_len))
+                                                args.spec_len, args.workload))
                     after = engine_counters(url)
                     cell["round"] = rnd
                     cell["engine"] = {k: after[k] - before.get(k, 0.0) for k in after}
@@ -275,7 +302,8 @@ def main(argv=None) -> int:
               "server": {"url": url, "health": health, "target": args.target, "draft": args.draft,
                          "engine": args.engine},
               "settings": {"duration_s": args.duration, "max_tokens": args.max_tokens,
-                           "modes": modes, "spec_len": args.spec_len, "rounds": args.rounds},
+                           "modes": modes, "spec_len": args.spec_len, "rounds": args.rounds,
+                           "workload": args.workload},
               "cells": cells, "summary": summary(cells, on),
               "engine_metrics": [l for l in stats.splitlines() if l.startswith("specflash_spec_")]}
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / (

@@ -1,0 +1,58 @@
+"""bench/load.py against the OpenAI front in process (FakeEngine, no Ray): both workloads'
+requests are accepted, tokens and latencies are counted, and the summary's ratios are the
+geometric means over rounds."""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import math
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cluster.openai_api import OpenAIServer, ServerSettings, build_fastapi_app
+from cluster.testing import FakeEngine, tiny_byte_tokenizer
+
+LOAD_PATH = Path(__file__).resolve().parents[2] / "bench" / "load.py"
+
+
+@pytest.fixture(scope="module")
+def load():
+    spec = importlib.util.spec_from_file_location("specflash_bench_load", LOAD_PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("workload", ["completions", "chat-code-math"])
+def test_cell_counts_tokens_of_both_workloads(load, workload):
+    tok = tiny_byte_tokenizer()
+    engine = FakeEngine(tokenizer=tok, delay_s=0.005)
+    server = OpenAIServer(engine, tok, ServerSettings(max_context=512))
+    transport = httpx.ASGITransport(app=build_fastapi_app(server))
+    cell = asyncio.run(load.run_cell("http://load.test", 2, "auto", 1.5, 12, None, workload,
+                                     transport=transport))
+    assert cell["errors"] == 0 and cell["requests"] >= 2
+    assert cell["tokens"] >= 12 and cell["throughput_tok_s"] > 0
+    assert cell["ttft_p50_s"] is not None and cell["tpot_p50_s"] is not None
+    sent = engine.requests[0]
+    assert sent.sampling.max_tokens == 12 and sent.sampling.temperature == 0
+    prompt = tok.decode(sent.prompt_token_ids)
+    if workload == "chat-code-math":
+        assert any(p in prompt for p in load.CHAT_PROMPTS) and prompt not in load.CHAT_PROMPTS
+    else:
+        assert prompt in load.PROMPTS
+
+
+def test_summary_is_the_geometric_mean_over_rounds(load):
+    cells = []
+    for rnd, (on, off) in enumerate([(30.0, 20.0), (20.0, 20.0)]):
+        for mode, tps in (("auto", on), ("off", off)):
+            cells.append({"concurrency": 1, "mode": mode, "round": rnd, "throughput_tok_s": tps,
+                          "itl_p50_s": 1 / tps, "tpot_p50_s": None})
+    s = load.summary(cells, "auto")
+    assert s["c1_throughput_ratio"] == pytest.approx(math.sqrt(1.5))
+    assert s["c1_itl_p50_ratio"] == pytest.approx(math.sqrt(1 / 1.5))
+    assert s["c1_throughput_ratio_rounds"] == pytest.approx([1.5, 1.0])
+    assert "c1_tpot_p50_ratio" not in s
