@@ -203,10 +203,12 @@ def test_disconnect_aborts_and_frees_kv_blocks(served):
     baseline = idle_free()
     aborted_name = 'specflash_generations_aborted_total{reason="client"}'
     aborted = metric(served.url, aborted_name, default=0.0)
+    # Fixed wide trees from the far draft (nearly all rejected): the generation takes ~7 s here
+    # instead of ~1.5 s plain, and is cut with trees in flight. In full CI runs a scrape sent
+    # mid-stream has reached the server up to ~2 s late, so scrape until blocks are seen held.
     body = {"model": "specflash", "prompt": "Tell me a long story.", "max_tokens": 230,
-            "temperature": 0, "ignore_eos": True, "stream": True}
-    # The generation takes ~1.5 s here; a scrape may be slow on a loaded machine, so scrape
-    # again while the stream is still open rather than trusting one scrape to land in time.
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "speculation": {"mode": "tree", "spec_len": 8, "tree_width": 4}}
     with httpx.Client(timeout=120) as h, h.stream("POST", f"{served.url}/v1/completions", json=body) as r:
         lines = (line for line in r.iter_lines() if line)
         assert next(lines).startswith("data: ")
