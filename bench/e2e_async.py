@@ -251,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-noise", type=float, default=0.0,
                    help="run every method with the draft plus Gaussian noise of this relative size "
                         "(1.0: a draft far from the target, where speculation must switch off)")
+    p.add_argument("--ring-slots", type=int, default=None,
+                   help="trees in flight per sequence in the pipeline (default: PipelineSettings')")
     p.add_argument("--tag", default="cpu")
     args = p.parse_args(argv)
     target_dir, draft_dir = args.target, args.draft
@@ -267,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
 
         draft_dir = noisy_draft(draft_dir, args.draft_noise, Path(tempfile.mkdtemp()) / "draft")
     methods, pair = sync_methods(target_dir, draft_dir, args.spec_len, args.threads)
-    methods["async"] = measure_async(target_dir, draft_dir, args.spec_len, 1, args.async_mode)
+    settings = {} if args.ring_slots is None else {"ring_slots": args.ring_slots}
+    methods["async"] = measure_async(target_dir, draft_dir, args.spec_len, 1, args.async_mode, **settings)
     try:
         runs = run_interleaved(methods, work, args.max_tokens)
         final = methods["async"].stats()

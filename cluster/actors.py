@@ -184,7 +184,10 @@ class DrafterActor:
         for s in ready:
             k, width = s.budget
             items.append((s.stream, s.position(), s.params, s.generator, k, width, s.epoch, s.bridge))
-        drafted, seconds = self.side.propose(items)
+        # lockstep (one tree in flight): the next tree waits for this one's signal, so no
+        # outcome is assumed and no bonus level drafted; the verifier never bridges
+        assume = self.settings.ring_slots > 1
+        drafted, seconds = self.side.propose(items, assume)
         self.counters["draft_s"] += seconds
         puts = []
         for s, item, d in zip(ready, items, drafted):
@@ -205,7 +208,7 @@ class DrafterActor:
             puts.append((pack_header(header), [ref]))
             self.counters["trees"] += 1
             self.counters["nodes"] += t
-        levels = max(item[4] + 1 + int(item[7]) for item in items)
+        levels = max(item[4] + int(assume) + int(item[7]) for item in items)
         return puts, seconds, levels
 
 

@@ -183,6 +183,9 @@ class AdaptiveSpeculation:
         self.margin = margin
         self.decay = decay
         self.costs = CostModel(overlap=overlap)
+        # the asynchronous pipeline bridges after a contradicted outcome; in lockstep (one tree
+        # in flight, nothing assumed past it) it never does
+        self.bridges = True
         self.seqs: dict[str, SeqState] = {}
         # rows per forward beyond which the step costs jump (the CPU's few-row kernel,
         # `models.transformer.few_row_limit`): plans stay within it unless decoding alone
@@ -283,7 +286,7 @@ class AdaptiveSpeculation:
         if k <= 0:
             return 1.0, 1.0
         e = expected_tokens(gamma, k)
-        if not self.costs.overlap:
+        if not self.costs.overlap or not self.bridges:
             return e, 1.0 + k * width
         m = 1.0 - min(gamma, 1.0) ** (k + 1)    # the outcome contradicts the drafter: a bridge step
         return (e + m) / (1.0 + m), 1.0 + k * width / (1.0 + m)

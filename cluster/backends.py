@@ -33,7 +33,7 @@ class PipelineSettings:
     spec_len: int = 4                # default K / tree depth
     tree_width: int = 1
     proposer: str = "model"
-    ring_slots: int = 2              # trees in flight per sequence
+    ring_slots: int = 2              # trees in flight per sequence; 1 = lockstep (nothing assumed)
     max_batch_size: int = 32         # sequences per verifier forward
     num_blocks: int = 1024           # target KV blocks (the drafter gets as many)
     block_size: int = 16
@@ -209,14 +209,16 @@ class DraftSide:
     def cache(self):
         return getattr(self.proposer, "cache", None)
 
-    def propose(self, items: list[tuple]) -> tuple[list[Drafted], float]:
+    def propose(self, items: list[tuple], assume: bool = True) -> tuple[list[Drafted], float]:
         """`items`: (seq_id, prefix tokens, params, generator, spec_len, width, epoch, bridge).
 
         One batched call drafts every sequence to depth spec_len + 1 (+ 1 more for a
         bridge); each tree is cut to spec_len and the extra level gives the bonus
         guess. A bridge tree is the subtree under the first child of the root,
-        drafted after prefix + that child's token (cluster/streams.py). Returns the
-        drafts and the seconds the batch took.
+        drafted after prefix + that child's token (cluster/streams.py). With
+        `assume=False` (lockstep: nothing is drafted past a tree in flight) there is
+        no bonus guess to make: trees are drafted to spec_len and carry no outcome.
+        Returns the drafts and the seconds the batch took.
         """
         start = time.perf_counter()
         batch = []
@@ -224,7 +226,7 @@ class DraftSide:
             kw = {"epoch": epoch}
             if self._has_width:
                 kw["tree_width"] = width
-            batch.append(self._request_cls(seq_id, tokens, params, gen, k + 1 + int(bridge), **kw))
+            batch.append(self._request_cls(seq_id, tokens, params, gen, k + int(assume) + int(bridge), **kw))
         trees = self.proposer.propose(batch)
         out = []
         for (seq_id, *_, k, _w, _e, bridge), tree in zip(items, trees):

@@ -131,7 +131,11 @@ class SpeculationDefaults(_Model):
     spec_len: int = Field(4, ge=1, le=16, description="Chain length K / maximum tree depth.")
     tree_width: int = Field(1, ge=1, le=8, description="Children per tree node (1 = chain).")
     proposer: Literal["model", "ngram"] = Field("model", description="Draft model or prompt-lookup n-grams.")
-    ring_slots: int = Field(2, ge=1, le=64, description="Trees in flight per sequence (ring buffer depth).")
+    ring_slots: int = Field(2, ge=1, le=64, description=(
+        "Trees in flight per sequence (ring buffer depth). 1 = lockstep: the drafter drafts only "
+        "from the committed prefix (nothing assumed, no rollbacks) and, on a CPU node it shares "
+        "with the verifier, lends its cores to each verification; it pays where drafter and "
+        "verifier split a few cores."))
     max_batch_size: int = Field(32, ge=1, le=4096, description="Sequences per verifier forward.")
     lookup: bool = Field(
         True, description="In auto mode, where the draft model does not pay, the verifier speculates "

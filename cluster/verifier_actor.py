@@ -72,6 +72,8 @@ class VerifierActor:
         self.eos_ids = set(eos_ids_of(target_dir))
         self.ring = Ring(self.settings.ring_slots)
         self.adaptive = AdaptiveSpeculation(max_spec_len=16)
+        # lockstep (one tree in flight per sequence): the drafter assumes nothing, so no bridges
+        self.adaptive.bridges = self.settings.ring_slots > 1
         self.plain_costs = CostModel()               # steps on borrowed cores: a + b * rows
         self.lookup = AdaptiveSpeculation(max_spec_len=16, overlap=False)   # γ of prompt lookup
         self.adaptive.row_limit = self.lookup.row_limit = few_row_limit(self.side.verifier.model)
@@ -396,8 +398,9 @@ class VerifierActor:
         end = time.monotonic()
         self.stats.observe_wall(end - start)
         # the planner pays what a step really costs: its wall time plus the idle waits before it;
-        # steps on borrowed cores have their own model (the baseline a plan must beat)
-        costs = self.plain_costs if borrowed else self.adaptive.costs
+        # plain steps on borrowed cores have their own model (the baseline a plan must beat)
+        drafted = any(tree.num_nodes for _, tree, header in batch if header is not None)
+        costs = self.plain_costs if borrowed and not drafted else self.adaptive.costs
         costs.observe_verify(rows, end - admitted + self._idle_carry)
         self._idle_carry = 0.0
 
@@ -522,10 +525,20 @@ class VerifierActor:
     def _step_threads(self, batch: list) -> int:
         """The verifier's own threads, or more for a step while no drafter has work: no
         drafter's tree in the batch (prompt-lookup ones may be) and every sequence at budget 0,
-        its drafter told so."""
-        if any(tree.num_nodes for _, tree, header in batch if header is not None) or not self._drafters_idle():
-            return self.threads
-        return self._lendable_threads()
+        its drafter told so; or, in lockstep, every drafted sequence's one tree in this batch
+        (its drafter waits for the step's signal)."""
+        if any(tree.num_nodes for _, tree, header in batch if header is not None):
+            return self._lendable_threads() if self._drafters_blocked(batch) else self.threads
+        return self._lendable_threads() if self._drafters_idle() else self.threads
+
+    def _drafters_blocked(self, batch: list) -> bool:
+        """Lockstep (`ring_slots` 1): every stream a drafter serves either has its one tree in
+        flight in `batch` or no work for it, so the drafters wait for this step's signals."""
+        if self.settings.ring_slots != 1:
+            return False
+        verifying = {s.request_id for s, tree, header in batch if header is not None}
+        return all(s.request_id in verifying or not (s.budget[0] or s.sent_budget[0] or s.bridge)
+                   for s in self.streams.values() if s.admitted and s.drafter is not None)
 
     def _drafters_idle(self) -> bool:
         """No stream has work for a drafter: every budget 0, the drafter told so, no bridge."""

@@ -155,6 +155,10 @@ def test_the_pipeline_counts_the_bridge_step_after_a_contradicted_tree():
     # with a draft that is nearly always right, bridges are rare and deep trees still win
     k, _ = _pipeline((19, 20), a=0.05, b=0.003).plan(["s"])["s"]
     assert k >= 4
+    # lockstep (one tree in flight, nothing assumed): no bridges, so the 1-token draft pays again
+    lockstep = _pipeline((1, 2), a=0.05, b=0.035)
+    lockstep.bridges = False
+    assert lockstep.plan(["s"])["s"][0] >= 1
 
 
 def test_a_plan_must_beat_decoding_alone_on_borrowed_cores():

@@ -177,3 +177,35 @@ def test_a_drafter_on_another_node_lends_no_cores(close_engine, hf_target):
     tokens, _ = run(collect(close_engine, request("noborrow-off", prompt, 16, "off", 4, 1)))
     assert tokens == hf_greedy(hf_target, prompt, 16)
     assert _borrowed(close_engine) == before
+
+
+def test_lockstep_one_tree_in_flight_borrows_the_idle_drafters_cores(ray_cluster, tiny_target,
+                                                                     close_draft, far_draft, hf_target):
+    """`ring_slots=1` on one CPU node (lockstep): the drafter drafts only from the committed
+    prefix, so nothing is assumed and nothing rolled back; while the verifier checks its tree the
+    drafter waits for the signal and the verification runs on its cores too. Exact throughout,
+    with a close draft (chains and trees) and with a far one."""
+    from cluster.config import ActorPlacement, AppArgs, PlacementConfig
+    from cluster.pipeline import build_pipeline_engine
+    from .conftest import VERIFIER_RESOURCE
+
+    same_node = ActorPlacement(num_cpus=1, resources={VERIFIER_RESOURCE: 1})
+    args = AppArgs(placement=PlacementConfig(drafter=same_node, verifier=same_node))
+    for draft, cases in ((close_draft, [("chain", 3, 1), ("tree", 3, 2)]), (far_draft, [("chain", 4, 1)])):
+        engine = build_pipeline_engine(args, target_dir=str(tiny_target), draft_dir=str(draft),
+                                       num_blocks=256, ring_slots=1)
+        try:
+            for j, (mode, k, width) in enumerate(cases):
+                prompt = prompts(1, seed=20 + j)[0]
+                before = run(engine.stats())
+                tokens, last = run(collect(engine, request(f"lock-{mode}-{j}", prompt, 24, mode, k, width)))
+                assert tokens == hf_greedy(hf_target, prompt, 24)
+                assert last.num_drafted > 0
+                after = run(engine.stats())
+                spec_steps = after["num_spec_steps"] - before["num_spec_steps"]
+                # every verification of a tree borrowed the waiting drafter's core
+                assert spec_steps > 0 and after["borrowed_steps"] - before["borrowed_steps"] >= spec_steps
+            stats = run(engine.stats())
+            assert stats["drafter_rollbacks"] == 0, stats     # nothing assumed, nothing undone
+        finally:
+            engine.kill_pipeline_actors()

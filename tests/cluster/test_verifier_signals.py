@@ -124,3 +124,34 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
         asyncio.run(asyncio.wait_for(scenario(), 120))
     finally:
         torch.set_num_threads(threads)
+
+
+def test_lockstep_verification_borrows_only_while_every_drafter_waits_for_it(tiny_target):
+    from cluster.wire import TreeHeader
+    from models.tree import TokenTree
+
+    threads = torch.get_num_threads()
+    try:
+        for slots in (1, 2):
+            va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False,
+                                                  "ring_slots": slots})
+            assert va.adaptive.bridges == (slots > 1)
+            va.node_id = "n1"
+            asyncio.run(va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0))
+            streams = {}
+            for rid in ("q", "r"):
+                s = va._new_stream(rid, [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), {"mode": "auto"})
+                s.admitted, s.drafter, s.budget = True, 0, (2, 1)
+                va.streams[rid] = streams[rid] = s
+            tree = TokenTree(torch.tensor([9, 4]), torch.tensor([-1, 0]), torch.tensor([1, 2]), None, 3, 0)
+            both = [(streams[rid], tree, TreeHeader(rid, 0, 0, 3, 3, [], 2, 0)) for rid in ("q", "r")]
+            # both sequences' one tree in flight is in the step: the drafter waits for its signals
+            assert va._step_threads(both) == (2 if slots == 1 else 1)
+            # r's drafter may be drafting (its tree is not in this step): no borrowing
+            assert va._step_threads(both[:1]) == 1
+            streams["r"].budget = streams["r"].sent_budget = (0, 0)       # r held off, drafter told
+            assert va._step_threads(both[:1]) == (2 if slots == 1 else 1)
+            streams["r"].bridge = True                                     # r bridging: drafter busy
+            assert va._step_threads(both[:1]) == 1
+    finally:
+        torch.set_num_threads(threads)
