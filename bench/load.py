@@ -170,6 +170,8 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
            "--grpc-port", str(args.port + 1000), "--engine", args.engine]
     if args.target:
         cmd += ["--target", args.target] + (["--draft", args.draft] if args.draft else [])
+    if args.config:
+        cmd += ["--config", args.config]
     log_path = Path(tempfile.gettempdir()) / f"specflash-load-server-{args.port}.log"
     print(f"starting the server (log: {log_path})", flush=True)
     log = open(log_path, "wb")
@@ -249,6 +251,7 @@ def main(argv=None) -> int:
     p.add_argument("--start", action="store_true", help="start python -m cluster.serve_cli")
     p.add_argument("--target"), p.add_argument("--draft")
     p.add_argument("--engine", default="auto")
+    p.add_argument("--config", help="ClusterConfig YAML for the started server (specflash serve --config)")
     p.add_argument("--port", type=int, default=8321)
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--modes", default="off,auto", help="speculation modes; 'off' is the baseline")
@@ -300,7 +303,8 @@ def main(argv=None) -> int:
               "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                           "processor": platform.processor()},
               "server": {"url": url, "health": health, "target": args.target, "draft": args.draft,
-                         "engine": args.engine},
+                         "engine": args.engine, "config": args.config,
+                         "config_yaml": Path(args.config).read_text() if args.config else None},
               "settings": {"duration_s": args.duration, "max_tokens": args.max_tokens,
                            "modes": modes, "spec_len": args.spec_len, "rounds": args.rounds,
                            "workload": args.workload},
