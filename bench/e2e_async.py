@@ -253,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(1.0: a draft far from the target, where speculation must switch off)")
     p.add_argument("--ring-slots", type=int, default=None,
                    help="trees in flight per sequence in the pipeline (default: PipelineSettings')")
+    p.add_argument("--no-lockstep-alone", action="store_true",
+                   help="keep a lone stream overlapped (PipelineSettings.lockstep_alone off): the "
+                        "asynchronous protocol itself, one request at a time")
     p.add_argument("--tag", default="cpu")
     args = p.parse_args(argv)
     target_dir, draft_dir = args.target, args.draft
@@ -270,6 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         draft_dir = noisy_draft(draft_dir, args.draft_noise, Path(tempfile.mkdtemp()) / "draft")
     methods, pair = sync_methods(target_dir, draft_dir, args.spec_len, args.threads)
     settings = {} if args.ring_slots is None else {"ring_slots": args.ring_slots}
+    if args.no_lockstep_alone:
+        settings["lockstep_alone"] = False
     methods["async"] = measure_async(target_dir, draft_dir, args.spec_len, 1, args.async_mode, **settings)
     try:
         runs = run_interleaved(methods, work, args.max_tokens)

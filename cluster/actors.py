@@ -50,6 +50,8 @@ class DrafterActor:
         set_threads(self.settings.num_cpus)
         self.index, self.verifier = index, verifier
         self._node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        self._verifier_node: str | None = None     # learnt once attached (lockstep while alone)
+        self._verifier_cpus = 0.0
         self.incarnation = uuid.uuid4().hex
         self.side = DraftSide(draft_dir, target_dir, self.settings)
         self.streams: dict[str, DraftStream] = {}
@@ -94,7 +96,7 @@ class DrafterActor:
         puts, draft_s, levels, resync = [], 0.0, 0, []
         pause = 0.05
         while not self._stopped.is_set():
-            busy = bool(puts) or any(s.ready(self.settings.ring_slots) for s in self.streams.values())
+            busy = bool(puts) or any(s.ready(self._slots()) for s in self.streams.values())
             try:
                 reply = ray.get(self.verifier.exchange.remote(
                     self.index, self.incarnation, puts, 0.0 if busy else self._idle_wait_s,
@@ -102,6 +104,7 @@ class DrafterActor:
             except ray.exceptions.RayActorError as e:
                 # dead or restarting: what it held of ours is gone; keep calling until it is back
                 self.counters["verifier_errors"] += 1
+                self._verifier_node = None
                 self._error = f"verifier unreachable: {str(e).strip().splitlines()[0] if str(e).strip() else e}"
                 log.warning("drafter %d: %s; retrying in %.2f s", self.index, self._error, pause)
                 puts, draft_s, levels, resync = [], 0.0, 0, resync + self._drop_streams(list(self.streams))
@@ -121,6 +124,8 @@ class DrafterActor:
                 time.sleep(0.1)
                 continue
             self._attached.set()
+            if self._verifier_node is None:
+                self._verifier_node = self._ask_verifier_node()
             pause = 0.05
             puts, draft_s, levels, resync = [], 0.0, 0, []
             try:
@@ -135,6 +140,28 @@ class DrafterActor:
                     log.exception("drafter %d: step failed; resynchronising its streams", self.index)
                 self._error = f"{type(e).__name__}: {e}"
                 resync = self._drop_streams(list(self.streams))
+
+    def _ask_verifier_node(self) -> str:
+        try:
+            h = ray.get(self.verifier.health.remote(), timeout=10)
+        except Exception:
+            return ""
+        self._verifier_cpus = float(h.get("cpus") or 0.0)
+        return h.get("node_id") or ""
+
+    def _lockstep(self) -> bool:
+        """One tree in flight and nothing assumed past it: always with `ring_slots` 1, and with
+        `lockstep_alone` while this CPU drafter, on its verifier's node and with at least its
+        CPUs, serves one stream (the verifier, deciding the same from its side, then verifies
+        on our cores too, at least doubling its threads)."""
+        if self.settings.ring_slots == 1:
+            return True
+        return (self.settings.lockstep_alone and self.settings.device == "cpu" and len(self.streams) == 1
+                and bool(self._node) and self._node == self._verifier_node
+                and self.settings.num_cpus >= self._verifier_cpus > 0)
+
+    def _slots(self) -> int:
+        return 1 if self._lockstep() else self.settings.ring_slots
 
     def _drop_streams(self, streams: list[str]) -> list[str]:
         """Forget these streams and free their draft KV; returns them (to ask for a resync)."""
@@ -176,7 +203,7 @@ class DrafterActor:
 
     def _draft(self) -> tuple[list, float, int]:
         """One batched draft pass over every stream with room in its ring."""
-        ready = [s for s in self.streams.values() if s.ready(self.settings.ring_slots)]
+        ready = [s for s in self.streams.values() if s.ready(self._slots())]
         ready = ready[: self.settings.max_batch_size]
         if not ready:
             return [], 0.0, 0
@@ -186,7 +213,7 @@ class DrafterActor:
             items.append((s.stream, s.position(), s.params, s.generator, k, width, s.epoch, s.bridge))
         # lockstep (one tree in flight): the next tree waits for this one's signal, so no
         # outcome is assumed and no bonus level drafted; the verifier never bridges
-        assume = self.settings.ring_slots > 1
+        assume = not self._lockstep()
         drafted, seconds = self.side.propose(items, assume)
         self.counters["draft_s"] += seconds
         puts = []

@@ -34,6 +34,7 @@ class PipelineSettings:
     tree_width: int = 1
     proposer: str = "model"
     ring_slots: int = 2              # trees in flight per sequence; 1 = lockstep (nothing assumed)
+    lockstep_alone: bool = True      # lockstep too while a CPU drafter beside its verifier has one stream
     max_batch_size: int = 32         # sequences per verifier forward
     num_blocks: int = 1024           # target KV blocks (the drafter gets as many)
     block_size: int = 16

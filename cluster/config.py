@@ -136,6 +136,11 @@ class SpeculationDefaults(_Model):
         "from the committed prefix (nothing assumed, no rollbacks) and, on a CPU node it shares "
         "with the verifier, lends its cores to each verification; it pays where drafter and "
         "verifier split a few cores."))
+    lockstep_alone: bool = Field(True, description=(
+        "Run in lockstep (as ring_slots 1) while a CPU drafter on its verifier's node, with at "
+        "least the verifier's CPUs, serves one sequence: a lone stream then gets every "
+        "verification on both actors' cores and no bridges; with more streams the pipeline "
+        "overlaps drafting and verification again."))
     max_batch_size: int = Field(32, ge=1, le=4096, description="Sequences per verifier forward.")
     lookup: bool = Field(
         True, description="In auto mode, where the draft model does not pay, the verifier speculates "

@@ -214,6 +214,7 @@ def settings_from_config(config, **overrides) -> PipelineSettings:
     gpu = config.placement.verifier.num_gpus > 0
     base = PipelineSettings(mode=spec.mode, spec_len=spec.spec_len, tree_width=spec.tree_width,
                             proposer=spec.proposer, ring_slots=spec.ring_slots,
+                            lockstep_alone=spec.lockstep_alone,
                             max_batch_size=spec.max_batch_size, lookup=spec.lookup,
                             dtype=config.models.dtype,
                             device="cuda" if gpu else "cpu")

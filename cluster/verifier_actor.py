@@ -168,7 +168,8 @@ class VerifierActor:
                       f"drafter unavailable: none heard from in {self.settings.drafter_timeout_s:g} s")
         return {"ok": self._error is None, "error": self._error, "active": len(self.streams),
                 "drafters_live": live, "speculation": bool(live), "speculation_reason": reason,
-                "incarnation": self.incarnation, "node_id": ray.get_runtime_context().get_node_id()}
+                "incarnation": self.incarnation, "node_id": ray.get_runtime_context().get_node_id(),
+                "cpus": self.settings.num_cpus}
 
     async def get_stats(self) -> dict:
         a, b = self.adaptive.costs.coefficients
@@ -442,6 +443,7 @@ class VerifierActor:
                 self.lookup.add(rid, "auto", s.spec_len, 1)
         # first budgets planned with the running batch (a tree that a large batch's plan would
         # never allow would also take its steps off the borrowed cores)
+        self.adaptive.bridges = self._plan_bridges()
         first = self.adaptive.plan_joining(joins, beside, self._plain_step_s(len(beside) + len(joins)))
         for rid in joins:
             # the drafter hears of the sequence now, so that its prefill and first tree run
@@ -532,13 +534,40 @@ class VerifierActor:
         return self._lendable_threads() if self._drafters_idle() else self.threads
 
     def _drafters_blocked(self, batch: list) -> bool:
-        """Lockstep (`ring_slots` 1): every stream a drafter serves either has its one tree in
-        flight in `batch` or no work for it, so the drafters wait for this step's signals."""
-        if self.settings.ring_slots != 1:
-            return False
+        """Every stream a drafter serves either has its one tree in flight in `batch`, its
+        drafter in lockstep (`_lockstep`), or no work for it: the drafters wait for this step's
+        signals."""
         verifying = {s.request_id for s, tree, header in batch if header is not None}
-        return all(s.request_id in verifying or not (s.budget[0] or s.sent_budget[0] or s.bridge)
-                   for s in self.streams.values() if s.admitted and s.drafter is not None)
+        for s in self.streams.values():
+            if not s.admitted or s.drafter is None:
+                continue
+            if s.request_id in verifying:
+                if not self._lockstep(s.drafter):
+                    return False
+            elif s.budget[0] or s.sent_budget[0] or s.bridge:
+                return False
+        return True
+
+    def _lockstep(self, drafter: int) -> bool:
+        """Whether `drafter` runs in lockstep (one tree in flight, nothing assumed): always with
+        `ring_slots` 1; with `lockstep_alone` while it is a CPU drafter on this node with at least
+        our CPUs (lending them at least doubles a verification's threads) serving one stream
+        (cluster/actors.py decides the same from its side; a stream joining or leaving
+        can leave the two views a step apart, which costs speed, never exactness: outcomes
+        and bridges follow the trees' own headers)."""
+        if self.settings.ring_slots == 1:
+            return True
+        if not (self.settings.lockstep_alone and self.settings.device == "cpu" and self.node_id):
+            return False
+        d = self.drafters.get(drafter)
+        return (d is not None and d.get("node") == self.node_id
+                and (d.get("cpus") or 0) >= self.settings.num_cpus
+                and sum(1 for t in self.streams.values() if t.drafter == drafter) == 1)
+
+    def _plan_bridges(self) -> bool:
+        """Whether the planner counts bridge steps: not while every drafter runs in lockstep."""
+        drafters = {s.drafter for s in self.streams.values() if s.drafter is not None}
+        return not drafters or not all(self._lockstep(i) for i in drafters)
 
     def _drafters_idle(self) -> bool:
         """No stream has work for a drafter: every budget 0, the drafter told so, no bridge."""
@@ -606,6 +635,7 @@ class VerifierActor:
             else:
                 steps.append((s, tree_id, kept))
         live = [s for s, _, _ in steps]
+        self.adaptive.bridges = self._plan_bridges()
         plan = self.adaptive.plan([s.request_id for s in live],
                                   plain_step_s=self._plain_step_s(len(live))) if live else {}
         for s, tree_id, kept in steps:

@@ -152,8 +152,10 @@ def test_plain_steps_borrow_the_cores_of_an_idle_drafter_on_the_same_node(ray_cl
     from .conftest import VERIFIER_RESOURCE
 
     same_node = ActorPlacement(num_cpus=1, resources={VERIFIER_RESOURCE: 1})
+    # lockstep_alone off: a lone stream would otherwise run in lockstep, borrowing each step
     engine = build_pipeline_engine(AppArgs(placement=PlacementConfig(drafter=same_node, verifier=same_node)),
-                                   target_dir=str(tiny_target), draft_dir=str(close_draft), num_blocks=256)
+                                   target_dir=str(tiny_target), draft_dir=str(close_draft), num_blocks=256,
+                                   lockstep_alone=False)
     try:
         verifier, drafters = node_ids(engine)
         assert drafters == [verifier]
@@ -181,19 +183,21 @@ def test_a_drafter_on_another_node_lends_no_cores(close_engine, hf_target):
 
 def test_lockstep_one_tree_in_flight_borrows_the_idle_drafters_cores(ray_cluster, tiny_target,
                                                                      close_draft, far_draft, hf_target):
-    """`ring_slots=1` on one CPU node (lockstep): the drafter drafts only from the committed
-    prefix, so nothing is assumed and nothing rolled back; while the verifier checks its tree the
-    drafter waits for the signal and the verification runs on its cores too. Exact throughout,
-    with a close draft (chains and trees) and with a far one."""
+    """`ring_slots=1` on one CPU node (lockstep), or the default `lockstep_alone` with one
+    stream: the drafter drafts only from the committed prefix, so nothing is assumed and nothing
+    rolled back; while the verifier checks its tree the drafter waits for the signal and the
+    verification runs on its cores too. Exact throughout, with a close draft (chains and trees)
+    and with a far one."""
     from cluster.config import ActorPlacement, AppArgs, PlacementConfig
     from cluster.pipeline import build_pipeline_engine
     from .conftest import VERIFIER_RESOURCE
 
     same_node = ActorPlacement(num_cpus=1, resources={VERIFIER_RESOURCE: 1})
     args = AppArgs(placement=PlacementConfig(drafter=same_node, verifier=same_node))
-    for draft, cases in ((close_draft, [("chain", 3, 1), ("tree", 3, 2)]), (far_draft, [("chain", 4, 1)])):
+    for draft, slots, cases in ((close_draft, 1, [("chain", 3, 1), ("tree", 3, 2)]),
+                                (far_draft, 1, [("chain", 4, 1)]), (close_draft, 2, [("chain", 3, 1)])):
         engine = build_pipeline_engine(args, target_dir=str(tiny_target), draft_dir=str(draft),
-                                       num_blocks=256, ring_slots=1)
+                                       num_blocks=256, ring_slots=slots)
         try:
             for j, (mode, k, width) in enumerate(cases):
                 prompt = prompts(1, seed=20 + j)[0]

@@ -68,7 +68,8 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
     from models.tree import TokenTree
 
     async def run_request(plan: tuple[int, int]) -> tuple[list, int, VerifierActor, list]:
-        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False})
+        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False,
+                                              "lockstep_alone": False})
         va.node_id = "n1"
         await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)         # a drafter on our node
         used = []
@@ -134,7 +135,7 @@ def test_lockstep_verification_borrows_only_while_every_drafter_waits_for_it(tin
     try:
         for slots in (1, 2):
             va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False,
-                                                  "ring_slots": slots})
+                                                  "ring_slots": slots, "lockstep_alone": False})
             assert va.adaptive.bridges == (slots > 1)
             va.node_id = "n1"
             asyncio.run(va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0))
@@ -153,5 +154,42 @@ def test_lockstep_verification_borrows_only_while_every_drafter_waits_for_it(tin
             assert va._step_threads(both[:1]) == (2 if slots == 1 else 1)
             streams["r"].bridge = True                                     # r bridging: drafter busy
             assert va._step_threads(both[:1]) == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_lone_stream_runs_in_lockstep_beside_a_cpu_drafter_with_as_many_cores(tiny_target):
+    """`lockstep_alone`: one stream served by a drafter on our node with at least our CPUs is in
+    lockstep (its verification borrows, the planner counts no bridges); a second stream for the
+    same drafter, a drafter elsewhere or with fewer CPUs, or the setting off, and it is not."""
+    from cluster.wire import TreeHeader
+    from models.tree import TokenTree
+
+    threads = torch.get_num_threads()
+    try:
+        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False})
+        va.node_id = "n1"
+        asyncio.run(va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0))
+
+        def add(rid):
+            s = va._new_stream(rid, [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), {"mode": "auto"})
+            s.admitted, s.drafter, s.budget = True, 0, (2, 1)
+            va.streams[rid] = s
+            return s
+
+        q = add("q")
+        tree = TokenTree(torch.tensor([9, 4]), torch.tensor([-1, 0]), torch.tensor([1, 2]), None, 3, 0)
+        step = [(q, tree, TreeHeader("q", 0, 0, 3, 3, [], 2, 0))]
+        assert va._lockstep(0) and va._step_threads(step) == 2 and not va._plan_bridges()
+        r = add("r")                                     # a second stream: overlap again
+        assert not va._lockstep(0) and va._plan_bridges()
+        assert va._step_threads(step + [(r, tree, TreeHeader("r", 0, 0, 3, 3, [], 2, 0))]) == 1
+        del va.streams["r"]
+        for key, value in (("node", "n2"), ("cpus", 0.5)):   # elsewhere, or fewer CPUs than ours
+            old, va.drafters[0][key] = va.drafters[0][key], value
+            assert not va._lockstep(0) and va._step_threads(step) == 1
+            va.drafters[0][key] = old
+        va.settings.lockstep_alone = False
+        assert not va._lockstep(0) and va._step_threads(step) == 1
     finally:
         torch.set_num_threads(threads)
