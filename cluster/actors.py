@@ -50,7 +50,8 @@ class DrafterActor:
         set_threads(self.settings.num_cpus)
         self.index, self.verifier = index, verifier
         self._node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-        self._verifier_node: str | None = None     # learnt once attached (lockstep while alone)
+        # the verifier's node and CPUs, learnt once attached (lockstep while alone)
+        self._verifier_node: str | None = None
         self._verifier_cpus = 0.0
         self.incarnation = uuid.uuid4().hex
         self.side = DraftSide(draft_dir, target_dir, self.settings)
@@ -125,7 +126,7 @@ class DrafterActor:
                 continue
             self._attached.set()
             if self._verifier_node is None:
-                self._verifier_node = self._ask_verifier_node()
+                self._learn_verifier()
             pause = 0.05
             puts, draft_s, levels, resync = [], 0.0, 0, []
             try:
@@ -141,13 +142,13 @@ class DrafterActor:
                 self._error = f"{type(e).__name__}: {e}"
                 resync = self._drop_streams(list(self.streams))
 
-    def _ask_verifier_node(self) -> str:
+    def _learn_verifier(self) -> None:
+        """The verifier's node and CPUs (from its health): "" and 0 where it does not answer."""
         try:
             h = ray.get(self.verifier.health.remote(), timeout=10)
         except Exception:
-            return ""
-        self._verifier_cpus = float(h.get("cpus") or 0.0)
-        return h.get("node_id") or ""
+            h = {}
+        self._verifier_node, self._verifier_cpus = h.get("node_id") or "", float(h.get("cpus") or 0.0)
 
     def _lockstep(self) -> bool:
         """One tree in flight and nothing assumed past it: always with `ring_slots` 1, and with

@@ -72,7 +72,7 @@ class VerifierActor:
         self.eos_ids = set(eos_ids_of(target_dir))
         self.ring = Ring(self.settings.ring_slots)
         self.adaptive = AdaptiveSpeculation(max_spec_len=16)
-        # lockstep (one tree in flight per sequence): the drafter assumes nothing, so no bridges
+        # bridges count in plans unless in lockstep (set again before each plan: `_plan_bridges`)
         self.adaptive.bridges = self.settings.ring_slots > 1
         self.plain_costs = CostModel()               # steps on borrowed cores: a + b * rows
         self.lookup = AdaptiveSpeculation(max_spec_len=16, overlap=False)   # γ of prompt lookup
@@ -534,9 +534,9 @@ class VerifierActor:
         return self._lendable_threads() if self._drafters_idle() else self.threads
 
     def _drafters_blocked(self, batch: list) -> bool:
-        """Every stream a drafter serves either has its one tree in flight in `batch`, its
-        drafter in lockstep (`_lockstep`), or no work for it: the drafters wait for this step's
-        signals."""
+        """Every stream a drafter serves either has its tree in `batch` and that drafter in
+        lockstep (`_lockstep`: one tree in flight), or no work for it: the drafters wait for
+        this step's signals."""
         verifying = {s.request_id for s, tree, header in batch if header is not None}
         for s in self.streams.values():
             if not s.admitted or s.drafter is None:
@@ -566,6 +566,8 @@ class VerifierActor:
 
     def _plan_bridges(self) -> bool:
         """Whether the planner counts bridge steps: not while every drafter runs in lockstep."""
+        if self.settings.ring_slots == 1:
+            return False
         drafters = {s.drafter for s in self.streams.values() if s.drafter is not None}
         return not drafters or not all(self._lockstep(i) for i in drafters)
 

@@ -46,14 +46,17 @@ def joint_probs(model_dir, params) -> torch.Tensor:
     return (p1[:, None] * p2).reshape(-1)
 
 
-@pytest.mark.parametrize("mode,width,temperature,top_p", [("chain", 1, 1.0, 1.0), ("tree", 2, 0.8, 0.9)])
-def test_sampled_pairs_follow_the_target(make_engine, small_vocab_pair, mode, width, temperature, top_p):
+@pytest.mark.parametrize("mode,width,temperature,top_p,ring_slots", [
+    ("chain", 1, 1.0, 1.0, 2), ("tree", 2, 0.8, 0.9, 2),
+    ("chain", 1, 1.0, 1.0, 1)])    # lockstep: trees carry no assumed outcome, nothing bridges
+def test_sampled_pairs_follow_the_target(make_engine, small_vocab_pair, mode, width, temperature, top_p,
+                                         ring_slots):
     from models.sampling import SamplingParams
 
     target, draft = small_vocab_pair
     # patience for the first trees: under CI load the drafter's prefill of 32 joins can be slow,
     # and a request that never saw a tree would test nothing
-    engine = make_engine(target, draft, num_blocks=256, max_tree_wait_s=20.0)
+    engine = make_engine(target, draft, num_blocks=256, max_tree_wait_s=20.0, ring_slots=ring_slots)
     params = SamplingParams(temperature=temperature, top_p=top_p)
 
     async def sample_all():
