@@ -46,10 +46,13 @@ def engine_for(args, replay_file: str):
     gpu = 0.5 if args.device == "cuda" else 0.0
     placement = PlacementConfig(drafter=ActorPlacement(num_cpus=1, num_gpus=gpu),
                                 verifier=ActorPlacement(num_cpus=1, num_gpus=gpu))
+    settings = {} if args.ring_slots is None else {"ring_slots": args.ring_slots}
+    if args.no_lockstep_alone:     # on a CPU drafter: keep the lone stream overlapped, as on a GPU
+        settings["lockstep_alone"] = False
     return build_pipeline_engine(AppArgs(placement=placement), target_dir=args.target, draft_dir=args.draft,
                                  dtype=args.dtype, device=args.device, proposer="replay",
                                  replay_file=replay_file, num_blocks=args.num_blocks, mode="chain",
-                                 spec_len=args.spec_len, ready_timeout_s=900)
+                                 spec_len=args.spec_len, ready_timeout_s=900, **settings)
 
 
 async def run_prompts(engine, prompts, mode: str, args) -> dict:
@@ -58,6 +61,8 @@ async def run_prompts(engine, prompts, mode: str, args) -> dict:
 
     spec = SpeculationOptions(mode=mode, spec_len=args.spec_len)
     before = await engine.stats()
+    drafter = engine.pipelines[0].drafters[0]
+    d_before = await drafter.info.remote()
     outs, seconds = [], 0.0
     for i, prompt in enumerate(prompts):
         req = GenerationRequest(f"{mode}-{time.monotonic_ns()}-{i}", prompt,
@@ -71,9 +76,10 @@ async def run_prompts(engine, prompts, mode: str, args) -> dict:
         seconds += time.perf_counter() - start
         outs.append(tokens)
     after = await engine.stats()
+    d_after = await drafter.info.remote()
     d = {k: after[k] - before[k] for k in ("num_accepted", "num_drafted", "num_spec_steps", "num_rejected_steps",
                                            "verifier_idle_s", "verifier_wall_s", "num_steps", "num_batches",
-                                           "fallback_steps", "trees_dropped", "rollbacks")}
+                                           "fallback_steps", "drafter_absent_steps", "trees_dropped", "rollbacks")}
     n = sum(len(t) for t in outs)
     acc, rej = d["num_accepted"], d["num_rejected_steps"]
     return {"outputs": outs, "tokens": n, "seconds": seconds, "tokens_per_s": n / seconds,
@@ -83,8 +89,16 @@ async def run_prompts(engine, prompts, mode: str, args) -> dict:
             "verifier_idle_fraction": d["verifier_idle_s"] / d["verifier_wall_s"] if d["verifier_wall_s"] else None,
             # why steps went without a tree: decoded alone after waiting (fallback), trees that
             # arrived stale (dropped), contradicted assumptions (rollbacks)
+            # ... or no tree wanted from a drafter silent past drafter_timeout_s (absent)
             "counts": {k: d[k] for k in ("num_steps", "num_spec_steps", "num_batches", "fallback_steps",
-                                         "trees_dropped", "rollbacks")},
+                                         "drafter_absent_steps", "trees_dropped", "rollbacks")},
+            # the drafter's side: trees, seconds drafting, its longest stretch between two calls
+            # to the verifier so far (a compile or a graph capture shows here) and its incarnation
+            "drafter": {"trees": d_after["trees"] - d_before["trees"],
+                        "draft_s": d_after["draft_s"] - d_before["draft_s"],
+                        "work_s_max_so_far": d_after.get("work_s_max"),
+                        "restarted": d_after["incarnation"] != d_before["incarnation"],
+                        "cuda_graphs": d_after.get("cuda_graphs")},
             "costs": after["costs"][0] if after["costs"] else None}
 
 
@@ -131,6 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument("--ring-slots", type=int, default=None,
+                   help="PipelineSettings.ring_slots (1: lockstep, one tree in flight)")
+    p.add_argument("--no-lockstep-alone", action="store_true",
+                   help="PipelineSettings.lockstep_alone off (a CPU drafter's lone stream stays overlapped)")
     p.add_argument("--tag", default="gpu")
     args = p.parse_args(argv)
     import ray
@@ -165,10 +183,12 @@ def measure(engine, prompts, args, save=lambda points: None) -> list[dict]:
     ray.get(drafter.set_replay.remote(refs))
     points = [{"corruption": None, "method": "off", **{k: v for k, v in off.items() if k != "outputs"},
                "speedup": 1.0, "gamma": None}]
-    # Warm-up of the speculating shapes (trees, partial accepts, bridge steps) on both sides:
-    # their first forwards compile kernels and capture CUDA graphs, hundreds of ms each.
-    ray.get(drafter.set_replay_corruption.remote(0.5))
-    asyncio.run(run_prompts(engine, prompts[:1], "chain", args))
+    # Warm-up of the speculating shapes (trees, partial and full accepts, bridge steps, the
+    # planner's shorter chains) on both sides: their first forwards compile kernels and capture
+    # CUDA graphs, hundreds of ms each; a drafter busy past drafter_timeout_s reads as absent.
+    for c, mode in ((0.5, "chain"), (0.0, "chain"), (0.2, "auto")):
+        ray.get(drafter.set_replay_corruption.remote(c))
+        asyncio.run(run_prompts(engine, prompts[:1], mode, args))
     for c in [float(x) for x in args.corruption.split(",")]:
         ray.get(drafter.set_replay_corruption.remote(c))
         for mode in args.modes.split(","):
@@ -183,7 +203,8 @@ def measure(engine, prompts, args, save=lambda points: None) -> list[dict]:
                            "speedup": r["tokens_per_s"] / off["tokens_per_s"], "exact": exact,
                            "first_divergence": diverge})
             print(f"corruption {c:.2f} {mode:5s}: {r['tokens_per_s']:.1f} tok/s, speedup {points[-1]['speedup']:.2f}x, "
-                  f"gamma {r['gamma']}, idle {r['verifier_idle_fraction']}, exact {exact}, {r['counts']}", flush=True)
+                  f"gamma {r['gamma']}, idle {r['verifier_idle_fraction']}, exact {exact}, {r['counts']}, "
+                  f"drafter {r['drafter']}", flush=True)
             save(points)     # a run cut short by its time limit still leaves the points it measured
     return points
 

@@ -57,7 +57,8 @@ class DrafterActor:
         self.side = DraftSide(draft_dir, target_dir, self.settings)
         self.streams: dict[str, DraftStream] = {}
         self.counters = {"trees": 0, "nodes": 0, "rollbacks": 0, "wasted_nodes": 0, "draft_s": 0.0,
-                         "frames_rejected": 0, "verifier_errors": 0, "resets": 0}
+                         "frames_rejected": 0, "verifier_errors": 0, "resets": 0,
+                         "work_s_max": 0.0}   # longest stretch between two exchanges (the verifier hears nothing)
         self._attached = threading.Event()
         self._stopped = threading.Event()
         self._error: str | None = None
@@ -78,7 +79,8 @@ class DrafterActor:
                 "running": self._thread.is_alive(), "error": self._error, **self.counters,
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "kv_free": None if cache is None else cache.num_free_blocks,
-                "kv_total": None if cache is None else cache.num_blocks, "rss_bytes": rss_bytes()}
+                "kv_total": None if cache is None else cache.num_blocks, "rss_bytes": rss_bytes(),
+                "cuda_graphs": None if self.side.graphs is None else self.side.graphs.stats()}
 
     def set_replay_corruption(self, corruption: float) -> None:
         """BENCHMARK ONLY: the corruption rate of the replay proposer (cluster/replay.py)."""
@@ -129,9 +131,11 @@ class DrafterActor:
                 self._learn_verifier()
             pause = 0.05
             puts, draft_s, levels, resync = [], 0.0, 0, []
+            work_start = time.perf_counter()
             try:
                 self._apply(decode_signals(reply))
                 puts, draft_s, levels = self._draft()
+                self.counters["work_s_max"] = max(self.counters["work_s_max"], time.perf_counter() - work_start)
             except Exception as e:      # a bug or a bad frame: drop our state, ask to be resynced
                 if isinstance(e, WireError):
                     self.counters["frames_rejected"] += 1

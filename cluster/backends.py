@@ -146,6 +146,7 @@ class TargetSide:
         self.vocab_size = model.config.vocab_size
         self.max_context = model.config.max_position_embeddings
         self.verifier = Verifier(model, model.new_cache(num_blocks, block_size))
+        self.graphs = getattr(model, "graphs", None)     # models.cuda_graphs.GraphedLayers on a GPU
 
     @property
     def cache(self):
@@ -188,6 +189,7 @@ class DraftSide:
         from models.eagle import refuse_in_pipeline
 
         st = settings
+        self.graphs = None
         self._request_cls = DraftRequest
         self._has_width = "tree_width" in {f.name for f in fields(DraftRequest)}
         vocab = _config_of(target_dir).vocab_size
@@ -197,6 +199,7 @@ class DraftSide:
             return
         refuse_in_pipeline(draft_dir)
         model = _load(draft_dir, st.device, st.dtype)
+        self.graphs = getattr(model, "graphs", None)
         rows = None if is_random(draft_dir) else read_logit_rows(draft_dir, vocab)
         self.proposer = ModelProposer(model, model.new_cache(st.num_blocks, st.block_size),
                                       MAX_SPEC_LEN + 1, 1, None, rows, vocab)

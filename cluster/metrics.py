@@ -44,6 +44,7 @@ class SpecStats:
     spec_on_decisions: int = 0
     spec_off_decisions: int = 0
     fallback_steps: int = 0           # sequence-steps decoded alone while speculation was wanted
+    drafter_absent_steps: int = 0     # ... because the sequence's drafter was silent (dead, or busy past drafter_timeout_s)
     frames_rejected: int = 0          # malformed / version-mismatched wire frames refused
     borrowed_steps: int = 0           # target forwards run on idle drafters' cores too (CPU)
     lookup_trees: int = 0             # prompt-lookup chains the verifier drafted itself
@@ -99,6 +100,9 @@ class SpecStats:
 
     def observe_fallback(self) -> None:
         self.fallback_steps += 1
+
+    def observe_drafter_absent(self) -> None:
+        self.drafter_absent_steps += 1
 
     def observe_rejected_frame(self) -> None:
         self.frames_rejected += 1

@@ -131,6 +131,7 @@ class PipelineEngine:
                           if k in raw})
             costs[-1]["forward_ms_by_rows"] = raw.get("forward_ms_by_rows", {})
             costs[-1]["borrowed_forward_ms_by_rows"] = raw.get("borrowed_forward_ms_by_rows", {})
+            costs[-1]["cuda_graphs"] = raw.get("cuda_graphs")
             live = raw.get("drafters_live", [])
             alive += len(live)
             ids = getattr(p, "drafter_indices", None) or list(range(len(p.drafters)))

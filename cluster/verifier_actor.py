@@ -181,7 +181,9 @@ class VerifierActor:
                 "forward_ms_by_rows": {r: 1e3 * t / n for r, (n, t) in sorted(self._forward_by_rows.items())},
                 "borrowed_forward_ms_by_rows": {r: 1e3 * t / n for r, (n, t)
                                                 in sorted(self._borrowed_by_rows.items())},
-                "drafters_live": [i for i in self.drafters if self._live(i)]}
+                "drafters_live": [i for i in self.drafters if self._live(i)],
+                # CUDA graphs of the target's small forwards (None off a GPU): captures, replays, eager
+                "cuda_graphs": None if self.side.graphs is None else self.side.graphs.stats()}
 
     async def kv_usage(self) -> dict:
         """KV blocks, ring slots and the other per-request state (all 0 / free when idle)."""
@@ -482,12 +484,15 @@ class VerifierActor:
             ring = self.ring.stream(s.request_id)
             entry, dropped = ring.head_valid(s.committed)
             self._drop(dropped)
-            wants = s.budget[0] > 0 and self._live(s.drafter) and not s.bridge
             if entry is not None and entry.frame is not None:
                 ring.pop()
                 batch.append((s, self._tree_of(entry), entry.header))
                 s.waiting_since, s.first_tree = None, False
                 continue
+            planned = s.budget[0] > 0 and not s.bridge
+            wants = planned and self._live(s.drafter)
+            if planned and not wants:      # its drafter is dead, restarting or stuck: decode alone
+                self.stats.observe_drafter_absent()
             if wants:
                 s.waiting_since = s.waiting_since or now
                 late = s.waiting_since + self._patience(s)

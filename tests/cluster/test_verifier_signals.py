@@ -193,3 +193,33 @@ def test_a_lone_stream_runs_in_lockstep_beside_a_cpu_drafter_with_as_many_cores(
         assert not va._lockstep(0) and va._step_threads(step) == 1
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_silent_drafters_sequences_decode_alone_counted_as_absent(tiny_target):
+    """Planned trees from a drafter silent past drafter_timeout_s are not waited for: those
+    steps decode alone at once and count as drafter_absent_steps (not as fallbacks, which
+    waited first)."""
+    async def scenario():
+        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False,
+                                              "drafter_timeout_s": 0.2, "max_tree_wait_s": 5.0})
+        await va.exchange(0, "d0", [], 0.0)                              # a drafter attaches
+        va.adaptive.plan = va.adaptive.plan_joining = lambda streams, *_, **__: {s: (2, 1) for s in streams}
+        params = asdict(SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        # live and silent for less than its timeout: the first step waits for its tree (no
+        # absence yet); once it has been silent past the timeout, steps run without it
+        gen = va.generate("r", list(range(3, 12)), params, {"mode": "chain", "spec_len": 2})
+        start = asyncio.get_running_loop().time()
+        tokens = []
+        async for chunk in gen:
+            tokens += chunk.token_ids
+        waited = asyncio.get_running_loop().time() - start
+        assert len(tokens) == 4
+        assert va.stats.drafter_absent_steps >= 3, va.stats
+        assert va.stats.fallback_steps == 0 and va.stats.num_spec_steps == 0
+        assert waited < 2.0, f"a silent drafter must not hold the verifier back ({waited:.2f} s)"
+
+    threads = torch.get_num_threads()
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        torch.set_num_threads(threads)
