@@ -32,7 +32,7 @@ import uuid
 
 import ray
 
-from cluster.backends import DraftSide, PipelineSettings, rss_bytes, set_threads
+from cluster.backends import DraftSide, PipelineSettings, gpu_ids, rss_bytes, set_threads, shares_gpu
 from cluster.streams import DraftStream
 from cluster.verifier_actor import VerifierActor
 from cluster.wire import Signal, TreeHeader, WireError, decode_signals, encode_tree, pack_header
@@ -50,14 +50,18 @@ class DrafterActor:
         set_threads(self.settings.num_cpus)
         self.index, self.verifier = index, verifier
         self._node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
-        # the verifier's node and CPUs, learnt once attached (lockstep while alone)
+        self._gpus = gpu_ids(self.settings.device)      # None on a CPU
+        # the verifier's node, CPUs and GPUs, learnt once attached (lockstep while alone / on its GPU)
         self._verifier_node: str | None = None
         self._verifier_cpus = 0.0
+        self._verifier_gpus: list[str] | None = None
         self.incarnation = uuid.uuid4().hex
         self.side = DraftSide(draft_dir, target_dir, self.settings)
+        self.warm_up_s = self.side.warm_up(self.settings.spec_len)    # GPU: compile and capture now
         self.streams: dict[str, DraftStream] = {}
         self.counters = {"trees": 0, "nodes": 0, "rollbacks": 0, "wasted_nodes": 0, "draft_s": 0.0,
                          "frames_rejected": 0, "verifier_errors": 0, "resets": 0,
+                         "exchanges": 0, "exchange_s_max": 0.0,   # calls to the verifier; the longest one
                          "work_s_max": 0.0}   # longest stretch between two exchanges (the verifier hears nothing)
         self._attached = threading.Event()
         self._stopped = threading.Event()
@@ -80,7 +84,8 @@ class DrafterActor:
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "kv_free": None if cache is None else cache.num_free_blocks,
                 "kv_total": None if cache is None else cache.num_blocks, "rss_bytes": rss_bytes(),
-                "cuda_graphs": None if self.side.graphs is None else self.side.graphs.stats()}
+                "cuda_graphs": None if self.side.graphs is None else self.side.graphs.stats(),
+                "warm_up_s": self.warm_up_s}
 
     def set_replay_corruption(self, corruption: float) -> None:
         """BENCHMARK ONLY: the corruption rate of the replay proposer (cluster/replay.py)."""
@@ -100,10 +105,11 @@ class DrafterActor:
         pause = 0.05
         while not self._stopped.is_set():
             busy = bool(puts) or any(s.ready(self._slots()) for s in self.streams.values())
+            called = time.perf_counter()
             try:
                 reply = ray.get(self.verifier.exchange.remote(
                     self.index, self.incarnation, puts, 0.0 if busy else self._idle_wait_s,
-                    draft_s, levels, resync, self._node, self.settings.num_cpus))
+                    draft_s, levels, resync, self._node, self.settings.num_cpus, self._gpus))
             except ray.exceptions.RayActorError as e:
                 # dead or restarting: what it held of ours is gone; keep calling until it is back
                 self.counters["verifier_errors"] += 1
@@ -127,6 +133,8 @@ class DrafterActor:
                 time.sleep(0.1)
                 continue
             self._attached.set()
+            self.counters["exchanges"] += 1
+            self.counters["exchange_s_max"] = max(self.counters["exchange_s_max"], time.perf_counter() - called)
             if self._verifier_node is None:
                 self._learn_verifier()
             pause = 0.05
@@ -147,19 +155,27 @@ class DrafterActor:
                 resync = self._drop_streams(list(self.streams))
 
     def _learn_verifier(self) -> None:
-        """The verifier's node and CPUs (from its health): "" and 0 where it does not answer."""
+        """The verifier's node, CPUs and GPUs (from its health): "", 0 and None where it does
+        not answer."""
         try:
             h = ray.get(self.verifier.health.remote(), timeout=10)
         except Exception:
             h = {}
         self._verifier_node, self._verifier_cpus = h.get("node_id") or "", float(h.get("cpus") or 0.0)
+        self._verifier_gpus = h.get("gpus")
 
     def _lockstep(self) -> bool:
-        """One tree in flight and nothing assumed past it: always with `ring_slots` 1, and with
-        `lockstep_alone` while this CPU drafter, on its verifier's node and with at least its
-        CPUs, serves one stream (the verifier, deciding the same from its side, then verifies
-        on our cores too, at least doubling its threads)."""
+        """One tree in flight and nothing assumed past it: always with `ring_slots` 1; with
+        `lockstep_shared_gpu` while we run on our verifier's GPU (overlapped forwards of two
+        processes on one GPU are time-sliced: on an H200 a verification cost 3-7x more beside
+        our drafting, bench/results/gpu-20261130c/); and with `lockstep_alone` while this CPU
+        drafter, on its verifier's node and with at least its CPUs, serves one stream (the
+        verifier, deciding the same from its side, then verifies on our cores too, at least
+        doubling its threads)."""
         if self.settings.ring_slots == 1:
+            return True
+        if self.settings.lockstep_shared_gpu and shares_gpu(self._node, self._gpus, self._verifier_node or "",
+                                                              self._verifier_gpus):
             return True
         return (self.settings.lockstep_alone and self.settings.device == "cpu" and len(self.streams) == 1
                 and bool(self._node) and self._node == self._verifier_node

@@ -49,6 +49,11 @@ Two facts of the asynchronous pipeline enter the plan (`overlap=True`):
   cores (cluster/verifier_actor.py): its measured cost, `plain_step_s`, is the
   baseline a plan must beat, not the verifier's own-thread step.
 
+In lockstep (one tree in flight: `ring_slots` 1, a drafter on the verifier's GPU, a
+lone stream beside a CPU drafter; `VerifierActor._plan_overlap`) the pipeline takes
+turns like the synchronous engine: `overlap` and `bridges` are off, and the draft
+cost per level is the verifier's measured wait for the trees.
+
 A new sequence starts from the acceptance the drafter has been earning: its γ
 prior (worth `prior_weight` levels) is the pooled γ of recent verifications
 across all sequences, or 0.6 before there are any. A draft far from the target
@@ -75,11 +80,14 @@ class CostModel:
     exponentially-weighted least squares; a prior until the first measurement,
     and b = slope_ratio · a while only one batch shape has been seen.
 
-    The first measurement of each batch shape (rows verified, levels drafted) is
-    left out: that forward pays one-off work — Triton compiling for the shape, a
-    CUDA graph's capture (on an H200 a first 2-row verification took 413 ms against
-    ~14 ms for one row), first-use weight packing on a CPU — and with the fit's slow
-    decay one such sample would misprice every plan for dozens of steps."""
+    The first two measurements of each batch shape (rows verified, levels drafted)
+    are left out: those forwards pay one-off work — Triton compiling for the shape,
+    then a CUDA graph's capture (`models.cuda_graphs`: a key's first forward runs
+    eagerly, its second captures; on an H200 a first 2-row verification took 413 ms
+    against ~14 ms for one row), first-use weight packing on a CPU — and with the
+    fit's slow decay one such sample would misprice every plan for dozens of steps."""
+
+    ONE_OFF = 2      # first measurements of a shape left out: compile, capture
 
     def __init__(self, a: float = 0.02, b: float = 0.002, d: float = 0.004,
                  decay: float = 0.98, slope_ratio: float = 0.1, overlap: bool = True) -> None:
@@ -89,8 +97,8 @@ class CostModel:
         self.slope_ratio = slope_ratio   # b / a assumed while the data cannot tell the slope
         self._s = [0.0] * 5              # weighted sums for y = a + b x: [w, wx, wy, wxx, wxy]
         self.d = d
-        self._seen_rows: set[int] = set()     # batch shapes whose first (one-off) cost was skipped
-        self._seen_levels: set[int] = set()
+        self._seen_rows: dict[int, int] = {}     # batch shape -> its one-off costs skipped so far
+        self._seen_levels: dict[int, int] = {}
 
     def _add(self, x: float, y: float, w: float) -> None:
         s = self._s
@@ -98,8 +106,8 @@ class CostModel:
             s[i] += v
 
     def observe_verify(self, rows: int, seconds: float) -> None:
-        if rows not in self._seen_rows:
-            self._seen_rows.add(rows)
+        if self._seen_rows.get(rows, 0) < self.ONE_OFF:
+            self._seen_rows[rows] = self._seen_rows.get(rows, 0) + 1
             return
         self._s = [v * self.decay for v in self._s]
         self._add(float(rows), seconds, 1.0)
@@ -110,8 +118,8 @@ class CostModel:
         return self._s[0] > 0
 
     def observe_draft(self, levels: int, seconds: float) -> None:
-        if levels > 0 and levels not in self._seen_levels:
-            self._seen_levels.add(levels)
+        if levels > 0 and self._seen_levels.get(levels, 0) < self.ONE_OFF:
+            self._seen_levels[levels] = self._seen_levels.get(levels, 0) + 1
             return
         if levels > 0:
             self.d = 0.8 * self.d + 0.2 * seconds / levels

@@ -35,6 +35,7 @@ class PipelineSettings:
     proposer: str = "model"
     ring_slots: int = 2              # trees in flight per sequence; 1 = lockstep (nothing assumed)
     lockstep_alone: bool = True      # lockstep too while a CPU drafter beside its verifier has one stream
+    lockstep_shared_gpu: bool = True  # lockstep while drafter and verifier run on the same GPU
     max_batch_size: int = 32         # sequences per verifier forward
     num_blocks: int = 1024           # target KV blocks (the drafter gets as many)
     block_size: int = 16
@@ -78,6 +79,27 @@ def plain_step_threads(setting: int, own: int, device: str, node: str, drafters:
     if setting > 0:
         return setting
     return own + sum(threads_of(d.get("cpus", 0)) for d in drafters if node and d.get("node") == node)
+
+
+def gpu_ids(device: str) -> list[str] | None:
+    """The GPUs Ray gave this actor (ids as Ray names them), [] where it named none; None off a
+    GPU (`device` "cpu")."""
+    import ray
+
+    if device == "cpu":
+        return None
+    if not ray.is_initialized():
+        return []
+    return [str(i) for i in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+
+
+def shares_gpu(node: str, gpus: list[str] | None, other_node: str, other_gpus: list[str] | None) -> bool:
+    """Whether two actors run on one GPU: the same node and a GPU id in common, or both on a GPU
+    with none named (each then uses the node's first visible device). Two processes on one GPU
+    have their kernels time-sliced, so overlapping their forwards gains nothing (cluster/actors.py)."""
+    if gpus is None or other_gpus is None or not node or node != other_node:
+        return False
+    return bool(set(gpus) & set(other_gpus)) or (not gpus and not other_gpus)
 
 
 def rss_bytes() -> int:
@@ -170,6 +192,32 @@ class TargetSide:
     def release(self, seq_id: str) -> None:
         self.verifier.release(seq_id)
 
+    def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False) -> float:
+        """On a GPU (or with `on_cpu`, for tests), before the actor serves: one dummy sequence through a prefill, plain steps
+        and chain verifications of 1..`spec_len` nodes, each shape twice, so that Triton compiles
+        those kernels and the CUDA graphs of one sequence are captured now rather than inside
+        the first requests (on an H200 a cold first draft took 5 s, long enough for the
+        verifier to count its drafter as gone, bench/results/gpu-20261130c/). Returns the
+        seconds it took (0 on a CPU: nothing is compiled or captured there)."""
+        if self.cache.device.type != "cuda" and not on_cpu:
+            return 0.0
+        from models.sampling import SamplingParams
+        from models.tree import TokenTree
+        from verifier import VerifyRequest
+
+        start, sid = time.perf_counter(), "__warm_up__"
+        committed = [1] * prompt_len
+        params, gen = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
+        self.prefill(sid, committed)
+        try:
+            for k in [0, 0] + [k for k in range(1, spec_len + 1) for _ in (0, 1)]:
+                tree = TokenTree.empty(len(committed)) if k == 0 else TokenTree.chain([1] * k, None, len(committed))
+                res = self.verifier.verify([VerifyRequest(sid, committed[-1], tree, params, gen)])[0]
+                committed += res.token_ids
+        finally:
+            self.release(sid)
+        return time.perf_counter() - start
+
 
 @dataclass
 class Drafted:
@@ -258,3 +306,26 @@ class DraftSide:
 
     def release(self, seq_id: str) -> None:
         self.proposer.release(seq_id)
+
+    def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False) -> float:
+        """On a GPU (or with `on_cpu`, for tests), before the actor serves: draft for one dummy sequence at every depth up to
+        `spec_len` (+ the bonus and bridge levels), with and without an assumed outcome, each
+        twice (`TargetSide.warm_up`: Triton compiles and CUDA-graph captures happen now).
+        Returns the seconds it took (0 on a CPU or without a draft model)."""
+        cache = self.cache
+        if self.kind == "ngram" or cache is None or (cache.device.type != "cuda" and not on_cpu):
+            return 0.0
+        from models.sampling import SamplingParams
+
+        start, sid = time.perf_counter(), "__warm_up__"
+        params, gen = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
+        prefix = [1] * prompt_len
+        try:
+            for k in range(1, spec_len + 1):
+                for assume, bridge in ((True, False), (True, True), (False, False)):
+                    for _ in (0, 1):
+                        self.propose([(sid, prefix, params, gen, k, 1, 0, bridge)], assume)
+                        self.rollback(sid, len(prefix) - 1)
+        finally:
+            self.release(sid)
+        return time.perf_counter() - start

@@ -141,6 +141,10 @@ class SpeculationDefaults(_Model):
         "least the verifier's CPUs, serves one sequence: a lone stream then gets every "
         "verification on both actors' cores and no bridges; with more streams the pipeline "
         "overlaps drafting and verification again."))
+    lockstep_shared_gpu: bool = Field(True, description=(
+        "Run in lockstep (as ring_slots 1) while the drafter runs on the verifier's GPU: two "
+        "processes' forwards on one GPU are time-sliced, so overlapping them gains nothing and "
+        "slows each verification (3-7x on an H200, bench/results/gpu-20261130c)."))
     max_batch_size: int = Field(32, ge=1, le=4096, description="Sequences per verifier forward.")
     lookup: bool = Field(
         True, description="In auto mode, where the draft model does not pay, the verifier speculates "

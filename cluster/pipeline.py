@@ -132,6 +132,7 @@ class PipelineEngine:
             costs[-1]["forward_ms_by_rows"] = raw.get("forward_ms_by_rows", {})
             costs[-1]["borrowed_forward_ms_by_rows"] = raw.get("borrowed_forward_ms_by_rows", {})
             costs[-1]["cuda_graphs"] = raw.get("cuda_graphs")
+            costs[-1]["warm_up_s"] = raw.get("warm_up_s")
             live = raw.get("drafters_live", [])
             alive += len(live)
             ids = getattr(p, "drafter_indices", None) or list(range(len(p.drafters)))
@@ -216,6 +217,7 @@ def settings_from_config(config, **overrides) -> PipelineSettings:
     base = PipelineSettings(mode=spec.mode, spec_len=spec.spec_len, tree_width=spec.tree_width,
                             proposer=spec.proposer, ring_slots=spec.ring_slots,
                             lockstep_alone=spec.lockstep_alone,
+                            lockstep_shared_gpu=spec.lockstep_shared_gpu,
                             max_batch_size=spec.max_batch_size, lookup=spec.lookup,
                             dtype=config.models.dtype,
                             device="cuda" if gpu else "cpu")

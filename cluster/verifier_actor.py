@@ -43,8 +43,8 @@ import ray
 import torch
 
 from cluster.adaptive import AdaptiveSpeculation, CostModel, VerifyCosts, plan_lookups
-from cluster.backends import (PipelineSettings, TargetSide, eos_ids_of, plain_step_threads, rss_bytes,
-                               set_threads, threads_of)
+from cluster.backends import (PipelineSettings, TargetSide, eos_ids_of, gpu_ids, plain_step_threads,
+                              rss_bytes, set_threads, shares_gpu, threads_of)
 from cluster.metrics import SpecStats
 from cluster.protocol import GenerationChunk
 from cluster.ring import Ring, RingEntry
@@ -66,15 +66,18 @@ class VerifierActor:
         set_threads(self.settings.num_cpus)
         self.threads = threads_of(self.settings.num_cpus)
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
+        self.gpu_ids = gpu_ids(self.settings.device)   # None on a CPU
         self.incarnation = uuid.uuid4().hex
         self.side = TargetSide(target_dir, self.settings.num_blocks, self.settings.block_size,
                                self.settings.device, self.settings.dtype)
+        self.warm_up_s = self.side.warm_up(self.settings.spec_len)    # GPU: compile and capture now
         self.eos_ids = set(eos_ids_of(target_dir))
         self.ring = Ring(self.settings.ring_slots)
         self.adaptive = AdaptiveSpeculation(max_spec_len=16)
-        # bridges count in plans unless in lockstep (set again before each plan: `_plan_bridges`)
-        self.adaptive.bridges = self.settings.ring_slots > 1
-        self.plain_costs = CostModel()               # steps on borrowed cores: a + b * rows
+        # bridges count in plans and drafting overlaps verification, unless in lockstep (set
+        # again before each plan: `_plan_overlap`)
+        self.adaptive.bridges = self.adaptive.costs.overlap = self.settings.ring_slots > 1
+        self.plain_costs = CostModel()   # plain steps (on borrowed cores; on a GPU all): a + b * rows
         self.lookup = AdaptiveSpeculation(max_spec_len=16, overlap=False)   # γ of prompt lookup
         self.adaptive.row_limit = self.lookup.row_limit = few_row_limit(self.side.verifier.model)
         self.stats = SpecStats()
@@ -128,10 +131,11 @@ class VerifierActor:
 
     async def exchange(self, drafter: int, incarnation: str, puts: list, wait_s: float,
                        draft_s: float = 0.0, draft_levels: int = 0, resync: list | tuple = (),
-                       node: str = "", cpus: float = 0.0) -> bytes:
+                       node: str = "", cpus: float = 0.0, gpus: list | None = None) -> bytes:
         """Drafter -> verifier: file its trees in the ring; return the signals queued for it.
         `node` / `cpus`: where the drafter runs and the CPUs it reserved (cores a plain step
-        may borrow while it has nothing to draft, `plain_step_threads`)."""
+        may borrow while it has nothing to draft, `plain_step_threads`); `gpus`: the GPUs Ray
+        gave it (None on a CPU; one of ours: lockstep, `_lockstep`)."""
         self._ensure_loop()
         headers = self._unpack_puts(drafter, puts)     # refuses the whole call on a bad frame
         now = time.monotonic()
@@ -140,9 +144,10 @@ class VerifierActor:
             self._attach(drafter, incarnation)
             info = self.drafters[drafter]
         info["last_seen"] = now
-        info["node"], info["cpus"] = node, cpus
+        info["node"], info["cpus"], info["gpus"] = node, cpus, None if gpus is None else [str(g) for g in gpus]
         if draft_levels:
-            self.adaptive.costs.observe_draft(draft_levels, draft_s)
+            if not self._lockstep(drafter):   # in lockstep `_step` prices the wait for its trees instead
+                self.adaptive.costs.observe_draft(draft_levels, draft_s)
             info["tree_s"] = 0.7 * info["tree_s"] + 0.3 * draft_s
         for header, (_, refs) in zip(headers, puts):
             self._put(drafter, header, refs[0])
@@ -169,7 +174,7 @@ class VerifierActor:
         return {"ok": self._error is None, "error": self._error, "active": len(self.streams),
                 "drafters_live": live, "speculation": bool(live), "speculation_reason": reason,
                 "incarnation": self.incarnation, "node_id": ray.get_runtime_context().get_node_id(),
-                "cpus": self.settings.num_cpus}
+                "cpus": self.settings.num_cpus, "gpus": self.gpu_ids}
 
     async def get_stats(self) -> dict:
         a, b = self.adaptive.costs.coefficients
@@ -183,7 +188,8 @@ class VerifierActor:
                                                 in sorted(self._borrowed_by_rows.items())},
                 "drafters_live": [i for i in self.drafters if self._live(i)],
                 # CUDA graphs of the target's small forwards (None off a GPU): captures, replays, eager
-                "cuda_graphs": None if self.side.graphs is None else self.side.graphs.stats()}
+                "cuda_graphs": None if self.side.graphs is None else self.side.graphs.stats(),
+                "warm_up_s": self.warm_up_s}
 
     async def kv_usage(self) -> dict:
         """KV blocks, ring slots and the other per-request state (all 0 / free when idle)."""
@@ -402,9 +408,22 @@ class VerifierActor:
         self.stats.observe_wall(end - start)
         # the planner pays what a step really costs: its wall time plus the idle waits before it;
         # plain steps on borrowed cores have their own model (the baseline a plan must beat)
-        drafted = any(tree.num_nodes for _, tree, header in batch if header is not None)
+        drafted = [(s, tree) for s, tree, header in batch if header is not None and tree.num_nodes]
         costs = self.plain_costs if borrowed and not drafted else self.adaptive.costs
-        costs.observe_verify(rows, end - admitted + self._idle_carry)
+        if drafted and all(self._lockstep(s.drafter) for s, _ in drafted):
+            # the drafters drafted these trees while we waited (lockstep): that wait is the
+            # draft's cost per level, the forward alone the verification's (a sum, not a max)
+            costs.observe_verify(rows, end - admitted)
+            if self._idle_carry > 0:
+                levels = max(int(tree.depths.max()) for _, tree in drafted)
+                self.adaptive.costs.observe_draft(levels, self._idle_carry)
+        else:
+            costs.observe_verify(rows, end - admitted + self._idle_carry)
+            if not drafted and not borrowed and self.settings.device != "cpu":
+                # on a GPU a one-row forward runs another kernel than a few-row one (fp32 8B on an
+                # H200: 12 ms against 19-21 ms for 2-5 rows), which a + b·rows fitted over
+                # speculating steps cannot see: plain steps get their own model, the baseline
+                self.plain_costs.observe_verify(rows, end - admitted + self._idle_carry)
         self._idle_carry = 0.0
 
     async def _on_model_thread(self, fn, *args):
@@ -445,7 +464,7 @@ class VerifierActor:
                 self.lookup.add(rid, "auto", s.spec_len, 1)
         # first budgets planned with the running batch (a tree that a large batch's plan would
         # never allow would also take its steps off the borrowed cores)
-        self.adaptive.bridges = self._plan_bridges()
+        self._plan_overlap()
         first = self.adaptive.plan_joining(joins, beside, self._plain_step_s(len(beside) + len(joins)))
         for rid in joins:
             # the drafter hears of the sequence now, so that its prefill and first tree run
@@ -562,9 +581,12 @@ class VerifierActor:
         and bridges follow the trees' own headers)."""
         if self.settings.ring_slots == 1:
             return True
+        d = self.drafters.get(drafter)
+        if (self.settings.lockstep_shared_gpu and d is not None
+                and shares_gpu(self.node_id, self.gpu_ids, d.get("node") or "", d.get("gpus"))):
+            return True
         if not (self.settings.lockstep_alone and self.settings.device == "cpu" and self.node_id):
             return False
-        d = self.drafters.get(drafter)
         return (d is not None and d.get("node") == self.node_id
                 and (d.get("cpus") or 0) >= self.settings.num_cpus
                 and sum(1 for t in self.streams.values() if t.drafter == drafter) == 1)
@@ -575,6 +597,13 @@ class VerifierActor:
             return False
         drafters = {s.drafter for s in self.streams.values() if s.drafter is not None}
         return not drafters or not all(self._lockstep(i) for i in drafters)
+
+    def _plan_overlap(self) -> None:
+        """Before a plan: while every drafter runs in lockstep, a step costs the wait for its
+        trees plus the forward (`CostModel.overlap` off) and no bridges follow; else drafting
+        runs beside verification and contradicted outcomes bridge."""
+        overlapped = self._plan_bridges()
+        self.adaptive.bridges = self.adaptive.costs.overlap = overlapped
 
     def _drafters_idle(self) -> bool:
         """No stream has work for a drafter: every budget 0, the drafter told so, no bridge."""
@@ -588,9 +617,12 @@ class VerifierActor:
                                   self.node_id, live)
 
     def _plain_step_s(self, rows: int) -> float | None:
-        """What a step of `rows` sequences all decoding alone costs on borrowed cores, when it
-        would borrow now and such steps have been measured; else None (the planner's own model)."""
-        return self.plain_costs.step_time(rows, 0) if self._borrowing_measured() else None
+        """What a step of `rows` sequences all decoding alone costs: on borrowed cores, when it
+        would borrow now and such steps have been measured; on a GPU, as plain steps measured;
+        else None (the planner's own model)."""
+        if self._borrowing_measured() or (self.settings.device != "cpu" and self.plain_costs.observed):
+            return self.plain_costs.step_time(rows, 0)
+        return None
 
     def _borrowing_measured(self) -> bool:
         """A plain step would run on borrowed cores now, and such steps have been measured."""
@@ -642,7 +674,7 @@ class VerifierActor:
             else:
                 steps.append((s, tree_id, kept))
         live = [s for s, _, _ in steps]
-        self.adaptive.bridges = self._plan_bridges()
+        self._plan_overlap()
         plan = self.adaptive.plan([s.request_id for s in live],
                                   plain_step_s=self._plain_step_s(len(live))) if live else {}
         for s, tree_id, kept in steps:

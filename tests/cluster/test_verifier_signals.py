@@ -223,3 +223,115 @@ def test_a_silent_drafters_sequences_decode_alone_counted_as_absent(tiny_target)
         asyncio.run(asyncio.wait_for(scenario(), 120))
     finally:
         torch.set_num_threads(threads)
+
+
+def test_shares_gpu_rule():
+    from cluster.backends import shares_gpu
+
+    assert shares_gpu("n1", ["0"], "n1", ["0"])                  # half a GPU each, the same one
+    assert shares_gpu("n1", ["0", "1"], "n1", ["1"])
+    assert not shares_gpu("n1", ["0"], "n1", ["1"])              # two GPUs of one node
+    assert not shares_gpu("n1", ["0"], "n2", ["0"])              # GPU 0 of two nodes
+    assert shares_gpu("n1", [], "n1", [])                        # none named: both on the first
+    assert not shares_gpu("n1", [], "n1", ["0"])
+    assert not shares_gpu("n1", None, "n1", None)                # CPUs
+    assert not shares_gpu("", ["0"], "", ["0"])                  # where unknown: no
+
+
+def test_a_drafter_on_our_gpu_runs_in_lockstep_and_the_planner_prices_turns(tiny_target):
+    """`lockstep_shared_gpu`: a drafter on the verifier's GPU is in lockstep whatever the number
+    of streams (the planner then adds the wait for a tree to the forward, and counts no
+    bridges); on another GPU, another node, a CPU, or with the setting off, it is not. The
+    drafter decides the same from its side."""
+    from types import SimpleNamespace
+
+    from cluster.actors import DrafterActor
+    from cluster.backends import PipelineSettings
+
+    threads = torch.get_num_threads()
+    try:
+        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False})
+        va.node_id, va.gpu_ids = "n1", ["0"]          # as on a GPU node (the model stays on the CPU)
+        asyncio.run(va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0, gpus=["0"]))
+        for rid in ("q", "r", "s"):
+            s = va._new_stream(rid, [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), {"mode": "auto"})
+            s.admitted, s.drafter, s.budget = True, 0, (2, 1)
+            va.streams[rid] = s
+        va._plan_overlap()
+        assert va._lockstep(0) and not va.adaptive.bridges and not va.adaptive.costs.overlap
+        for key, value in (("gpus", ["1"]), ("node", "n2"), ("gpus", None)):
+            old, va.drafters[0][key] = va.drafters[0][key], value
+            va._plan_overlap()
+            assert not va._lockstep(0) and va.adaptive.bridges and va.adaptive.costs.overlap
+            va.drafters[0][key] = old
+        va.settings.lockstep_shared_gpu = False
+        assert not va._lockstep(0)
+    finally:
+        torch.set_num_threads(threads)
+
+    def drafter(**kw):
+        d = dict(settings=PipelineSettings(device="cuda"), streams={"q": 0, "r": 0}, _node="n1", _gpus=["0"],
+                 _verifier_node="n1", _verifier_cpus=1.0, _verifier_gpus=["0"])
+        d.update(kw)
+        return SimpleNamespace(**d)
+
+    assert DrafterActor._lockstep(drafter())
+    assert not DrafterActor._lockstep(drafter(_verifier_gpus=["1"]))
+    assert not DrafterActor._lockstep(drafter(_verifier_node="n2"))
+    assert not DrafterActor._lockstep(drafter(_verifier_gpus=None))      # a CPU verifier
+    assert not DrafterActor._lockstep(drafter(settings=PipelineSettings(device="cuda", lockstep_shared_gpu=False)))
+
+
+def test_lockstep_pricing_switches_speculation_off_where_taking_turns_does_not_pay():
+    """Costs measured on an H200 in lockstep (bench/results/gpu-20261130c): a one-row forward
+    12.4 ms, five rows 18.5 ms, the wait for a 4-level tree 20 ms. Priced as turns (forward
+    plus wait), a sequence at γ 0.5 decodes alone and one at γ 0.95 speculates; had the waits
+    been folded into the forward's a + b·rows, a run of five-row steps alone would read as a
+    slope it cannot separate from the wait, and γ 0.5 would speculate and lose (0.63× measured)."""
+    from cluster.adaptive import AdaptiveSpeculation
+
+    def planner(overlap: bool) -> AdaptiveSpeculation:
+        a = AdaptiveSpeculation(max_spec_len=4)
+        a.costs.overlap = a.bridges = overlap
+        return a
+
+    turns = planner(False)
+    for _ in range(5):
+        turns.costs.observe_verify(1, 0.0124)
+        turns.costs.observe_verify(5, 0.0185)
+        turns.costs.observe_draft(4, 0.020)
+    folded = planner(True)
+    for _ in range(5):
+        folded.costs.observe_verify(5, 0.0385)    # the forward plus the wait, five rows each time
+    for gamma, want_on in ((0.5, False), (0.95, True)):
+        for a in (turns, folded):
+            a.add("x", "auto", 4, 1)
+            st = a.seqs["x"]
+            st.attempts, st.accepts = 1000.0, 1000.0 * gamma
+        assert (turns.plan(["x"])["x"][0] > 0) == want_on, (gamma, turns.plan(["x"]))
+    folded.seqs["x"].accepts = 500.0           # γ 0.5: the folded model speculates (what lost on the GPU)
+    assert folded.plan(["x"])["x"][0] > 0
+
+
+def test_on_a_gpu_plain_steps_are_the_baseline_a_plan_must_beat(tiny_target):
+    """A GPU verifier prices decoding alone from its measured plain steps (a one-row forward
+    runs another kernel than a few-row one there); a CPU one without borrowed cores keeps the
+    planner's own model."""
+    async def plain_tokens(device: str) -> VerifierActor:
+        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False})
+        va.settings.device = device                   # the model stays on the CPU either way
+        params = asdict(SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+        async for _ in va.generate("p", list(range(3, 12)), params, {"mode": "off"}):
+            pass
+        return va
+
+    threads = torch.get_num_threads()
+    try:
+        gpu = asyncio.run(asyncio.wait_for(plain_tokens("cuda"), 120))
+        n, seconds = gpu._forward_by_rows[1]
+        assert gpu.plain_costs.observed and gpu._plain_step_s(1) is not None
+        assert gpu._plain_step_s(1) < 3 * seconds / n + 0.01
+        cpu = asyncio.run(asyncio.wait_for(plain_tokens("cpu"), 120))
+        assert not cpu.plain_costs.observed and cpu._plain_step_s(1) is None
+    finally:
+        torch.set_num_threads(threads)
