@@ -12,7 +12,8 @@
 #                (the steps' own limits add to 590 s; in practice they end well inside)
 #   by hand:     OUT=/tmp/gpu_check bash bench/gpu_check.sh
 #   some steps:  STEPS="forward e2e" bash bench/gpu_check.sh
-#                (e2e-lockstep, not run by default: the e2e step again with ring_slots 1)
+#                (e2e-overlapped, not run by default: the e2e step with the actors' forwards
+#                overlapped on the one GPU instead of taking turns)
 #
 # At most 8 files come back from $OUT: env.txt, pytest_gpu.log, bench_kernels.log
 # (its table also in kernels_table.md), kernels.json, gpu_forward.json,
@@ -75,21 +76,21 @@ fi
 # after every point, so a run cut short still brings its points back.
 if want e2e; then
   echo "== bench/gpu_e2e.py ($((SECONDS - t0)) s)"
-  timeout 200 "$PY" bench/gpu_e2e.py --tag gpu --dtype float32 --max-tokens 64 --prompts 2 \
+  timeout 200 "$PY" bench/gpu_e2e.py --tag gpu --dtype float32 --max-tokens 64 --prompts 2 --ray-logs \
     --corruption 0,0.2,0.5,0.8 2>&1 | tee -a "$OUT/gpu_e2e.log"
   test "${PIPESTATUS[0]}" -eq 0 || status=1
   cp bench/results/gpu_e2e_async_gpu.json "$OUT/" 2>/dev/null || status=1
   cp bench/results/gpu_e2e_async_speedup_vs_acceptance_gpu.png "$OUT/" 2>/dev/null || status=1
 fi
 
-# ---- 5. (not in the default STEPS) the same end-to-end run in lockstep: ring_slots 1, one
-# tree in flight, nothing assumed past it (no rollbacks), beside step 4's overlapped pipeline
-if want e2e-lockstep; then
-  echo "== bench/gpu_e2e.py --ring-slots 1 ($((SECONDS - t0)) s)"
-  timeout 200 "$PY" bench/gpu_e2e.py --tag gpu-ring1 --ring-slots 1 --dtype float32 --max-tokens 64 --prompts 2 \
-    --corruption 0,0.2,0.5,0.8 2>&1 | tee -a "$OUT/gpu_e2e.log"
+# ---- 5. (not in the default STEPS) the same end-to-end run with the two actors' forwards
+# overlapped on the one GPU (lockstep_shared_gpu off), beside step 4's lockstep
+if want e2e-overlapped; then
+  echo "== bench/gpu_e2e.py --no-lockstep-shared-gpu ($((SECONDS - t0)) s)"
+  timeout 200 "$PY" bench/gpu_e2e.py --tag gpu-overlapped --no-lockstep-shared-gpu --dtype float32 \
+    --max-tokens 64 --prompts 2 --corruption 0,0.2,0.5,0.8 2>&1 | tee -a "$OUT/gpu_e2e.log"
   test "${PIPESTATUS[0]}" -eq 0 || status=1
-  cp bench/results/gpu_e2e_async_gpu-ring1.json "$OUT/" 2>/dev/null || status=1
+  cp bench/results/gpu_e2e_async_gpu-overlapped.json "$OUT/" 2>/dev/null || status=1
 fi
 
 echo "== gpu_check done in $((SECONDS - t0)) s, status $status"

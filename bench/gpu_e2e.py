@@ -1,8 +1,9 @@
 """GPU end-to-end speedup of the async pipeline against acceptance, without real large weights.
 
 BENCHMARK ONLY (issue 4, item 9). A Llama-3-8B-shaped target and a Llama-3.2-1B-
-shaped draft with random weights (bf16) run as the pipeline's verifier and
-drafter actors on one GPU (half a GPU each in Ray's accounting). A random
+shaped draft with random weights run as the pipeline's verifier and drafter
+actors on one GPU (half a GPU each in Ray's accounting; sharing it, they take
+turns: `lockstep_shared_gpu`, off with --no-lockstep-shared-gpu). A random
 draft never agrees with a random target, so the drafter is the clearly named
 `cluster.replay.CorruptedReplayProposer`: it runs the real 1B-shaped draft for
 its cost, then replays the target's own recorded greedy continuation with each
@@ -47,8 +48,10 @@ def engine_for(args, replay_file: str):
     placement = PlacementConfig(drafter=ActorPlacement(num_cpus=1, num_gpus=gpu),
                                 verifier=ActorPlacement(num_cpus=1, num_gpus=gpu))
     settings = {} if args.ring_slots is None else {"ring_slots": args.ring_slots}
-    if args.no_lockstep_alone:     # on a CPU drafter: keep the lone stream overlapped, as on a GPU
+    if args.no_lockstep_alone:     # on a CPU drafter: keep the lone stream overlapped
         settings["lockstep_alone"] = False
+    if args.no_lockstep_shared_gpu:   # on one GPU: overlap the two actors' forwards anyway
+        settings["lockstep_shared_gpu"] = False
     return build_pipeline_engine(AppArgs(placement=placement), target_dir=args.target, draft_dir=args.draft,
                                  dtype=args.dtype, device=args.device, proposer="replay",
                                  replay_file=replay_file, num_blocks=args.num_blocks, mode="chain",
@@ -97,6 +100,9 @@ async def run_prompts(engine, prompts, mode: str, args) -> dict:
             "drafter": {"trees": d_after["trees"] - d_before["trees"],
                         "draft_s": d_after["draft_s"] - d_before["draft_s"],
                         "work_s_max_so_far": d_after.get("work_s_max"),
+                        "exchanges": d_after["exchanges"] - d_before["exchanges"],
+                        "exchange_s_max_so_far": d_after.get("exchange_s_max"),
+                        "warm_up_s": d_after.get("warm_up_s"),
                         "restarted": d_after["incarnation"] != d_before["incarnation"],
                         "cuda_graphs": d_after.get("cuda_graphs")},
             "costs": after["costs"][0] if after["costs"] else None}
@@ -149,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="PipelineSettings.ring_slots (1: lockstep, one tree in flight)")
     p.add_argument("--no-lockstep-alone", action="store_true",
                    help="PipelineSettings.lockstep_alone off (a CPU drafter's lone stream stays overlapped)")
+    p.add_argument("--no-lockstep-shared-gpu", action="store_true",
+                   help="PipelineSettings.lockstep_shared_gpu off: drafter and verifier on the one GPU "
+                        "overlap their forwards (time-sliced) instead of taking turns")
+    p.add_argument("--ray-logs", action="store_true", help="the actors' log lines on stderr (log_to_driver)")
     p.add_argument("--tag", default="gpu")
     args = p.parse_args(argv)
     import ray
@@ -160,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [torch.randint(0, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
     # A bounded object store: trees and signals are small, and a VM's /dev/shm may be.
     ray.init(address="local", num_cpus=4, num_gpus=1 if args.device == "cuda" else 0,
-             object_store_memory=2 << 30, include_dashboard=False, log_to_driver=False)
+             object_store_memory=2 << 30, include_dashboard=False, log_to_driver=args.ray_logs)
     with tempfile.TemporaryDirectory() as tmp:
         replay = Path(tmp) / "replay.json"
         replay.write_text("[]")
