@@ -12,6 +12,7 @@
 #                (the steps' own limits add to 590 s; in practice they end well inside)
 #   by hand:     OUT=/tmp/gpu_check bash bench/gpu_check.sh
 #   some steps:  STEPS="forward e2e" bash bench/gpu_check.sh
+#   more points: CORRUPTION=0,0.1,0.2,0.35,0.5,0.8 STEPS=e2e bash bench/gpu_check.sh
 #                (e2e-overlapped, not run by default: the e2e step with the actors' forwards
 #                overlapped on the one GPU instead of taking turns)
 #
@@ -26,6 +27,7 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 STEPS=${STEPS:-tests kernels forward e2e}
+CORRUPTION=${CORRUPTION:-0,0.2,0.5,0.8}      # the e2e steps' replay corruption rates
 status=0
 t0=$SECONDS
 want() { case " $STEPS " in *" $1 "*) return 0;; *) return 1;; esac; }
@@ -77,7 +79,7 @@ fi
 if want e2e; then
   echo "== bench/gpu_e2e.py ($((SECONDS - t0)) s)"
   timeout 200 "$PY" bench/gpu_e2e.py --tag gpu --dtype float32 --max-tokens 64 --prompts 2 --ray-logs \
-    --corruption 0,0.2,0.5,0.8 2>&1 | tee -a "$OUT/gpu_e2e.log"
+    --corruption "$CORRUPTION" 2>&1 | tee -a "$OUT/gpu_e2e.log"
   test "${PIPESTATUS[0]}" -eq 0 || status=1
   cp bench/results/gpu_e2e_async_gpu.json "$OUT/" 2>/dev/null || status=1
   cp bench/results/gpu_e2e_async_speedup_vs_acceptance_gpu.png "$OUT/" 2>/dev/null || status=1
@@ -88,7 +90,7 @@ fi
 if want e2e-overlapped; then
   echo "== bench/gpu_e2e.py --no-lockstep-shared-gpu ($((SECONDS - t0)) s)"
   timeout 200 "$PY" bench/gpu_e2e.py --tag gpu-overlapped --no-lockstep-shared-gpu --dtype float32 \
-    --max-tokens 64 --prompts 2 --corruption 0,0.2,0.5,0.8 2>&1 | tee -a "$OUT/gpu_e2e.log"
+    --max-tokens 64 --prompts 2 --corruption "$CORRUPTION" 2>&1 | tee -a "$OUT/gpu_e2e.log"
   test "${PIPESTATUS[0]}" -eq 0 || status=1
   cp bench/results/gpu_e2e_async_gpu-overlapped.json "$OUT/" 2>/dev/null || status=1
 fi

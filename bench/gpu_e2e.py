@@ -112,7 +112,39 @@ def eq32(gamma: float, k: int) -> float:
     return (1 - gamma ** (k + 1)) / (1 - gamma) if gamma < 1 else k + 1.0
 
 
-def plot(points: list[dict], k: int, cost_ratio: float, path: Path) -> None:
+def turns_model(points: list[dict], k: int) -> float | None:
+    """(T(K+1) + K·d) / T(1) for a pipeline taking turns (lockstep): T(n) the verifier's mean
+    forward of n rows (one row from the `off` point, K+1 from the last), d the median wait per
+    drafted level over the chain points; None where a figure is missing."""
+    off = next((p for p in points if p["method"] == "off" and p.get("costs")), None)
+    last = next((p for p in reversed(points) if p.get("costs")), None)
+    waits = sorted(p["costs"]["draft_level_s"] for p in points if p["method"] == "async" and p.get("costs"))
+    if off is None or last is None or not waits:
+        return None
+    def ms(point, rows):        # keys are ints as the verifier reports them, strings once saved
+        for key in ("forward_ms_by_rows", "borrowed_forward_ms_by_rows"):   # CPU lockstep: borrowed
+            by_rows = point["costs"].get(key) or {}
+            if by_rows.get(rows, by_rows.get(str(rows))):
+                return by_rows.get(rows, by_rows.get(str(rows)))
+        return None
+
+    t1, tk = ms(off, 1), ms(last, k + 1)
+    if not t1 or not tk:
+        return None
+    return (tk + k * 1e3 * waits[len(waits) // 2]) / t1
+
+
+def taking_turns(args) -> bool:
+    """Whether this run's pipeline was in lockstep: `ring_slots` 1, or the drafter on the
+    verifier's GPU (`lockstep_shared_gpu`) or, on a CPU, beside it with one stream
+    (`lockstep_alone`; the benchmark runs one request at a time)."""
+    if getattr(args, "ring_slots", None) == 1:
+        return True
+    off = args.no_lockstep_shared_gpu if args.device == "cuda" else args.no_lockstep_alone
+    return not off
+
+
+def plot(points: list[dict], k: int, cost_ratio: float, path: Path, turns_ratio: float | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -120,13 +152,19 @@ def plot(points: list[dict], k: int, cost_ratio: float, path: Path) -> None:
 
     g = [i / 100 for i in range(100)]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(g, [eq32(x, k) / cost_ratio for x in g], label=f"Eq. 3.2 · T(1)/T(K+1), K={k}")
+    ax.plot(g, [eq32(x, k) / cost_ratio for x in g], label=f"Eq. 3.2 · T(1)/T(K+1), K={k} (drafting hidden)")
+    if turns_ratio:
+        ax.plot(g, [eq32(x, k) / turns_ratio for x in g], ls="--",
+                label="Eq. 3.2 · T(1)/(T(K+1) + K·d) (taking turns)")
     pts = [p for p in points if p["gamma"] is not None and p["method"] == "async"]
     ax.scatter([p["gamma"] for p in pts], [p["speedup"] for p in pts], label="measured (async pipeline, chains of K)")
-    auto = [p for p in points if p["gamma"] is not None and p["method"] == "async-auto"]
+    # auto at the draft's acceptance: the chains' γ at the same corruption (auto's own γ comes
+    # from the few probes it sends where it decodes alone)
+    chain_gamma = {p["corruption"]: p["gamma"] for p in pts}
+    auto = [p for p in points if p["method"] == "async-auto" and chain_gamma.get(p["corruption"]) is not None]
     if auto:
-        ax.scatter([p["gamma"] for p in auto], [p["speedup"] for p in auto], marker="x",
-                   label="measured (async pipeline, auto)")
+        ax.scatter([chain_gamma[p["corruption"]] for p in auto], [p["speedup"] for p in auto], marker="x",
+                   label="measured (async pipeline, auto), at the chains' γ")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("per-token acceptance γ (controlled by replay corruption)")
     ax.set_ylabel("speedup over the target alone")
@@ -159,8 +197,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="PipelineSettings.lockstep_shared_gpu off: drafter and verifier on the one GPU "
                         "overlap their forwards (time-sliced) instead of taking turns")
     p.add_argument("--ray-logs", action="store_true", help="the actors' log lines on stderr (log_to_driver)")
+    p.add_argument("--replot", nargs=2, metavar=("JSON", "PNG"),
+                   help="recompute a saved run's model columns in JSON and redraw PNG; runs nothing")
     p.add_argument("--tag", default="gpu")
     args = p.parse_args(argv)
+    if args.replot:
+        return replot(Path(args.replot[0]), Path(args.replot[1]))
     import ray
 
     from cluster.replay import random_config
@@ -219,25 +261,48 @@ def measure(engine, prompts, args, save=lambda points: None) -> list[dict]:
     return points
 
 
-def write_json(points: list[dict], args, partial: bool = False) -> tuple[Path, float]:
-    """Points beside Eq. 3.2 with the verifier's measured cost ratio T(K+1)/T(1)."""
+def write_json(points: list[dict], args, partial: bool = False, out: Path | None = None,
+               meta: dict | None = None) -> tuple[Path, float]:
+    """Points beside Eq. 3.2 with the verifier's measured cost ratio T(K+1)/T(1) (and, taking
+    turns, (T(K+1) + K·d)/T(1)). `out`/`meta`: rewrite a saved run (`--replot`)."""
     costs = next((p["costs"] for p in reversed(points) if p.get("costs")), None)
     a, b = (costs["verify_cost_a_s"], costs["verify_cost_b_s"]) if costs else (1.0, 0.0)
     ratio = (a + b * (args.spec_len + 1)) / (a + b)
+    turns = turns_model(points, args.spec_len) if taking_turns(args) else None
     for pt in points:
         pt["eq32_speedup"] = None if pt["gamma"] is None else eq32(pt["gamma"], args.spec_len) / ratio
+        pt["eq32_turns_speedup"] = (None if pt["gamma"] is None or turns is None
+                                    else eq32(pt["gamma"], args.spec_len) / turns)
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"gpu_e2e_async_{args.tag}.json"
-    out.write_text(json.dumps({"args": vars(args), "points": points, "verify_cost_ratio": ratio, "partial": partial,
-                               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, indent=1))
+    out = out or RESULTS / f"gpu_e2e_async_{args.tag}.json"
+    meta = meta or {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    out.write_text(json.dumps({"args": vars(args), "points": points, "verify_cost_ratio": ratio,
+                               "turns_cost_ratio": turns, "partial": partial, **meta}, indent=1))
     return out, ratio
+
+
+def replot(path: Path, png: Path) -> int:
+    """Recompute a saved run's model columns and redraw its plot (no GPU, nothing run)."""
+    import types
+
+    saved = json.loads(path.read_text())
+    args = types.SimpleNamespace(**{"ring_slots": None, "no_lockstep_alone": False,
+                                    "no_lockstep_shared_gpu": False, **saved["args"]})
+    points = saved["points"]
+    _, ratio = write_json(points, args, saved.get("partial", False), out=path,
+                          meta={"device": saved.get("device"), "date": saved.get("date")})
+    plot([p for p in points if p["method"] != "off"], args.spec_len, ratio, png,
+         turns_model(points, args.spec_len) if taking_turns(args) else None)
+    print(f"rewrote {path} and {png}")
+    return 0
 
 
 def report(points: list[dict], args) -> int:
     out, ratio = write_json(points, args)
     png = RESULTS / f"gpu_e2e_async_speedup_vs_acceptance_{args.tag}.png"
-    plot([p for p in points if p["method"] != "off"], args.spec_len, ratio, png)
+    plot([p for p in points if p["method"] != "off"], args.spec_len, ratio, png,
+         turns_model(points, args.spec_len) if taking_turns(args) else None)
     print(f"wrote {out} and {png}")
     bad = [p["corruption"] for p in points if p.get("exact") is False]
     if bad:
