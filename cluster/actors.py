@@ -10,6 +10,8 @@ trees in flight fully accepted plus its own guess of each bonus token
 (DESIGN §3 step 2). A signal that contradicts the assumption bumps the epoch,
 drops the trees in flight and rolls the draft KV back (cluster/streams.py).
 When every ring is full, `exchange` long-polls: the drafter's backpressure.
+Each call also says whether anything is left to draft (`idle`): only an idle
+drafter's cores may run the verifier's forwards (cluster/verifier_actor.py).
 
 A drafter may die or be restarted by Ray (`max_restarts`) at any time: the
 verifier never waits for it past a short patience, and a restarted drafter
@@ -104,12 +106,13 @@ class DrafterActor:
         puts, draft_s, levels, resync = [], 0.0, 0, []
         pause = 0.05
         while not self._stopped.is_set():
-            busy = bool(puts) or any(s.ready(self._slots()) for s in self.streams.values())
+            more = any(s.ready(self._slots()) for s in self.streams.values())
+            busy = bool(puts) or more
             called = time.perf_counter()
             try:
                 reply = ray.get(self.verifier.exchange.remote(
                     self.index, self.incarnation, puts, 0.0 if busy else self._idle_wait_s,
-                    draft_s, levels, resync, self._node, self.settings.num_cpus, self._gpus))
+                    draft_s, levels, resync, self._node, self.settings.num_cpus, self._gpus, not more))
             except ray.exceptions.RayActorError as e:
                 # dead or restarting: what it held of ours is gone; keep calling until it is back
                 self.counters["verifier_errors"] += 1

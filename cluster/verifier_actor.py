@@ -74,9 +74,16 @@ class VerifierActor:
         self.eos_ids = set(eos_ids_of(target_dir))
         self.ring = Ring(self.settings.ring_slots)
         self.adaptive = AdaptiveSpeculation(max_spec_len=16)
-        # bridges count in plans and drafting overlaps verification, unless in lockstep (set
-        # again before each plan: `_plan_overlap`)
-        self.adaptive.bridges = self.adaptive.costs.overlap = self.settings.ring_slots > 1
+        # Step costs, one model per way of stepping (a lockstep step on a CPU runs on the
+        # drafter's cores too, an overlapped one on ours: one fit of both would misprice each).
+        # Overlapped: verify (+ idle waits) beside drafting, the larger of the two counts.
+        # Lockstep: the forward, plus the wait for the trees as the draft's cost per level.
+        self.overlap_costs = self.adaptive.costs
+        self.lockstep_costs = CostModel(overlap=False)
+        # the planner's (bridges, costs), set again before each plan: `_plan_overlap`
+        self.adaptive.bridges = self.settings.ring_slots > 1
+        if self.settings.ring_slots == 1:
+            self.adaptive.costs = self.lockstep_costs
         self.plain_costs = CostModel()   # plain steps (on borrowed cores; on a GPU all): a + b * rows
         self.lookup = AdaptiveSpeculation(max_spec_len=16, overlap=False)   # γ of prompt lookup
         self.adaptive.row_limit = self.lookup.row_limit = few_row_limit(self.side.verifier.model)
@@ -131,11 +138,14 @@ class VerifierActor:
 
     async def exchange(self, drafter: int, incarnation: str, puts: list, wait_s: float,
                        draft_s: float = 0.0, draft_levels: int = 0, resync: list | tuple = (),
-                       node: str = "", cpus: float = 0.0, gpus: list | None = None) -> bytes:
+                       node: str = "", cpus: float = 0.0, gpus: list | None = None,
+                       idle: bool | None = None) -> bytes:
         """Drafter -> verifier: file its trees in the ring; return the signals queued for it.
         `node` / `cpus`: where the drafter runs and the CPUs it reserved (cores a plain step
         may borrow while it has nothing to draft, `plain_step_threads`); `gpus`: the GPUs Ray
-        gave it (None on a CPU; one of ours: lockstep, `_lockstep`)."""
+        gave it (None on a CPU; one of ours: lockstep, `_lockstep`). `idle`: after this call it
+        has nothing to draft until a signal comes (None: so if it delivers no trees); only an
+        idle drafter lends its cores, until we signal it again."""
         self._ensure_loop()
         headers = self._unpack_puts(drafter, puts)     # refuses the whole call on a bad frame
         now = time.monotonic()
@@ -145,9 +155,12 @@ class VerifierActor:
             info = self.drafters[drafter]
         info["last_seen"] = now
         info["node"], info["cpus"], info["gpus"] = node, cpus, None if gpus is None else [str(g) for g in gpus]
+        # idle unless signals giving it a tree to draft wait for it here (this reply carries them)
+        info["idle"] = (((not puts) if idle is None else bool(idle))
+                        and not any(sig.budget and sig.budget[0] > 0 for sig in self.outbox.get(drafter, ())))
         if draft_levels:
             if not self._lockstep(drafter):   # in lockstep `_step` prices the wait for its trees instead
-                self.adaptive.costs.observe_draft(draft_levels, draft_s)
+                self.overlap_costs.observe_draft(draft_levels, draft_s)
             info["tree_s"] = 0.7 * info["tree_s"] + 0.3 * draft_s
         for header, (_, refs) in zip(headers, puts):
             self._put(drafter, header, refs[0])
@@ -299,6 +312,8 @@ class VerifierActor:
     def _send(self, drafter: int, sig: Signal) -> None:
         self.outbox[drafter].append(sig)
         self._mail[drafter].set()
+        if drafter in self.drafters and sig.budget and sig.budget[0] > 0:
+            self.drafters[drafter]["idle"] = False     # a tree to draft: its cores are its own again
 
     def _unpack_puts(self, drafter: int, puts: list) -> list[TreeHeader]:
         """The headers of a drafter's puts; a malformed one refuses the whole call (WireError)."""
@@ -409,15 +424,15 @@ class VerifierActor:
         # the planner pays what a step really costs: its wall time plus the idle waits before it;
         # plain steps on borrowed cores have their own model (the baseline a plan must beat)
         drafted = [(s, tree) for s, tree, header in batch if header is not None and tree.num_nodes]
-        costs = self.plain_costs if borrowed and not drafted else self.adaptive.costs
         if drafted and all(self._lockstep(s.drafter) for s, _ in drafted):
             # the drafters drafted these trees while we waited (lockstep): that wait is the
             # draft's cost per level, the forward alone the verification's (a sum, not a max)
-            costs.observe_verify(rows, end - admitted)
+            self.lockstep_costs.observe_verify(rows, end - admitted)
             if self._idle_carry > 0:
                 levels = max(int(tree.depths.max()) for _, tree in drafted)
-                self.adaptive.costs.observe_draft(levels, self._idle_carry)
+                self.lockstep_costs.observe_draft(levels, self._idle_carry)
         else:
+            costs = self.plain_costs if borrowed and not drafted else self.overlap_costs
             costs.observe_verify(rows, end - admitted + self._idle_carry)
             if not drafted and not borrowed and self.settings.device != "cpu":
                 # on a GPU a one-row forward runs another kernel than a few-row one (fp32 8B on an
@@ -541,7 +556,7 @@ class VerifierActor:
                       for s in (batch[i][0] for i in alone) if s.request_id in self.lookup.seqs]
         if not candidates:
             return
-        self.lookup.costs = VerifyCosts(self.plain_costs if self._borrowing_measured() else self.adaptive.costs)
+        self.lookup.costs = VerifyCosts(self.plain_costs if self._borrowing_measured() else self.overlap_costs)
         chains = plan_lookups(self.lookup, candidates, len(batch) - len(candidates), self.side.vocab_size)
         for i in alone:
             s = batch[i][0]
@@ -574,7 +589,9 @@ class VerifierActor:
 
     def _lockstep(self, drafter: int) -> bool:
         """Whether `drafter` runs in lockstep (one tree in flight, nothing assumed): always with
-        `ring_slots` 1; with `lockstep_alone` while it is a CPU drafter on this node with at least
+        `ring_slots` 1; with `lockstep_shared_gpu` while it runs on our GPU (`shares_gpu`: two
+        processes' forwards on one GPU are time-sliced, so overlapping them gains nothing);
+        with `lockstep_alone` while it is a CPU drafter on this node with at least
         our CPUs (lending them at least doubles a verification's threads) serving one stream
         (cluster/actors.py decides the same from its side; a stream joining or leaving
         can leave the two views a step apart, which costs speed, never exactness: outcomes
@@ -600,10 +617,12 @@ class VerifierActor:
 
     def _plan_overlap(self) -> None:
         """Before a plan: while every drafter runs in lockstep, a step costs the wait for its
-        trees plus the forward (`CostModel.overlap` off) and no bridges follow; else drafting
-        runs beside verification and contradicted outcomes bridge."""
+        trees plus the forward (`lockstep_costs`, `CostModel.overlap` off) and no bridges
+        follow; else drafting runs beside verification and contradicted outcomes bridge
+        (`overlap_costs`)."""
         overlapped = self._plan_bridges()
-        self.adaptive.bridges = self.adaptive.costs.overlap = overlapped
+        self.adaptive.bridges = overlapped
+        self.adaptive.costs = self.overlap_costs if overlapped else self.lockstep_costs
 
     def _drafters_idle(self) -> bool:
         """No stream has work for a drafter: every budget 0, the drafter told so, no bridge."""
@@ -611,8 +630,11 @@ class VerifierActor:
                        if s.admitted and s.drafter is not None)
 
     def _lendable_threads(self) -> int:
-        """Threads a plain step would run on now: its own plus the live drafters' lent ones."""
-        live = [d for i, d in self.drafters.items() if self._live(i)]
+        """Threads a plain step would run on now: its own plus those of the live drafters that
+        have nothing to draft (said so at their last exchange, and signalled nothing since: a
+        drafter still finishing a tree would share its cores with the forward, which on two
+        cores slows every one of its steps)."""
+        live = [d for i, d in self.drafters.items() if self._live(i) and d.get("idle")]
         return plain_step_threads(self.settings.plain_threads, self.threads, self.settings.device,
                                   self.node_id, live)
 

@@ -97,9 +97,10 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
         assert va0._plain_step_s(1) is None
         used, borrowed, va, prefills = await run_request((2, 1))    # trees wanted: the drafter is busy
         assert prefills == [1]
-        # no tree came, so each step fell back to decoding alone on one thread; only the last,
-        # with one token left (no draft fits, budget 0, the drafter told so), borrows
-        assert used == [1] * 5 + [2] and borrowed == 1
+        # no tree came, so each step fell back to decoding alone on one thread; the last (one
+        # token left: budget 0, the drafter told so) too, since the drafter, told to draft a
+        # step before, has not yet said it is idle again
+        assert used == [1] * 6 and borrowed == 0
         # the rule, state by state, on a live stream of that actor
         s = va._new_stream("q", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), {"mode": "auto"})
         s.admitted, s.drafter = True, 0
@@ -116,6 +117,21 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
         header = TreeHeader("q", 0, 0, 3, 3, [], 1, 0)
         assert va._step_threads([(s, tree, header)]) == 1       # a drafter's tree in the batch
         assert va._step_threads([(s, tree, None)]) == 2         # the verifier's own lookup chain
+        # a drafter lends its cores only while idle by its own word, until told to draft again
+        from cluster.wire import Signal
+
+        await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0, idle=False)   # still drafting
+        assert va._step_threads(plain) == 1
+        await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0, idle=True)
+        assert va._step_threads(plain) == 2
+        va._send(0, Signal("step", "q", budget=(0, 0)))         # nothing to draft: still idle
+        assert va._step_threads(plain) == 2
+        va._send(0, Signal("step", "q", budget=(2, 1)))         # a tree to draft: busy again
+        assert va._step_threads(plain) == 1
+        await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0, idle=True)   # that reply carries it
+        assert va._step_threads(plain) == 1
+        await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0, idle=True)   # drafted, idle again
+        assert va._step_threads(plain) == 2
         va.drafters[0]["last_seen"] -= 60                       # a silent drafter lends nothing
         assert va._step_threads(plain) == 1
         del va.streams["q"]
@@ -259,10 +275,12 @@ def test_a_drafter_on_our_gpu_runs_in_lockstep_and_the_planner_prices_turns(tiny
             va.streams[rid] = s
         va._plan_overlap()
         assert va._lockstep(0) and not va.adaptive.bridges and not va.adaptive.costs.overlap
+        assert va.adaptive.costs is va.lockstep_costs          # its own fit: turns, not overlap
         for key, value in (("gpus", ["1"]), ("node", "n2"), ("gpus", None)):
             old, va.drafters[0][key] = va.drafters[0][key], value
             va._plan_overlap()
             assert not va._lockstep(0) and va.adaptive.bridges and va.adaptive.costs.overlap
+            assert va.adaptive.costs is va.overlap_costs
             va.drafters[0][key] = old
         va.settings.lockstep_shared_gpu = False
         assert not va._lockstep(0)
