@@ -193,12 +193,13 @@ class TargetSide:
         self.verifier.release(seq_id)
 
     def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False) -> float:
-        """On a GPU (or with `on_cpu`, for tests), before the actor serves: one dummy sequence through a prefill, plain steps
-        and chain verifications of 1..`spec_len` nodes, each shape twice, so that Triton compiles
-        those kernels and the CUDA graphs of one sequence are captured now rather than inside
-        the first requests (on an H200 a cold first draft took 5 s, long enough for the
-        verifier to count its drafter as gone, bench/results/gpu-20261130c/). Returns the
-        seconds it took (0 on a CPU: nothing is compiled or captured there)."""
+        """On a GPU (or with `on_cpu`, for tests), before the actor serves: one dummy sequence
+        through a prefill, plain steps and chain verifications of 1..`spec_len` nodes, each
+        shape twice, so that Triton compiles those kernels and the CUDA graphs of one sequence
+        are captured now rather than inside the first requests (on an H200 a cold first draft
+        took 5 s, long enough for the verifier to count its drafter as gone,
+        bench/results/gpu-20261130c/). Returns the seconds it took (0 on a CPU: nothing is
+        compiled or captured there)."""
         if self.cache.device.type != "cuda" and not on_cpu:
             return 0.0
         from models.sampling import SamplingParams
@@ -308,10 +309,11 @@ class DraftSide:
         self.proposer.release(seq_id)
 
     def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False) -> float:
-        """On a GPU (or with `on_cpu`, for tests), before the actor serves: draft for one dummy sequence at every depth up to
-        `spec_len` (+ the bonus and bridge levels), with and without an assumed outcome, each
-        twice (`TargetSide.warm_up`: Triton compiles and CUDA-graph captures happen now).
-        Returns the seconds it took (0 on a CPU or without a draft model)."""
+        """On a GPU (or with `on_cpu`, for tests), before the actor serves: draft for one dummy
+        sequence at every depth up to `spec_len` (+ the bonus and bridge levels), with and
+        without an assumed outcome, each twice (`TargetSide.warm_up`: Triton compiles and
+        CUDA-graph captures happen now). Returns the seconds it took (0 on a CPU or without a
+        draft model)."""
         cache = self.cache
         if self.kind == "ngram" or cache is None or (cache.device.type != "cuda" and not on_cpu):
             return 0.0
