@@ -227,7 +227,8 @@ def summary(cells: list[dict], on: str) -> dict:
 
 
 ENGINE_COUNTERS = ("num_batches", "borrowed_steps", "num_spec_steps", "num_drafted", "num_accepted",
-                   "lookup_trees", "lookup_accepted", "verifier_busy_s", "num_committed")
+                   "lookup_trees", "lookup_accepted", "verifier_busy_s", "num_committed",
+                   "verifier_gc_s", "verifier_gc_full_collections")
 
 
 def engine_counters(url: str) -> dict:

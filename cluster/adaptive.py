@@ -80,17 +80,18 @@ class CostModel:
     exponentially-weighted least squares; a prior until the first measurement,
     and b = slope_ratio · a while only one batch shape has been seen.
 
-    The first two measurements of each batch shape (rows verified, levels drafted)
-    are left out: those forwards pay one-off work — Triton compiling for the shape,
-    then a CUDA graph's capture (`models.cuda_graphs`: a key's first forward runs
-    eagerly, its second captures; on an H200 a first 2-row verification took 413 ms
-    against ~14 ms for one row), first-use weight packing on a CPU — and with the
-    fit's slow decay one such sample would misprice every plan for dozens of steps."""
-
-    ONE_OFF = 2      # first measurements of a shape left out: compile, capture
+    The first `one_off` measurements of each batch shape (rows verified, levels
+    drafted) are left out: those forwards pay one-off work — on a GPU Triton
+    compiling for the shape, then a CUDA graph's capture (`models.cuda_graphs`: a
+    key's first forward runs eagerly, its second captures; on an H200 a first 2-row
+    verification took 413 ms against ~14 ms for one row): 2 there; on a CPU
+    first-use weight packing: 1 — and with the fit's slow decay one such sample would
+    misprice every plan for dozens of steps."""
 
     def __init__(self, a: float = 0.02, b: float = 0.002, d: float = 0.004,
-                 decay: float = 0.98, slope_ratio: float = 0.1, overlap: bool = True) -> None:
+                 decay: float = 0.98, slope_ratio: float = 0.1, overlap: bool = True,
+                 one_off: int = 2) -> None:
+        self.one_off = one_off           # first measurements of a shape left out
         self.decay = decay
         self.overlap = overlap           # drafting runs beside verification (async) or before it (sync)
         self.prior = (a, b)              # used until the first measurement
@@ -106,7 +107,7 @@ class CostModel:
             s[i] += v
 
     def observe_verify(self, rows: int, seconds: float) -> None:
-        if self._seen_rows.get(rows, 0) < self.ONE_OFF:
+        if self._seen_rows.get(rows, 0) < self.one_off:
             self._seen_rows[rows] = self._seen_rows.get(rows, 0) + 1
             return
         self._s = [v * self.decay for v in self._s]
@@ -118,7 +119,7 @@ class CostModel:
         return self._s[0] > 0
 
     def observe_draft(self, levels: int, seconds: float) -> None:
-        if levels > 0 and self._seen_levels.get(levels, 0) < self.ONE_OFF:
+        if levels > 0 and self._seen_levels.get(levels, 0) < self.one_off:
             self._seen_levels[levels] = self._seen_levels.get(levels, 0) + 1
             return
         if levels > 0:
@@ -143,6 +144,12 @@ class CostModel:
         if self.overlap:
             return max(a + b * rows, self.d * max_levels)
         return a + b * rows + self.d * max_levels
+
+
+def one_off_costs(model) -> int:
+    """How many first costs of a batch shape to leave out on `model`'s device: 2 on a GPU
+    (compile, then graph capture), 1 on a CPU (weight packing)."""
+    return 2 if model.embed_tokens.weight.device.type == "cuda" else 1
 
 
 class VerifyCosts:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.adaptive import AdaptiveSpeculation, VerifyCosts, plan_lookups
+from cluster.adaptive import AdaptiveSpeculation, VerifyCosts, one_off_costs, plan_lookups
 from cluster.protocol import GenerationRequest, SpeculationOptions
 from drafter import DraftRequest, EagleProposer, ModelProposer, NgramProposer
 from models.transformer import few_row_limit
@@ -154,6 +154,7 @@ class Engine:
         self.proposer: ModelProposer | None = None
         # per-sequence depths of "auto" requests; draft and verify take turns here (no overlap)
         self.adaptive = AdaptiveSpeculation(max_spec_len=MAX_SPEC_LEN, overlap=False)
+        self.adaptive.costs.one_off = one_off_costs(target)
         self._planned: dict[str, tuple[int, int]] = {}
         # prompt lookup for "auto" sequences while the draft model is off for every sequence
         # of a step (`_lookup_trees`): its own γ per sequence, verify costs only (no drafting)

@@ -31,6 +31,7 @@ the actor keeps serving.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -42,7 +43,7 @@ from dataclasses import asdict
 import ray
 import torch
 
-from cluster.adaptive import AdaptiveSpeculation, CostModel, VerifyCosts, plan_lookups
+from cluster.adaptive import AdaptiveSpeculation, CostModel, VerifyCosts, one_off_costs, plan_lookups
 from cluster.backends import (PipelineSettings, TargetSide, eos_ids_of, gpu_ids, plain_step_threads,
                               rss_bytes, set_threads, shares_gpu, threads_of)
 from cluster.metrics import SpecStats
@@ -54,6 +55,27 @@ from models.sampling import SamplingParams
 from models.transformer import few_row_limit
 
 log = logging.getLogger("specflash.cluster")
+
+
+# Python's garbage collector in this process: seconds paused and full collections (a pause on
+# the model thread lengthens a forward, one on the event loop delays a step); `_time_gc`
+# installs the timer once per process
+_GC = {"s": 0.0, "full": 0, "since": None, "on": False}
+
+
+def _gc_timer(phase: str, info: dict) -> None:
+    if phase == "start":
+        _GC["since"] = time.perf_counter()
+    elif _GC["since"] is not None:
+        _GC["s"] += time.perf_counter() - _GC["since"]
+        _GC["full"] += int(info.get("generation") == 2)
+        _GC["since"] = None
+
+
+def _time_gc() -> None:
+    if not _GC["on"]:
+        gc.callbacks.append(_gc_timer)
+        _GC["on"] = True
 
 
 def _sampling_dict(p: SamplingParams) -> dict:
@@ -85,6 +107,8 @@ class VerifierActor:
         if self.settings.ring_slots == 1:
             self.adaptive.costs = self.lockstep_costs
         self.plain_costs = CostModel()   # plain steps (on borrowed cores; on a GPU all): a + b * rows
+        for model in (self.overlap_costs, self.lockstep_costs, self.plain_costs):
+            model.one_off = one_off_costs(self.side.verifier.model)
         self.lookup = AdaptiveSpeculation(max_spec_len=16, overlap=False)   # γ of prompt lookup
         self.adaptive.row_limit = self.lookup.row_limit = few_row_limit(self.side.verifier.model)
         self.stats = SpecStats()
@@ -104,6 +128,7 @@ class VerifierActor:
         # them all (asyncio's pool would spread them over threads, each with a team of its own)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-model")
         self._forward_by_rows: dict[int, list[float]] = {}   # rows -> [count, seconds] of target forwards
+        _time_gc()
         self._borrowed_by_rows: dict[int, list[float]] = {}  # the same, for steps on borrowed cores
 
     # -- public methods (called through Ray) ------------------------------------------
@@ -202,7 +227,8 @@ class VerifierActor:
                 "drafters_live": [i for i in self.drafters if self._live(i)],
                 # CUDA graphs of the target's small forwards (None off a GPU): captures, replays, eager
                 "cuda_graphs": None if self.side.graphs is None else self.side.graphs.stats(),
-                "warm_up_s": self.warm_up_s}
+                "warm_up_s": self.warm_up_s,
+                "gc_s": _GC["s"], "gc_full_collections": _GC["full"]}
 
     async def kv_usage(self) -> dict:
         """KV blocks, ring slots and the other per-request state (all 0 / free when idle)."""
@@ -623,6 +649,14 @@ class VerifierActor:
         overlapped = self._plan_bridges()
         self.adaptive.bridges = overlapped
         self.adaptive.costs = self.overlap_costs if overlapped else self.lockstep_costs
+        if overlapped and not self.overlap_costs.observed and self._borrowing_measured():
+            # No step on our own threads measured yet (plain ones run on the drafters' cores
+            # too): a speculating step, which gives those cores back, is priced as the
+            # measured plain step on our threads alone (ideal scaling), not as the model's
+            # prior, which priced 16 rows at a third of that and sent losing probes under load.
+            a, b = self.plain_costs.coefficients
+            scale = self._lendable_threads() / self.threads
+            self.overlap_costs.prior = (a * scale, b * scale)
 
     def _drafters_idle(self) -> bool:
         """No stream has work for a drafter: every budget 0, the drafter told so, no bridge."""

@@ -93,6 +93,11 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
         # those steps fit the borrowed-cores model the planner must beat, not the verifier's own
         assert va0.plain_costs.observed and not va0.adaptive.costs.observed
         assert 0 < va0._plain_step_s(1) < 5
+        # until a step on its own thread is measured, a speculating step (which gives the
+        # drafter's core back) is priced as that plain step on one thread of two
+        va0._plan_overlap()
+        a, b = va0.plain_costs.coefficients
+        assert va0.overlap_costs.prior == (2 * a, 2 * b)
         va0.drafters[0]["last_seen"] -= 60                      # no drafter to lend cores: no baseline
         assert va0._plain_step_s(1) is None
         used, borrowed, va, prefills = await run_request((2, 1))    # trees wanted: the drafter is busy
@@ -351,5 +356,25 @@ def test_on_a_gpu_plain_steps_are_the_baseline_a_plan_must_beat(tiny_target):
         assert gpu._plain_step_s(1) < 3 * seconds / n + 0.01
         cpu = asyncio.run(asyncio.wait_for(plain_tokens("cpu"), 120))
         assert not cpu.plain_costs.observed and cpu._plain_step_s(1) is None
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_verifier_reports_its_processes_garbage_collector_pauses(tiny_target):
+    import gc
+
+    async def scenario():
+        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False})
+        before = await va.get_stats()
+        garbage = [[i] for i in range(200_000)]
+        del garbage
+        gc.collect()
+        after = await va.get_stats()
+        assert after["gc_full_collections"] >= before["gc_full_collections"] + 1
+        assert after["gc_s"] > before["gc_s"]
+
+    threads = torch.get_num_threads()
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
     finally:
         torch.set_num_threads(threads)
