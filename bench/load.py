@@ -241,7 +241,7 @@ def engine_counters(url: str) -> dict:
     for line in text.splitlines():
         name, _, value = line.partition(" ")
         key = name.removeprefix("specflash_engine_")
-        if key != name and key in ENGINE_COUNTERS:
+        if key != name and (key in ENGINE_COUNTERS or key.startswith("planner_")):
             out[key] = float(value)
     return out
 
@@ -290,7 +290,10 @@ def main(argv=None) -> int:
                                                 args.spec_len, args.workload))
                     after = engine_counters(url)
                     cell["round"] = rnd
-                    cell["engine"] = {k: after[k] - before.get(k, 0.0) for k in after}
+                    cell["engine"] = {k: after[k] - before.get(k, 0.0) for k in after
+                                      if not k.startswith("planner_")}
+                    # gauges: the planner's predicted step seconds at the window's end
+                    cell["planner"] = {k: v for k, v in after.items() if k.startswith("planner_")}
                     cells.append(cell)
                     print_table([cell])
                 turn += 1

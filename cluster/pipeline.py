@@ -121,6 +121,7 @@ class PipelineEngine:
         drafters = []
         costs = []
         alive, gc_s, gc_full = 0, 0.0, 0
+        planner = {}          # the first pipeline's step models (`VerifierActor.get_stats`)
         for p in self.pipelines:
             try:
                 raw = await _timed(p.verifier.get_stats.remote(), 5)
@@ -129,6 +130,8 @@ class PipelineEngine:
             total = total.merge(SpecStats.from_dict(raw))
             gc_s += raw.get("gc_s", 0.0)
             gc_full += raw.get("gc_full_collections", 0)
+            if not planner:
+                planner = {f"planner_{k}": v for k, v in raw.items() if k.endswith("_rows_s")}
             costs.append({k: raw[k] for k in ("verify_cost_a_s", "verify_cost_b_s", "draft_level_s")
                           if k in raw})
             costs[-1]["forward_ms_by_rows"] = raw.get("forward_ms_by_rows", {})
@@ -149,6 +152,7 @@ class PipelineEngine:
         out["drafters_alive"] = alive
         out["verifier_gc_s"] = gc_s
         out["verifier_gc_full_collections"] = gc_full
+        out.update(planner)
         out["speculation_enabled"] = int(alive > 0)
         out["drafter_rollbacks"] = out["rollbacks"] = sum(d["rollbacks"] for d in drafters)
         out["drafter_tokens_wasted"] = total.drafter_tokens_wasted + sum(d["wasted_nodes"] for d in drafters)

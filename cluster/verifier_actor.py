@@ -228,7 +228,11 @@ class VerifierActor:
                 # CUDA graphs of the target's small forwards (None off a GPU): captures, replays, eager
                 "cuda_graphs": None if self.side.graphs is None else self.side.graphs.stats(),
                 "warm_up_s": self.warm_up_s,
-                "gc_s": _GC["s"], "gc_full_collections": _GC["full"]}
+                "gc_s": _GC["s"], "gc_full_collections": _GC["full"],
+                # the planner's step models: seconds predicted for a step of 1 and 16 rows
+                **{f"{name}_step_{rows}_rows_s": model.step_time(rows, 0)
+                   for name, model in (("overlap", self.overlap_costs), ("lockstep", self.lockstep_costs),
+                                       ("plain", self.plain_costs)) for rows in (1, 16)}}
 
     async def kv_usage(self) -> dict:
         """KV blocks, ring slots and the other per-request state (all 0 / free when idle)."""
@@ -655,7 +659,7 @@ class VerifierActor:
             # measured plain step on our threads alone (ideal scaling), not as the model's
             # prior, which priced 16 rows at a third of that and sent losing probes under load.
             a, b = self.plain_costs.coefficients
-            scale = self._lendable_threads() / self.threads
+            scale = self._lendable_threads(now=False) / self.threads
             self.overlap_costs.prior = (a * scale, b * scale)
 
     def _drafters_idle(self) -> bool:
@@ -663,12 +667,13 @@ class VerifierActor:
         return not any(s.budget[0] or s.sent_budget[0] or s.bridge for s in self.streams.values()
                        if s.admitted and s.drafter is not None)
 
-    def _lendable_threads(self) -> int:
+    def _lendable_threads(self, now: bool = True) -> int:
         """Threads a plain step would run on now: its own plus those of the live drafters that
         have nothing to draft (said so at their last exchange, and signalled nothing since: a
         drafter still finishing a tree would share its cores with the forward, which on two
-        cores slows every one of its steps)."""
-        live = [d for i, d in self.drafters.items() if self._live(i) and d.get("idle")]
+        cores slows every one of its steps). `now=False`: once the drafters are idle, as they
+        will be if every sequence decodes alone (what a plan is weighed against)."""
+        live = [d for i, d in self.drafters.items() if self._live(i) and (d.get("idle") or not now)]
         return plain_step_threads(self.settings.plain_threads, self.threads, self.settings.device,
                                   self.node_id, live)
 
@@ -681,8 +686,9 @@ class VerifierActor:
         return None
 
     def _borrowing_measured(self) -> bool:
-        """A plain step would run on borrowed cores now, and such steps have been measured."""
-        return self.plain_costs.observed and self._lendable_threads() != self.threads
+        """Plain steps would run on borrowed cores (once the drafters are idle: a drafter busy
+        with a tree now does not make decoding alone dearer), and such steps have been measured."""
+        return self.plain_costs.observed and self._lendable_threads(now=False) != self.threads
 
     def _patience(self, s: VerifyStream) -> float:
         """How long a sequence may wait for its drafter's tree: a few of its tree times, or
