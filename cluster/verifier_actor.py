@@ -78,6 +78,11 @@ def _time_gc() -> None:
         _GC["on"] = True
 
 
+def _gives_a_tree(sig: Signal) -> bool:
+    """Whether a signal gives its drafter a tree to draft (a budget of depth > 0)."""
+    return bool(sig.budget) and sig.budget[0] > 0
+
+
 def _sampling_dict(p: SamplingParams) -> dict:
     return asdict(p)
 
@@ -182,7 +187,7 @@ class VerifierActor:
         info["node"], info["cpus"], info["gpus"] = node, cpus, None if gpus is None else [str(g) for g in gpus]
         # idle unless signals giving it a tree to draft wait for it here (this reply carries them)
         info["idle"] = (((not puts) if idle is None else bool(idle))
-                        and not any(sig.budget and sig.budget[0] > 0 for sig in self.outbox.get(drafter, ())))
+                        and not any(map(_gives_a_tree, self.outbox.get(drafter, ()))))
         if draft_levels:
             if not self._lockstep(drafter):   # in lockstep `_step` prices the wait for its trees instead
                 self.overlap_costs.observe_draft(draft_levels, draft_s)
@@ -342,7 +347,7 @@ class VerifierActor:
     def _send(self, drafter: int, sig: Signal) -> None:
         self.outbox[drafter].append(sig)
         self._mail[drafter].set()
-        if drafter in self.drafters and sig.budget and sig.budget[0] > 0:
+        if drafter in self.drafters and _gives_a_tree(sig):
             self.drafters[drafter]["idle"] = False     # a tree to draft: its cores are its own again
 
     def _unpack_puts(self, drafter: int, puts: list) -> list[TreeHeader]:
@@ -437,7 +442,8 @@ class VerifierActor:
 
         requests = [VerifyRequest(s.request_id, s.committed[-1], tree, s.params, s.generator)
                     for s, tree, _ in batch]
-        threads = self._step_threads(batch)
+        drafted = self._drafted(batch)
+        threads = self._step_threads(batch, drafted)
         borrowed = threads != self.threads
         results, seconds = await self._on_model_thread(self.side.verify, requests, threads)
         self.stats.observe_batch(seconds)
@@ -453,7 +459,6 @@ class VerifierActor:
         self.stats.observe_wall(end - start)
         # the planner pays what a step really costs: its wall time plus the idle waits before it;
         # plain steps on borrowed cores have their own model (the baseline a plan must beat)
-        drafted = [(s, tree) for s, tree, header in batch if header is not None and tree.num_nodes]
         if drafted and all(self._lockstep(s.drafter) for s, _ in drafted):
             # the drafters drafted these trees while we waited (lockstep): that wait is the
             # draft's cost per level, the forward alone the verification's (a sum, not a max)
@@ -593,12 +598,19 @@ class VerifierActor:
             if s.request_id in chains:
                 batch[i] = (s, chains[s.request_id], None)
 
-    def _step_threads(self, batch: list) -> int:
+    @staticmethod
+    def _drafted(batch: list) -> list:
+        """(stream, tree) of the batch's trees drafted by a drafter (not prompt-lookup ones)."""
+        return [(s, tree) for s, tree, header in batch if header is not None and tree.num_nodes]
+
+    def _step_threads(self, batch: list, drafted: list | None = None) -> int:
         """The verifier's own threads, or more for a step while no drafter has work: no
         drafter's tree in the batch (prompt-lookup ones may be) and every sequence at budget 0,
         its drafter told so; or, in lockstep, every drafted sequence's one tree in this batch
-        (its drafter waits for the step's signal)."""
-        if any(tree.num_nodes for _, tree, header in batch if header is not None):
+        (its drafter waits for the step's signal). `drafted`: `_drafted(batch)`, if known."""
+        if drafted is None:
+            drafted = self._drafted(batch)
+        if drafted:
             return self._lendable_threads() if self._drafters_blocked(batch) else self.threads
         return self._lendable_threads() if self._drafters_idle() else self.threads
 
