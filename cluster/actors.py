@@ -34,7 +34,7 @@ import uuid
 
 import ray
 
-from cluster.backends import DraftSide, PipelineSettings, gpu_ids, rss_bytes, set_threads, shares_gpu
+from cluster.backends import DraftSide, PipelineSettings, gpu_ids, in_lockstep, rss_bytes, set_threads
 from cluster.streams import DraftStream
 from cluster.verifier_actor import VerifierActor
 from cluster.wire import Signal, TreeHeader, WireError, decode_signals, encode_tree, pack_header
@@ -168,21 +168,13 @@ class DrafterActor:
         self._verifier_gpus = h.get("gpus")
 
     def _lockstep(self) -> bool:
-        """One tree in flight and nothing assumed past it: always with `ring_slots` 1; with
-        `lockstep_shared_gpu` while we run on our verifier's GPU (overlapped forwards of two
-        processes on one GPU are time-sliced: on an H200 a verification cost 3-7x more beside
-        our drafting, bench/results/gpu-20261130c/); and with `lockstep_alone` while this CPU
-        drafter, on its verifier's node and with at least its CPUs, serves one stream (the
-        verifier, deciding the same from its side, then verifies on our cores too, at least
-        doubling its threads)."""
-        if self.settings.ring_slots == 1:
-            return True
-        if self.settings.lockstep_shared_gpu and shares_gpu(self._node, self._gpus, self._verifier_node or "",
-                                                              self._verifier_gpus):
-            return True
-        return (self.settings.lockstep_alone and self.settings.device == "cpu" and len(self.streams) == 1
-                and bool(self._node) and self._node == self._verifier_node
-                and self.settings.num_cpus >= self._verifier_cpus > 0)
+        """One tree in flight and nothing assumed past it (`backends.in_lockstep`, from our view:
+        on our verifier's GPU, overlapped forwards of two processes are time-sliced, on an H200
+        a verification cost 3-7x more beside our drafting, bench/results/gpu-20261130c/; as a
+        lone stream's CPU drafter beside it, the verifier verifies on our cores too)."""
+        return in_lockstep(self.settings, len(self.streams), self.settings.device == "cpu",
+                           self._node, self.settings.num_cpus, self._gpus,
+                           self._verifier_node or "", self._verifier_cpus, self._verifier_gpus)
 
     def _slots(self) -> int:
         return 1 if self._lockstep() else self.settings.ring_slots

@@ -102,6 +102,24 @@ def shares_gpu(node: str, gpus: list[str] | None, other_node: str, other_gpus: l
     return bool(set(gpus) & set(other_gpus)) or (not gpus and not other_gpus)
 
 
+def in_lockstep(settings: PipelineSettings, streams: int, on_cpu: bool,
+                drafter_node: str, drafter_cpus: float, drafter_gpus: list[str] | None,
+                verifier_node: str, verifier_cpus: float, verifier_gpus: list[str] | None) -> bool:
+    """Whether a drafter runs in lockstep with its verifier (one tree in flight, nothing
+    assumed past it), decided the same way by each side from its own view
+    (`DrafterActor._lockstep`, `VerifierActor._lockstep`): always with `ring_slots` 1; with
+    `lockstep_shared_gpu` while the two share a GPU (`shares_gpu`); with `lockstep_alone`
+    while the drafter, on the verifier's node and with at least its CPUs, serves one stream
+    (`streams`) and the deciding side runs on a CPU (`on_cpu`: the verifier then verifies on
+    the drafter's cores too)."""
+    if settings.ring_slots == 1:
+        return True
+    if settings.lockstep_shared_gpu and shares_gpu(drafter_node, drafter_gpus, verifier_node, verifier_gpus):
+        return True
+    return (settings.lockstep_alone and on_cpu and streams == 1 and bool(drafter_node)
+            and drafter_node == verifier_node and drafter_cpus >= verifier_cpus > 0)
+
+
 def rss_bytes() -> int:
     """Resident set size of this process (Linux /proc; 0 where unavailable)."""
     import os

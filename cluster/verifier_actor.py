@@ -44,8 +44,8 @@ import ray
 import torch
 
 from cluster.adaptive import AdaptiveSpeculation, CostModel, VerifyCosts, one_off_costs, plan_lookups
-from cluster.backends import (PipelineSettings, TargetSide, eos_ids_of, gpu_ids, plain_step_threads,
-                              rss_bytes, set_threads, shares_gpu, threads_of)
+from cluster.backends import (PipelineSettings, TargetSide, eos_ids_of, gpu_ids, in_lockstep,
+                              plain_step_threads, rss_bytes, set_threads, threads_of)
 from cluster.metrics import SpecStats
 from cluster.protocol import GenerationChunk
 from cluster.ring import Ring, RingEntry
@@ -60,7 +60,7 @@ log = logging.getLogger("specflash.cluster")
 # Python's garbage collector in this process: seconds paused and full collections (a pause on
 # the model thread lengthens a forward, one on the event loop delays a step); `_time_gc`
 # installs the timer once per process
-_GC = {"s": 0.0, "full": 0, "since": None, "on": False}
+_GC = {"s": 0.0, "full": 0, "since": None}
 
 
 def _gc_timer(phase: str, info: dict) -> None:
@@ -73,9 +73,8 @@ def _gc_timer(phase: str, info: dict) -> None:
 
 
 def _time_gc() -> None:
-    if not _GC["on"]:
+    if _gc_timer not in gc.callbacks:
         gc.callbacks.append(_gc_timer)
-        _GC["on"] = True
 
 
 def _gives_a_tree(sig: Signal) -> bool:
@@ -630,25 +629,20 @@ class VerifierActor:
         return True
 
     def _lockstep(self, drafter: int) -> bool:
-        """Whether `drafter` runs in lockstep (one tree in flight, nothing assumed): always with
-        `ring_slots` 1; with `lockstep_shared_gpu` while it runs on our GPU (`shares_gpu`: two
-        processes' forwards on one GPU are time-sliced, so overlapping them gains nothing);
-        with `lockstep_alone` while it is a CPU drafter on this node with at least
-        our CPUs (lending them at least doubles a verification's threads) serving one stream
-        (cluster/actors.py decides the same from its side; a stream joining or leaving
-        can leave the two views a step apart, which costs speed, never exactness: outcomes
-        and bridges follow the trees' own headers)."""
-        if self.settings.ring_slots == 1:
-            return True
+        """Whether `drafter` runs in lockstep (one tree in flight, nothing assumed;
+        `backends.in_lockstep` from our view: on our GPU, overlapping two processes' forwards
+        gains nothing; as a lone stream's CPU drafter on this node with at least our CPUs,
+        lending them at least doubles a verification's threads). cluster/actors.py decides
+        the same from its side; a stream joining or leaving can leave the two views a step
+        apart, which costs speed, never exactness: outcomes and bridges follow the trees'
+        own headers."""
         d = self.drafters.get(drafter)
-        if (self.settings.lockstep_shared_gpu and d is not None
-                and shares_gpu(self.node_id, self.gpu_ids, d.get("node") or "", d.get("gpus"))):
-            return True
-        if not (self.settings.lockstep_alone and self.settings.device == "cpu" and self.node_id):
-            return False
-        return (d is not None and d.get("node") == self.node_id
-                and (d.get("cpus") or 0) >= self.settings.num_cpus
-                and sum(1 for t in self.streams.values() if t.drafter == drafter) == 1)
+        if d is None:
+            return self.settings.ring_slots == 1
+        streams = sum(1 for t in self.streams.values() if t.drafter == drafter)
+        return in_lockstep(self.settings, streams, self.settings.device == "cpu",
+                           d.get("node") or "", d.get("cpus") or 0.0, d.get("gpus"),
+                           self.node_id, self.settings.num_cpus, self.gpu_ids)
 
     def _plan_bridges(self) -> bool:
         """Whether the planner counts bridge steps: not while every drafter runs in lockstep."""
