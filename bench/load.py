@@ -228,7 +228,8 @@ def summary(cells: list[dict], on: str) -> dict:
 
 ENGINE_COUNTERS = ("num_batches", "borrowed_steps", "num_spec_steps", "num_drafted", "num_accepted",
                    "lookup_trees", "lookup_accepted", "verifier_busy_s", "num_committed",
-                   "verifier_gc_s", "verifier_gc_full_collections")
+                   "verifier_gc_s", "verifier_gc_full_collections", "verifier_wall_s", "verifier_idle_s",
+                   "spec_on_decisions", "joins_speculating")
 
 
 def engine_counters(url: str) -> dict:

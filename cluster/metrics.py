@@ -43,6 +43,7 @@ class SpecStats:
     ring_max: int = 0
     spec_on_decisions: int = 0
     spec_off_decisions: int = 0
+    joins_speculating: int = 0        # sequences given a first tree as they joined (not counted above)
     fallback_steps: int = 0           # sequence-steps decoded alone while speculation was wanted
     drafter_absent_steps: int = 0     # ... because the sequence's drafter was silent (dead, or busy past drafter_timeout_s)
     frames_rejected: int = 0          # malformed / version-mismatched wire frames refused
@@ -97,6 +98,9 @@ class SpecStats:
             self.spec_on_decisions += 1
         else:
             self.spec_off_decisions += 1
+
+    def observe_join(self, speculating: bool) -> None:
+        self.joins_speculating += int(speculating)
 
     def observe_fallback(self) -> None:
         self.fallback_steps += 1

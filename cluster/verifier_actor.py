@@ -51,6 +51,7 @@ from cluster.protocol import GenerationChunk
 from cluster.ring import Ring, RingEntry
 from cluster.streams import VerifyStream
 from cluster.wire import Signal, TreeHeader, WireError, decode_tree, encode_signals, unpack_header
+from drafter.ngram import NgramIndex
 from models.sampling import SamplingParams
 from models.transformer import few_row_limit
 
@@ -114,6 +115,7 @@ class VerifierActor:
         for model in (self.overlap_costs, self.lockstep_costs, self.plain_costs):
             model.one_off = one_off_costs(self.side.verifier.model)
         self.lookup = AdaptiveSpeculation(max_spec_len=16, overlap=False)   # γ of prompt lookup
+        self._ngrams: dict[str, NgramIndex] = {}     # each lookup sequence's n-gram index
         self.adaptive.row_limit = self.lookup.row_limit = few_row_limit(self.side.verifier.model)
         self.stats = SpecStats()
         self.streams: dict[str, VerifyStream] = {}
@@ -281,6 +283,7 @@ class VerifierActor:
         self._drop(dropped)
         self.adaptive.remove(s.request_id)
         self.lookup.remove(s.request_id)
+        self._ngrams.pop(s.request_id, None)
         self._reserved_blocks.pop(s.request_id, None)
         if s.prefilled:
             self._to_free.append(s.request_id)
@@ -511,6 +514,7 @@ class VerifierActor:
             self.adaptive.add(rid, s.mode, s.spec_len, s.tree_width)
             if s.mode == "auto" and self.settings.lookup:
                 self.lookup.add(rid, "auto", s.spec_len, 1)
+                self._ngrams[rid] = NgramIndex(3, 2)
         # first budgets planned with the running batch (a tree that a large batch's plan would
         # never allow would also take its steps off the borrowed cores)
         self._plan_overlap()
@@ -522,6 +526,7 @@ class VerifierActor:
             s.admitted = True
             self.ring.add_stream(rid)
             s.budget = self._budget_of(s, first[rid])
+            self.stats.observe_join(s.budget[0] > 0)
             live = [i for i in self.drafters if self._live(i)]
             if s.mode != "off" and live:
                 load = {i: sum(t.drafter == i for t in self.streams.values()) for i in live}
@@ -591,7 +596,8 @@ class VerifierActor:
         if not candidates:
             return
         self.lookup.costs = VerifyCosts(self.plain_costs if self._borrowing_measured() else self.overlap_costs)
-        chains = plan_lookups(self.lookup, candidates, len(batch) - len(candidates), self.side.vocab_size)
+        chains = plan_lookups(self.lookup, candidates, len(batch) - len(candidates), self.side.vocab_size,
+                              self._ngrams)
         for i in alone:
             s = batch[i][0]
             if s.request_id in chains:
