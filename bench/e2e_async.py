@@ -289,7 +289,13 @@ def main(argv: list[str] | None = None) -> int:
     # plain steps that ran on the idle drafter's core too (warm-up included)
     borrowed = {"borrowed_steps": final.get("borrowed_steps", 0), "target_forwards": final.get("num_batches", 0)}
     print(f"verifier forwards on borrowed cores: {borrowed['borrowed_steps']} of {borrowed['target_forwards']}")
-    result = {"args": vars(args), "rows": rows, "pipeline_costs_ms": costs, **borrowed,
+    # the drafter's own time: what a step in lockstep waits for besides the forward
+    drafters = [{k: d.get(k) for k in ("trees", "nodes", "draft_s", "exchanges")} for d in final.get("drafters", [])]
+    trees = sum(d["trees"] or 0 for d in drafters)
+    if trees:
+        print(f"drafter: {trees} trees, {1e3 * sum(d['draft_s'] or 0 for d in drafters) / trees:.1f} ms "
+              f"drafting each")
+    result = {"args": vars(args), "rows": rows, "pipeline_costs_ms": costs, **borrowed, "drafters": drafters,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.sweep:
         result["sweep"] = sweep(args, target_dir, draft_dir, work, methods, runs)
@@ -306,6 +312,8 @@ def pipeline_costs(stats: dict) -> dict:
     c = (stats.get("costs") or [{}])[0]
     a, b, d = c.get("verify_cost_a_s", 0.0), c.get("verify_cost_b_s", 0.0), c.get("draft_level_s", 0.0)
     out = {"step_1_row": 1e3 * (a + b), "step_4_rows": 1e3 * (a + 4 * b), "draft_level": 1e3 * d}
+    if c.get("lockstep_draft_level_s") is not None:     # the wait per level while in lockstep
+        out["lockstep_draft_level"] = 1e3 * c["lockstep_draft_level_s"]
     # the target's own forward per batch shape inside the verifier actor (rows: 1 = plain step)
     for rows, ms in sorted((int(r), ms) for r, ms in c.get("forward_ms_by_rows", {}).items()):
         out[f"forward_{rows}_rows"] = ms

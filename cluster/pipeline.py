@@ -132,8 +132,8 @@ class PipelineEngine:
             gc_full += raw.get("gc_full_collections", 0)
             if not planner:
                 planner = {f"planner_{k}": v for k, v in raw.items() if k.endswith("_rows_s")}
-            costs.append({k: raw[k] for k in ("verify_cost_a_s", "verify_cost_b_s", "draft_level_s")
-                          if k in raw})
+            costs.append({k: raw[k] for k in ("verify_cost_a_s", "verify_cost_b_s", "draft_level_s",
+                                              "lockstep_draft_level_s") if k in raw})
             costs[-1]["forward_ms_by_rows"] = raw.get("forward_ms_by_rows", {})
             costs[-1]["borrowed_forward_ms_by_rows"] = raw.get("borrowed_forward_ms_by_rows", {})
             costs[-1]["cuda_graphs"] = raw.get("cuda_graphs")

@@ -225,7 +225,8 @@ class VerifierActor:
         pa, pb = self.plain_costs.coefficients if self.plain_costs.observed else (None, None)
         return {**self.stats.as_dict(), "verify_cost_a_s": a, "verify_cost_b_s": b,
                 "plain_cost_a_s": pa, "plain_cost_b_s": pb,     # steps on borrowed cores
-                "draft_level_s": self.adaptive.costs.d,
+                "draft_level_s": self.adaptive.costs.d,        # of the model the planner uses now
+                "lockstep_draft_level_s": self.lockstep_costs.d,   # the wait for a tree per level, in lockstep
                 # mean target forward (ms) per batch shape: what a verification costs in here
                 "forward_ms_by_rows": {r: 1e3 * t / n for r, (n, t) in sorted(self._forward_by_rows.items())},
                 "borrowed_forward_ms_by_rows": {r: 1e3 * t / n for r, (n, t)
