@@ -78,6 +78,10 @@ def _time_gc() -> None:
         gc.callbacks.append(_gc_timer)
 
 
+# how long a batch's recent size is remembered when planning (`VerifierActor._refilling`)
+REFILL_MEMORY_S = 1.0
+
+
 def _gives_a_tree(sig: Signal) -> bool:
     """Whether a signal gives its drafter a tree to draft (a budget of depth > 0)."""
     return bool(sig.budget) and sig.budget[0] > 0
@@ -116,6 +120,7 @@ class VerifierActor:
             model.one_off = one_off_costs(self.side.verifier.model)
         self.lookup = AdaptiveSpeculation(max_spec_len=16, overlap=False)   # γ of prompt lookup
         self._ngrams: dict[str, NgramIndex] = {}     # each lookup sequence's n-gram index
+        self._recent_rows: deque = deque()           # (time, sequences planned for) (`_refilling`)
         self.adaptive.row_limit = self.lookup.row_limit = few_row_limit(self.side.verifier.model)
         self.stats = SpecStats()
         self.streams: dict[str, VerifyStream] = {}
@@ -519,7 +524,9 @@ class VerifierActor:
         # first budgets planned with the running batch (a tree that a large batch's plan would
         # never allow would also take its steps off the borrowed cores)
         self._plan_overlap()
-        first = self.adaptive.plan_joining(joins, beside, self._plain_step_s(len(beside) + len(joins)))
+        extra = self._refilling(len(beside) + len(joins))
+        first = self.adaptive.plan_joining(joins, beside + [(0, 0)] * extra,
+                                           self._plain_step_s(len(beside) + len(joins) + extra))
         for rid in joins:
             # the drafter hears of the sequence now, so that its prefill and first tree run
             # while the target prefills: the first tree is then waiting, not waited for
@@ -675,6 +682,21 @@ class VerifierActor:
             scale = self._lendable_threads(now=False) / self.threads
             self.overlap_costs.prior = (a * scale, b * scale)
 
+    def _refilling(self, rows: int) -> int:
+        """Sequences a plan should assume besides the `rows` running now: while plain steps
+        borrow the drafters' cores, as many as the batch has lost within the last
+        `REFILL_MEMORY_S` (under steady load, sequences that finished are replaced within
+        a fraction of a second; a tree given now keeps its drafter busy, and so every step
+        on our own threads, while they join). 0 elsewhere."""
+        now = time.monotonic()
+        recent = self._recent_rows
+        recent.append((now, rows))
+        while recent and recent[0][0] < now - REFILL_MEMORY_S:
+            recent.popleft()
+        if not self._borrowing_measured():
+            return 0
+        return max(0, max(n for _, n in recent) - rows)
+
     def _drafters_idle(self) -> bool:
         """No stream has work for a drafter: every budget 0, the drafter told so, no bridge."""
         return not any(s.budget[0] or s.sent_budget[0] or s.bridge for s in self.streams.values()
@@ -750,8 +772,9 @@ class VerifierActor:
                 steps.append((s, tree_id, kept))
         live = [s for s, _, _ in steps]
         self._plan_overlap()
-        plan = self.adaptive.plan([s.request_id for s in live],
-                                  plain_step_s=self._plain_step_s(len(live))) if live else {}
+        extra = self._refilling(len(live))
+        plan = self.adaptive.plan([s.request_id for s in live], alone=extra,
+                                  plain_step_s=self._plain_step_s(len(live) + extra)) if live else {}
         for s, tree_id, kept in steps:
             s.budget = self._budget_of(s, plan[s.request_id])
             self.stats.observe_speculation(s.budget[0] > 0)

@@ -378,3 +378,45 @@ def test_the_verifier_reports_its_processes_garbage_collector_pauses(tiny_target
         asyncio.run(asyncio.wait_for(scenario(), 120))
     finally:
         torch.set_num_threads(threads)
+
+
+def test_plans_assume_the_batch_refills_while_plain_steps_borrow(tiny_target, monkeypatch):
+    """While plain steps borrow the drafters' cores, a plan counts the sequences the batch
+    lost within the last REFILL_MEMORY_S as still there (decoding alone): a tree given in a
+    dip between waves of requests would keep every step on the verifier's own threads while
+    they join. Without borrowing, or once the memory has passed, plans see the batch as is."""
+    import cluster.verifier_actor as va_mod
+
+    threads = torch.get_num_threads()
+    try:
+        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False})
+        va.node_id = "n1"
+        asyncio.run(va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0))
+        assert va._refilling(16) == 0 and va._refilling(2) == 0        # borrowing not measured yet
+        for rows in (1, 1, 1, 4, 4, 4, 16, 16, 16):
+            va.plain_costs.observe_verify(rows, 0.03 + 0.005 * rows)     # both cores
+        assert va._borrowing_measured()
+        va._recent_rows.clear()
+        assert va._refilling(16) == 0
+        assert va._refilling(2) == 14                  # a dip: plan as if 16 were running
+        # the planner, given those 14 as sequences decoding alone, keeps the two from speculating
+        # where it would speculate for two alone (the verifier's own-thread cost is the model's)
+        va.adaptive.costs, va.adaptive.bridges = va.overlap_costs, False    # one tree in flight
+        for rows in (2, 2, 2, 8, 8, 8, 17, 17, 17):
+            va.overlap_costs.observe_verify(rows, 0.04 + 0.011 * rows)   # our own thread
+        for rid in ("a", "b"):
+            va.adaptive.add(rid, "auto", 3, 1)
+            va.adaptive.seqs[rid].attempts, va.adaptive.seqs[rid].accepts = 10.0, 9.0   # γ 0.9
+        alone = va.adaptive.plan(["a", "b"], plain_step_s=va._plain_step_s(2))
+        assert any(k for k, _ in alone.values())
+        refilled = va.adaptive.plan(["a", "b"], alone=14, plain_step_s=va._plain_step_s(16))
+        assert not any(k for k, _ in refilled.values())
+        monkeypatch.setattr(va_mod, "REFILL_MEMORY_S", 0.0)   # the memory has passed
+        assert va._refilling(2) == 0
+        monkeypatch.setattr(va_mod, "REFILL_MEMORY_S", 1.0)
+        va.drafters[0]["node"] = "n2"                  # no core to borrow: plans see the batch as is
+        va._recent_rows.clear()
+        va._refilling(16)
+        assert va._refilling(2) == 0
+    finally:
+        torch.set_num_threads(threads)
