@@ -363,7 +363,8 @@ def plan_lookups(planner: AdaptiveSpeculation, candidates: list[tuple[str, list[
     that followed the latest earlier occurrence of its last 3 (else 2) tokens
     (`drafter.ngram.lookup`), at most its `max_len`; the planner chooses how many of them
     to verify where that beats decoding alone. `indexes`: a `drafter.ngram.NgramIndex` per
-    stream, kept across calls (a scan of 16 sequences of 300 tokens cost ~3 ms a step).
+    stream, kept across calls (16 sequences of 300 tokens, few repeats: 0.19 ms a step
+    against 2.07 ms scanning, `bench/lookup_plan.py`).
     Returns {stream: TokenTree} for the chosen (a chain of point masses: exact under
     sampling too)."""
     from drafter.base import point_mass_rows
