@@ -17,8 +17,7 @@ from models.tree import TokenTree
 
 class NgramProposer:
     def __init__(self, vocab_size: int, spec_len: int, max_ngram: int = 3, min_ngram: int = 2) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
+        _check_ngrams(max_ngram, min_ngram)
         self.vocab_size, self.spec_len = vocab_size, spec_len
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
@@ -43,6 +42,11 @@ class NgramProposer:
         pass
 
 
+def _check_ngrams(max_ngram: int, min_ngram: int) -> None:
+    if not 1 <= min_ngram <= max_ngram:
+        raise ValueError(f"need 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
+
+
 def lookup(token_ids: Sequence[int], k: int, max_ngram: int, min_ngram: int) -> list[int]:
     """Up to k tokens that followed the latest earlier match of the longest suffix n-gram."""
     tokens = list(token_ids)
@@ -64,8 +68,7 @@ class NgramIndex:
     as `lookup` (tests/drafter/test_ngram.py)."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
-        if not 1 <= min_ngram <= max_ngram:
-            raise ValueError(f"need 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
+        _check_ngrams(max_ngram, min_ngram)
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self._latest: dict[int, dict[tuple, int]] = {n: {} for n in range(min_ngram, max_ngram + 1)}
         self._done = 0          # n-grams ending at or before this index are in `_latest`
