@@ -139,8 +139,8 @@ class VerifierActor:
         # them all (asyncio's pool would spread them over threads, each with a team of its own)
         self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-model")
         self._forward_by_rows: dict[int, list[float]] = {}   # rows -> [count, seconds] of target forwards
-        _time_gc()
         self._borrowed_by_rows: dict[int, list[float]] = {}  # the same, for steps on borrowed cores
+        _time_gc()
 
     # -- public methods (called through Ray) ------------------------------------------
     async def ready(self) -> bool:
