@@ -295,7 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     if trees:
         print(f"drafter: {trees} trees, {1e3 * sum(d['draft_s'] or 0 for d in drafters) / trees:.1f} ms "
               f"drafting each")
+    # what each sequence-step of the pipeline was: a drafter's tree, a prompt-lookup chain, or
+    # decoding alone (by plan, or because its tree was late: fallback)
+    steps = {k: final.get(k, 0) for k in STEP_COUNTERS}
+    print("pipeline sequence-steps: " + ", ".join(f"{k} {v}" for k, v in steps.items()))
     result = {"args": vars(args), "rows": rows, "pipeline_costs_ms": costs, **borrowed, "drafters": drafters,
+              "steps": steps,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.sweep:
         result["sweep"] = sweep(args, target_dir, draft_dir, work, methods, runs)
@@ -304,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {out}")
     return 0
+
+
+STEP_COUNTERS = ("num_steps", "num_batches", "spec_on_decisions", "spec_off_decisions", "joins_speculating",
+                 "fallback_steps", "drafter_absent_steps", "lookup_trees", "trees_dropped", "rollbacks")
 
 
 def pipeline_costs(stats: dict) -> dict:
