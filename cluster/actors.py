@@ -107,7 +107,10 @@ class DrafterActor:
         pause = 0.05
         while not self._stopped.is_set():
             more = any(s.ready(self._slots()) for s in self.streams.values())
-            busy = bool(puts) or more
+            # with trees to deliver but none to draft next (every ring full: in lockstep, after
+            # each tree), the call that files them also waits for the next signal: one call a
+            # step instead of two, and no reference to a tree still held when it returns
+            busy = more
             called = time.perf_counter()
             try:
                 reply = ray.get(self.verifier.exchange.remote(
