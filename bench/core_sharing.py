@@ -8,8 +8,9 @@ Two processes, started together and timed over the same window: a target that
 verifies a chain of `--target-rows` tokens after a 100-token prefix over and over
 on all `--target-threads` threads (what a lockstep verification does on a
 2-core node), and a drafter that drafts a 3-level chain (three one-row forwards
-with the draft's reduced LM head) over and over on one thread, under a Linux
-scheduling class or niceness per case:
+with the draft's fp16 layers and reduced LM head, as `drafter.model_proposer`
+runs them) over and over on one thread, under a Linux scheduling class or
+niceness per case:
 
 - `alone`: each process by itself (the reference);
 - `normal`: both at normal priority (three busy threads on two cores);
@@ -47,7 +48,7 @@ def worker(role: str, model_dir: str, rows: int, threads: int, seconds: float, s
     sys.path.insert(0, str(ROOT))
     from models import load_model
     from models.embedded import draft_logit_rows
-    from models.transformer import causal_mask
+    from models.transformer import causal_mask, use_half_weights
 
     torch.set_num_threads(threads)
     if sched == "idle":
@@ -55,10 +56,13 @@ def worker(role: str, model_dir: str, rows: int, threads: int, seconds: float, s
     elif sched.startswith("nice"):
         os.nice(int(sched[4:]))
     model = load_model(model_dir)
-    logit_rows = None
+    head = None       # the draft's reduced LM head, selected once (as drafter.model_proposer does)
     if role == "draft":
+        use_half_weights(model)          # the proposer's fp16 few-row matmuls
         ids = draft_logit_rows(Path(model_dir))
-        logit_rows = None if ids is None else torch.tensor(ids)
+        if ids is not None:
+            head = model.lm_head_weight.index_select(0, torch.tensor(ids))
+    one_row = torch.zeros(1, dtype=torch.long)
     cache = model.new_cache(64)
     cache.add_sequence(0)
     prefix = 100
@@ -75,8 +79,12 @@ def worker(role: str, model_dir: str, rows: int, threads: int, seconds: float, s
         for _ in range(levels):
             length = cache.seq_len(0)
             x = torch.randint(0, vocab, (1, rows), generator=gen)
-            model(x, (length + torch.arange(rows))[None], cache, [0], causal_mask(1, rows),
-                  logit_rows=logit_rows)
+            args = (x, (length + torch.arange(rows))[None], cache, [0], causal_mask(1, rows))
+            if head is None:
+                model(*args)
+            else:       # the model's own head on one row only; the reduced head on the last position
+                _, hidden = model(*args, logit_rows=one_row, logit_positions=one_row, return_hidden=True)
+                torch.nn.functional.linear(hidden[:, -1], head)
         cache.truncate(0, prefix)
         n += 1
     elapsed = time.perf_counter() - t0
