@@ -15,7 +15,11 @@ machine hurts all of them alike:
   draft head (`--eagle`; the embedded one by default) instead of the layered draft;
 - `ngram`: prompt lookup decoding (no draft model);
 - `hf-target`, `hf-assisted`: Hugging Face `generate`, the target alone and assisted
-  generation (`assistant_model`, constant K, no confidence cutoff) on the same checkpoints.
+  generation (`assistant_model`, constant K, no confidence cutoff) on the same checkpoints;
+- `async`: the disaggregated pipeline (`cluster.pipeline`) on a local Ray started for the
+  run, the drafter and the verifier each an actor given one core, mode `auto`
+  (`bench/e2e_async.py`'s method; `--no-async` skips it). Its row adds the verifier's idle
+  fraction (time it waited for a tree with a sequence active, over its wall time).
 
 Columns: tokens/s (generated tokens over wall time, prefill included), speedup
 over `off`, acceptance rate (accepted / drafted nodes), mean accepted length
@@ -24,7 +28,7 @@ the speedup predicted by Eq. 3.2 of Leviathan et al. 2023, E[tokens/step] =
 (1 - gamma^(K+1)) / (1 - gamma), divided by the measured cost of one step (K
 draft forwards + one verification of K+1 tokens) in units of one target
 decoding step. Trees use their measured mean accepted length instead (no
-closed form). A new method (the async pipeline) is one more entry in `METHODS`.
+closed form).
 """
 from __future__ import annotations
 
@@ -75,6 +79,8 @@ class Run:
     rejected_steps: int = 0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    idle_s: float = 0.0       # async: the verifier waited for a tree (a sequence active)
+    wall_s: float = 0.0       # async: the verifier's wall time over the request
 
 
 # -- methods: each maps (prompt_ids, max_tokens) -> Run fields ---------------------------------
@@ -241,7 +247,9 @@ def summarize(runs: list[Run], methods: list[str], costs: dict, K: int) -> list[
                 _tps([r for r in runs if r.method == "off" and r.category == c]), 1e-9) for c in PROMPTS},
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_accepted_len": mean_len if drafted else None,
-            "gamma": gamma if m.startswith(("sync", "eagle")) or m == "ngram" else None,
+            "gamma": gamma if m.startswith(("sync", "eagle", "async")) or m == "ngram" else None,
+            "verifier_idle_fraction": (sum(r.idle_s for r in mine) / max(sum(r.wall_s for r in mine), 1e-9)
+                                       if m == "async" else None),
             "predicted_speedup": pred,
             "predicted_speedup_inrun": pred_inrun,
             "exact_vs_off": sum(base.get((r.category, r.prompt)) == r.token_ids for r in mine) / len(mine),
@@ -260,15 +268,15 @@ def markdown_table(rows: list[dict]) -> str:
         return "–" if x is None else format(x, fmt)
 
     lines = ["| method | tokens/s | speedup | code | math | chat | acceptance | mean accepted len | γ | "
-             "Eq. 3.2 predicted speedup (microbench / in-run costs) | exact vs off |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "Eq. 3.2 predicted speedup (microbench / in-run costs) | verifier idle | exact vs off |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         c = r["by_category"]
         lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {c['code']:.2f}× | "
                      f"{c['math']:.2f}× | {c['chat']:.2f}× | {f(r['acceptance_rate'], '.2f')} | "
                      f"{f(r['mean_accepted_len'], '.2f')} | {f(r['gamma'], '.2f')} | "
                      f"{f(r['predicted_speedup'], '.2f')} / {f(r.get('predicted_speedup_inrun'), '.2f')} | "
-                     f"{r['exact_vs_off']:.0%} |")
+                     f"{f(r.get('verifier_idle_fraction'), '.1%')} | {r['exact_vs_off']:.0%} |")
     return "\n".join(lines)
 
 
@@ -302,7 +310,16 @@ def build_methods(args, pair, hf_target, hf_draft, eagle_engine=None) -> dict:
         methods["hf-target"] = hf(hf_target, eos_token_ids=eos)
         if hf_draft is not None:
             methods["hf-assisted"] = hf(hf_target, hf_draft, args.spec_len, eos_token_ids=eos)
-    return {m: fn for m, fn in methods.items() if not args.methods or m in args.methods}
+    wanted = lambda m: not args.methods or m in args.methods   # noqa: E731
+    if engine.draft is not None and not args.no_async and wanted("async"):
+        import importlib.util
+
+        # bench/e2e_async.py, loaded by path (bench/ stays off sys.path); starts a local Ray, two CPUs
+        spec = importlib.util.spec_from_file_location("e2e_async", ROOT / "e2e_async.py")
+        e2e_async = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(e2e_async)
+        methods["async"] = e2e_async.measure_async(args.target, args.draft, args.spec_len, 1, "auto")
+    return {m: fn for m, fn in methods.items() if wanted(m)}
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:
@@ -354,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--methods", nargs="*", help="a subset of the methods (default: all)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
+    p.add_argument("--no-async", action="store_true", help="skip the async pipeline (no Ray started)")
     p.add_argument("--eagle", help="an EAGLE draft head for the eagle-* methods (default: the embedded one "
                                    "with the embedded pair; 'none' to skip)")
     p.add_argument("--out", type=Path, default=ROOT / "results")
@@ -386,7 +404,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.draft:
             hf_draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
     methods = build_methods(args, pair, hf_target, hf_draft, eagle_engine)
-    runs = run_all(methods, pair.tokenizer, args.max_tokens, args.prompts)
+    try:
+        runs = run_all(methods, pair.tokenizer, args.max_tokens, args.prompts)
+    finally:
+        if "async" in methods:
+            methods["async"].close()        # its actors and the Ray it started
     mean_prompt = int(statistics.mean(len(prompt_ids(pair.tokenizer, t)) for ts in PROMPTS.values() for t in ts))
     costs = measure_costs(pair.engine, args.spec_len, args.tree_width, mean_prompt + args.max_tokens // 2,
                           eagle_engine)
