@@ -4,13 +4,18 @@
 - `close_draft`: the target's weights, slightly perturbed (high acceptance).
 - `far_draft`: other random weights, one layer (low acceptance).
 - `small_vocab_pair`: a 16-token target and a far draft, for statistical sampling tests.
+- `bench_script`: `bench_script("load")` is bench/load.py loaded as a module (bench/ stays
+  off sys.path, where its kernels.py would shadow the package).
 
 Each is a directory made with `save_pretrained`, loaded back through `models.load_model`
 by the tests, so the loader is part of every path under test.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +25,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+BENCH = Path(__file__).resolve().parents[1] / "bench"
 BYTE_VOCAB = 256
 BOS, EOS, PAD = 256, 257, 258
 TINY_VOCAB = 260
@@ -113,6 +119,17 @@ def save_eagle(path, target_dir, seed: int, tokenizer=None, fc_scale: float = 0.
     config.save_pretrained(path)
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
+
+
+@pytest.fixture(scope="session")
+def bench_script():
+    def load(name: str):
+        spec = importlib.util.spec_from_file_location(f"specflash_bench_{name}", BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module          # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+        return module
+    return load
 
 
 @pytest.fixture(scope="session")

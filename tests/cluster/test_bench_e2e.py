@@ -1,29 +1,17 @@
 """bench/e2e.py, small: the async pipeline runs in the same run as the baselines (issue 4, item 8)."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "e2e.py"
 
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_e2e", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module          # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_the_e2e_bench_measures_the_pipeline_beside_the_baselines(ray_cluster, tiny_target, close_draft, tmp_path):
+def test_the_e2e_bench_measures_the_pipeline_beside_the_baselines(ray_cluster, tiny_target, close_draft, tmp_path,
+                                                                 bench_script):
     import ray
 
     threads = torch.get_num_threads()
     methods = ["off", "sync-chain", "async", "hf-target", "hf-assisted"]
     try:
-        assert load_bench().main(["--target", str(tiny_target), "--draft", str(close_draft), "--prompts", "1",
+        assert bench_script("e2e").main(["--target", str(tiny_target), "--draft", str(close_draft), "--prompts", "1",
                                   "--max-tokens", "6", "--spec-len", "2", "--threads", "1", "--eagle", "none",
                                   "--methods", *methods, "--out", str(tmp_path)]) == 0
     finally:

@@ -7,11 +7,8 @@ session cluster and remove it after, so the shared head and drafter nodes are un
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import asdict
-from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -21,17 +18,6 @@ import ray
 from .conftest import DRAFTER_RESOURCE, VERIFIER_RESOURCE, pipeline_args
 from .pipeline_helpers import collect, hf_greedy, prompts, request, run
 from .test_pipeline_faults import kill_after, wait_for
-
-CHAOS_PATH = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
-
-
-def load_chaos():
-    spec = importlib.util.spec_from_file_location("specflash_bench_chaos", CHAOS_PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module          # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
 
 @pytest.fixture
 def extra_node(ray_cluster):
@@ -51,8 +37,8 @@ def extra_node(ray_cluster):
             cluster.remove_node(node)
 
 
-def test_short_soak_nothing_lost_hung_or_leaked(ray_cluster, extra_node, tiny_target, close_draft):
-    chaos = load_chaos()
+def test_short_soak_nothing_lost_hung_or_leaked(ray_cluster, extra_node, tiny_target, close_draft, bench_script):
+    chaos = bench_script("chaos")
     node, node_args = extra_node("specflash_chaos_drafter")
     cfg = chaos.SoakConfig(duration_s=45, max_requests=150, concurrency=3, request_timeout_s=60,
                            fault_every_s=5, node_down_s=2, max_tokens=32, warmup_requests=4,

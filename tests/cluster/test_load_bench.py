@@ -4,9 +4,7 @@ geometric means over rounds."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import math
-from pathlib import Path
 
 import httpx
 import pytest
@@ -14,15 +12,9 @@ import pytest
 from cluster.openai_api import OpenAIServer, ServerSettings, build_fastapi_app
 from cluster.testing import FakeEngine, tiny_byte_tokenizer
 
-LOAD_PATH = Path(__file__).resolve().parents[2] / "bench" / "load.py"
-
-
 @pytest.fixture(scope="module")
-def load():
-    spec = importlib.util.spec_from_file_location("specflash_bench_load", LOAD_PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def load(bench_script):
+    return bench_script("load")
 
 
 @pytest.mark.parametrize("workload", ["completions", "chat-code-math"])

@@ -34,15 +34,9 @@ def test_latest_longest_match_wins_and_a_shorter_list_starts_over():
         NgramIndex(2, 3)
 
 
-def test_the_lookup_planning_bench_runs_and_both_ways_plan_the_same_chains(capsys):
+def test_the_lookup_planning_bench_runs_and_both_ways_plan_the_same_chains(capsys, bench_script):
     """bench/lookup_plan.py, small: it exits 0 only when scan and index planned the same chains."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "bench" / "lookup_plan.py"
-    spec = importlib.util.spec_from_file_location("specflash_bench_lookup_plan", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_script("lookup_plan")
     assert bench.main(["--seqs", "3", "--tokens", "40", "--steps", "30", "--vocab", "6"]) == 0
     out = capsys.readouterr().out
     assert "vocabulary 6: 3 sequences" in out and " 0 chains planned" not in out
