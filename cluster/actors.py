@@ -109,7 +109,7 @@ class DrafterActor:
             more = any(s.ready(self._slots()) for s in self.streams.values())
             # with trees to deliver but none to draft next (every ring full: in lockstep, after
             # each tree), the call that files them also waits for the next signal: one call a
-            # step instead of two, and no reference to a tree still held when it returns
+            # step instead of two, and the verifier has usually fetched the trees by its return
             busy = more
             called = time.perf_counter()
             try:
