@@ -20,8 +20,11 @@ verifier waited for a tree with a sequence active, over its wall time).
 `--sweep` makes drafts of decreasing quality (the draft's weights plus Gaussian
 noise of the given relative size) and plots speedup against the measured
 per-level acceptance γ beside Eq. 3.2's model, E = (1 - γ^(K+1)) / (1 - γ),
-divided by the measured cost of a verification of K+1 tokens in target steps
-(the async ideal: drafting fully hidden). PNG and JSON go to bench/results/.
+divided by a step's cost in target steps: the verification of K+1 tokens alone
+(the async ideal: drafting fully hidden), K draft forwards plus it (sync), and
+K times the wait per level the verifier measured in the main run plus it (lockstep,
+what a lone stream's pipeline does on a CPU node). Costs on `--threads` threads.
+PNG and JSON go to bench/results/.
 
 `measure_async(...)` is the `async` method alone, for bench/e2e.py to call.
 """
@@ -217,7 +220,8 @@ def eq32(gamma: float, K: int) -> float:
     return (1 - gamma ** (K + 1)) / (1 - gamma) if gamma < 1 else K + 1.0
 
 
-def plot(points: list[dict], K: int, verify_ratio: float, sync_ratio: float, path: Path) -> None:
+def plot(points: list[dict], K: int, verify_ratio: float, sync_ratio: float, path: Path,
+         lockstep_ratio: float | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -227,6 +231,9 @@ def plot(points: list[dict], K: int, verify_ratio: float, sync_ratio: float, pat
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(g, [eq32(x, K) / verify_ratio for x in g], label=f"Eq. 3.2, async ideal (K={K})")
     ax.plot(g, [eq32(x, K) / sync_ratio for x in g], "--", label="Eq. 3.2, sync (K drafts + verify)")
+    if lockstep_ratio is not None:
+        ax.plot(g, [eq32(x, K) / lockstep_ratio for x in g], ":",
+                label="Eq. 3.2, lockstep (K measured waits + verify)")
     for name, marker in (("async", "o"), ("sync", "s")):
         pts = [p for p in points if p["method"] == name and p["gamma"] is not None]
         ax.scatter([p["gamma"] for p in pts], [p["speedup"] for p in pts], marker=marker, label=f"measured {name}")
@@ -303,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
               "steps": steps,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.sweep:
-        result["sweep"] = sweep(args, target_dir, draft_dir, work, methods, runs)
+        result["sweep"] = sweep(args, target_dir, draft_dir, work, methods, runs, costs)
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"e2e_async_{args.tag}.json"
     out.write_text(json.dumps(result, indent=1, default=str))
@@ -332,7 +339,7 @@ def pipeline_costs(stats: dict) -> dict:
     return out
 
 
-def sweep(args, target_dir, draft_dir, work, methods, runs) -> dict:
+def sweep(args, target_dir, draft_dir, work, methods, runs, costs: dict) -> dict:
     """Speedup vs acceptance: drafts of decreasing quality, async (chain) and sync, vs Eq. 3.2."""
     import tempfile
 
@@ -340,13 +347,22 @@ def sweep(args, target_dir, draft_dir, work, methods, runs) -> dict:
     from e2e import forward_ms
 
     sys.path.pop(0)
+    from cluster.engine import read_logit_rows
     from models import load_model
+    from models.transformer import use_half_weights
 
-    torch.set_num_threads(1)
+    # the model lines' step costs on the in-process baselines' threads, the draft as its
+    # proposer runs it (fp16 layers, the reduced head selected once)
+    torch.set_num_threads(args.threads)
     target = load_model(target_dir)
     t1, tk = forward_ms(target, 128, 1), forward_ms(target, 128, args.spec_len + 1)
     draft = load_model(draft_dir)
-    d1 = forward_ms(draft, 128, 1)
+    use_half_weights(draft)
+    rows = read_logit_rows(draft_dir, target.config.vocab_size)
+    d1 = forward_ms(draft, 128, 1, logit_rows=None if rows is None else torch.tensor(rows))
+    # a lone stream's pipeline takes turns (lockstep): each level costs the wait the verifier
+    # measured for its drafter's trees in the main run (the draft beside a cold cache, two Ray hops)
+    level_ms = costs.get("lockstep_draft_level")
     points = [{"noise": 0.0, **{k: v for k, v in r.items() if k != "by_category"}}
               for r in summarize(runs) if r["method"] in ("async", "sync")]
     off = [r for r in summarize(runs) if r["method"] == "off"][0]["tokens_per_s"]
@@ -365,9 +381,11 @@ def sweep(args, target_dir, draft_dir, work, methods, runs) -> dict:
                     r["speedup"] = r["tokens_per_s"] / off
                     points.append({"noise": noise, **r})
     png = RESULTS / f"e2e_async_speedup_vs_acceptance_{args.tag}.png"
-    plot(points, args.spec_len, tk / t1, (args.spec_len * d1 + tk) / t1, png)
+    lockstep = None if level_ms is None else (args.spec_len * level_ms + tk) / t1
+    plot(points, args.spec_len, tk / t1, (args.spec_len * d1 + tk) / t1, png, lockstep)
     print(f"wrote {png}")
-    return {"points": points, "target_1_ms": t1, "verify_ms": tk, "draft_1_ms": d1}
+    return {"points": points, "target_1_ms": t1, "verify_ms": tk, "draft_1_ms": d1,
+            "lockstep_draft_level_ms": level_ms, "threads": args.threads}
 
 
 if __name__ == "__main__":

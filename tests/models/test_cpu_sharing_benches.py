@@ -1,9 +1,11 @@
-"""bench/core_sharing.py, small: both processes run in the same window and report their speed."""
+"""bench/core_sharing.py and bench/draft_warmth.py, small: what sharing a CPU does to a draft."""
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "core_sharing.py"
 
@@ -23,3 +25,16 @@ def test_the_core_sharing_bench_times_both_sides_in_each_case(tiny_target, close
         assert alone[f"{side}_ms"] * alone[f"{side}_iters"] >= 300
     assert result["cases"]["nice19"]["target_iters"] > 0
     assert set(result["one_thread_rows_ms"]) == {"2"} and result["one_thread_rows_ms"]["2"] > 0
+
+
+def test_the_draft_warmth_bench_times_both_series(tiny_target, close_draft, bench_script, capsys):
+    """bench/draft_warmth.py, small: the pipeline's drafter proposes chains back to back and
+    after target verifications, and reports both medians."""
+    threads = torch.get_num_threads()
+    try:
+        assert bench_script("draft_warmth").main(["--target", str(tiny_target), "--draft", str(close_draft),
+                                                  "--reps", "3", "--spec-len", "2"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "2-level chain" in out and "back to back" in out and "right after" in out
