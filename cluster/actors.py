@@ -48,8 +48,12 @@ __all__ = ["DrafterActor", "VerifierActor", "PipelineSettings", "remote_classes"
 class DrafterActor:
     def __init__(self, index: int, verifier, draft_dir: str | None, target_dir: str,
                  settings: dict) -> None:
+        """`verifier`: its VerifierActor, as a handle or as the (name, namespace) it was
+        created under (what `build_pipeline_engine` passes)."""
         self.settings = PipelineSettings(**settings)
         set_threads(self.settings.num_cpus)
+        if isinstance(verifier, (tuple, list)):     # (name, namespace) of a named VerifierActor
+            verifier = ray.get_actor(verifier[0], namespace=verifier[1])
         self.index, self.verifier = index, verifier
         self._node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
         self._gpus = gpu_ids(self.settings.device)      # None on a CPU

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from dataclasses import asdict, dataclass, field, replace
 from typing import AsyncIterator
 
@@ -255,10 +256,15 @@ def build_pipeline_engine(config=None, *, target_dir: str | None = None, draft_d
         v_settings = replace(settings, num_cpus=placement.verifier.num_cpus)
         d_settings = replace(settings, num_cpus=placement.drafter.num_cpus,
                              device="cuda" if placement.drafter.num_gpus > 0 else "cpu")
-        verifier = verifier_cls.options(**v_opts).remote(target_dir, asdict(v_settings))
-        def spawn(j: int, verifier=verifier, d_opts=d_opts, d_settings=d_settings):
+        # drafters find their verifier by name: an actor handle among a restartable actor's
+        # constructor arguments lives in the object store, where Ray cannot yet guarantee it
+        # survives for a restart (ray-project/ray#53727); two strings travel inline
+        name = (f"specflash-verifier-{uuid.uuid4().hex[:12]}", ray.get_runtime_context().namespace)
+        verifier = verifier_cls.options(name=name[0], namespace=name[1], **v_opts).remote(
+            target_dir, asdict(v_settings))
+        def spawn(j: int, name=name, d_opts=d_opts, d_settings=d_settings):
             return drafter_cls.options(**d_opts[j % len(d_opts)]).remote(
-                j, verifier, draft_dir, target_dir, asdict(d_settings))
+                j, name, draft_dir, target_dir, asdict(d_settings))
 
         n = config.drafters_per_verifier
         pipelines.append(Pipeline(verifier, [spawn(j) for j in range(n)], pg, spawn_drafter=spawn,

@@ -59,6 +59,17 @@ def test_drafter_killed_mid_generation_request_completes_exactly(make_engine, ti
     assert last2.num_drafted > 0, "the drafter must rejoin and speculate after its restart"
 
 
+def test_drafters_are_given_their_verifier_by_name(make_engine, tiny_target, close_draft):
+    """A restartable drafter's constructor arguments hold no actor handle (Ray keeps such an
+    argument in the object store, where it may not outlive a restart: ray-project/ray#53727):
+    each verifier is a named actor, and that name finds it."""
+    engine = make_engine(tiny_target, close_draft, num_pipelines=2)
+    named = {(a["namespace"], a["name"]) for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("specflash-verifier-")}
+    ids = {ray.get_actor(name, namespace=ns)._actor_id for ns, name in named}
+    assert {p.verifier._actor_id for p in engine.pipelines} <= ids
+
+
 def test_verifier_killed_fails_fast_and_other_pipeline_unaffected(make_engine, tiny_target, close_draft,
                                                                   hf_target):
     engine = make_engine(tiny_target, close_draft, num_pipelines=2, chunk_timeout_s=60)
