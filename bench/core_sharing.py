@@ -8,9 +8,10 @@ Two processes, started together and timed over the same window: a target that
 verifies a chain of `--target-rows` tokens after a 100-token prefix over and over
 on all `--target-threads` threads (what a lockstep verification does on a
 2-core node), and a drafter that drafts a 3-level chain (three one-row forwards
-with the draft's fp16 layers and reduced LM head, as `drafter.model_proposer`
-runs them) over and over on one thread, under a Linux scheduling class or
-niceness per case:
+with the draft's fp16 layers and its reduced LM head selected once, as
+`drafter.model_proposer` does; the head read in fp32 here, where the proposer
+reads an fp16 copy) over and over on one thread, under a Linux scheduling class
+or niceness per case:
 
 - `alone`: each process by itself (the reference);
 - `normal`: both at normal priority (three busy threads on two cores);
