@@ -20,6 +20,9 @@ machine hurts all of them alike:
   run, the drafter and the verifier each an actor given one core, mode `auto`
   (`bench/e2e_async.py`'s method; `--no-async` skips it). Its row adds the verifier's idle
   fraction (time it waited for a tree with a sequence active, over its wall time).
+  `--one-core-each`: every model gets one core and lends none (the in-process methods,
+  Hugging Face's included, on one thread; the pipeline overlapped, its verifier never on
+  the drafter's core): the CPU stand-in for one device per model.
 
 Columns: tokens/s (generated tokens over wall time, prefill included), speedup
 over `off`, acceptance rate (accepted / drafted nodes), mean accepted length
@@ -318,7 +321,10 @@ def build_methods(args, pair, hf_target, hf_draft, eagle_engine=None) -> dict:
         spec = importlib.util.spec_from_file_location("e2e_async", ROOT / "e2e_async.py")
         e2e_async = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(e2e_async)
-        methods["async"] = e2e_async.measure_async(args.target, args.draft, args.spec_len, 1, "auto")
+        settings = dict(e2e_async.ONE_CORE_EACH) if args.one_core_each else {}
+        if args.bridge_depth is not None:
+            settings["bridge_depth"] = args.bridge_depth
+        methods["async"] = e2e_async.measure_async(args.target, args.draft, args.spec_len, 1, "auto", **settings)
     return {m: fn for m, fn in methods.items() if wanted(m)}
 
 
@@ -348,12 +354,15 @@ def run_all(methods: dict, tokenizer, max_tokens: int, prompts_per_category: int
 
 def update_readme(table: str, info: dict, args) -> None:
     path = ROOT / "README.md"
-    begin, end = "<!-- e2e:begin -->", "<!-- e2e:end -->"
+    tag = "e2e-one-core" if getattr(args, "one_core_each", False) else "e2e"    # a table of its own
+    begin, end = f"<!-- {tag}:begin -->", f"<!-- {tag}:end -->"
     text = path.read_text() if path.exists() else ""
     block = (f"{begin}\n{table}\n\nMachine: {info['machine']['cpu']}, {info['machine']['threads']} threads, "
              f"torch {info['machine']['torch']}; {info['date']}; K = {args.spec_len}, tree width = "
              f"{args.tree_width}, {args.max_tokens} new tokens per prompt, "
-             f"{args.prompts} prompts per category.\n{end}")
+             f"{args.prompts} prompts per category"
+             f"{'; every model on one core, none lent (--one-core-each)' if tag != 'e2e' else ''}"
+             f"{f'; async bridge_depth {args.bridge_depth}' if getattr(args, 'bridge_depth', None) else ''}.\n{end}")
     if begin in text:
         text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
     else:
@@ -374,9 +383,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-async", action="store_true", help="skip the async pipeline (no Ray started)")
     p.add_argument("--eagle", help="an EAGLE draft head for the eagle-* methods (default: the embedded one "
                                    "with the embedded pair; 'none' to skip)")
+    p.add_argument("--one-core-each", action="store_true",
+                   help="every model on one core, none lent: --threads 1 and the pipeline kept overlapped "
+                        "(bench/e2e_async.py's module doc)")
+    p.add_argument("--bridge-depth", type=int, default=None,
+                   help="the pipeline's bridge_depth (draft tokens a bridge step verifies; default: its own)")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     p.add_argument("--readme", action="store_true", help="write the table into bench/README.md")
     args = p.parse_args(argv)
+    if args.one_core_each:
+        args.threads = 1
     torch.set_num_threads(args.threads)
 
     from cluster.engine import build_engine
@@ -404,8 +420,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.draft:
             hf_draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
     methods = build_methods(args, pair, hf_target, hf_draft, eagle_engine)
+    pipeline = None
     try:
         runs = run_all(methods, pair.tokenizer, args.max_tokens, args.prompts)
+        if "async" in methods:          # how its forwards ran: on its own core or on the drafter's too
+            final = methods["async"].stats()
+            pipeline = {"borrowed_steps": final.get("borrowed_steps", 0),
+                        "target_forwards": final.get("num_batches", 0)}
+            print(f"async: verifier forwards on the drafter's core too: {pipeline['borrowed_steps']} "
+                  f"of {pipeline['target_forwards']}")
     finally:
         if "async" in methods:
             methods["async"].close()        # its actors and the Ray it started
@@ -418,9 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     print("costs (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
     info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
             "args": {k: str(v) for k, v in vars(args).items()}, "costs_ms": costs, "summary": rows,
-            "runs": [asdict(r) for r in runs]}
+            "async_pipeline": pipeline, "runs": [asdict(r) for r in runs]}
     args.out.mkdir(parents=True, exist_ok=True)
-    out = args.out / f"e2e-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}.json"
+    suffix = "-one-core" if args.one_core_each else ""
+    out = args.out / f"e2e-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}{suffix}.json"
     out.write_text(json.dumps(info, indent=1))
     print(f"wrote {out}")
     if args.readme:

@@ -26,6 +26,13 @@ K times the wait per level the verifier measured in the main run plus it (lockst
 what a lone stream's pipeline does on a CPU node). Costs on `--threads` threads.
 PNG and JSON go to bench/results/.
 
+`--one-core-each` gives every model one core and lends none: the in-process methods
+run on one thread (the target alone, as on one device; sync with draft and target
+taking turns on it) and the pipeline's actors keep to their own core, its lone
+stream overlapped (`PipelineSettings.lockstep_alone` off) and a verifier step never
+run on the drafter's core (`plain_threads` 0): the CPU stand-in for one device per
+model, the shape the pipeline is built for.
+
 `measure_async(...)` is the `async` method alone, for bench/e2e.py to call.
 """
 from __future__ import annotations
@@ -93,6 +100,10 @@ class AsyncMethod:
         self.engine.kill_pipeline_actors()
         if self._own_ray:
             ray.shutdown()
+
+
+# the pipeline with each actor kept to its own core (`--one-core-each`, module doc)
+ONE_CORE_EACH = {"lockstep_alone": False, "plain_threads": 0}
 
 
 def measure_async(target_dir: str, draft_dir: str | None, spec_len: int = 4, tree_width: int = 1,
@@ -263,8 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-lockstep-alone", action="store_true",
                    help="keep a lone stream overlapped (PipelineSettings.lockstep_alone off): the "
                         "asynchronous protocol itself, one request at a time")
+    p.add_argument("--bridge-depth", type=int, default=None,
+                   help="PipelineSettings.bridge_depth: draft tokens a bridge step verifies (default: its own)")
+    p.add_argument("--one-core-each", action="store_true",
+                   help="every model on one core, none lent: the in-process methods on one thread, the "
+                        "pipeline overlapped with no verifier step on the drafter's core (module doc)")
     p.add_argument("--tag", default="cpu")
     args = p.parse_args(argv)
+    if args.one_core_each:
+        args.threads = 1
     target_dir, draft_dir = args.target, args.draft
     if target_dir is None:
         from models import embedded
@@ -282,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = {} if args.ring_slots is None else {"ring_slots": args.ring_slots}
     if args.no_lockstep_alone:
         settings["lockstep_alone"] = False
+    if args.one_core_each:
+        settings.update(ONE_CORE_EACH)
+    if args.bridge_depth is not None:
+        settings["bridge_depth"] = args.bridge_depth
     methods["async"] = measure_async(target_dir, draft_dir, args.spec_len, 1, args.async_mode, **settings)
     try:
         runs = run_interleaved(methods, work, args.max_tokens)
@@ -319,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 STEP_COUNTERS = ("num_steps", "num_batches", "spec_on_decisions", "spec_off_decisions", "joins_speculating",
-                 "fallback_steps", "drafter_absent_steps", "lookup_trees", "trees_dropped", "rollbacks")
+                 "fallback_steps", "drafter_absent_steps", "lookup_trees", "bridge_chains", "bridge_chain_drafted",
+                 "bridge_chain_accepted", "trees_dropped", "rollbacks")
 
 
 def pipeline_costs(stats: dict) -> dict:

@@ -26,3 +26,23 @@ def test_the_e2e_bench_measures_the_pipeline_beside_the_baselines(ray_cluster, t
     assert pipeline["acceptance_rate"] is not None and pipeline["gamma"] is not None
     assert all(rows[m]["verifier_idle_fraction"] is None for m in methods if m != "async")
     assert ray.is_initialized()                                   # the shared cluster is left running
+
+
+def test_one_core_each_keeps_every_model_to_one_core(ray_cluster, tiny_target, close_draft, tmp_path, bench_script):
+    """`--one-core-each`: the in-process methods on one thread, and no verifier forward of the
+    pipeline on its drafter's core (the CPU stand-in for one device per model)."""
+    threads = torch.get_num_threads()
+    try:
+        assert bench_script("e2e").main(["--target", str(tiny_target), "--draft", str(close_draft), "--prompts", "1",
+                                  "--max-tokens", "6", "--spec-len", "2", "--eagle", "none", "--no-hf",
+                                  "--methods", "off", "sync-chain", "async", "--one-core-each",
+                                  "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    (out,) = tmp_path.glob("e2e-*-one-core.json")
+    info = json.loads(out.read_text())
+    assert info["machine"]["threads"] == 1 and info["args"]["one_core_each"] == "True"
+    assert info["async_pipeline"]["target_forwards"] > 0
+    assert info["async_pipeline"]["borrowed_steps"] == 0
+    rows = {r["method"]: r for r in info["summary"]}
+    assert rows["async"]["exact_vs_off"] == 1.0 and rows["async"]["tokens"] == rows["off"]["tokens"] > 0
