@@ -34,7 +34,8 @@ import uuid
 
 import ray
 
-from cluster.backends import DraftSide, PipelineSettings, gpu_ids, in_lockstep, rss_bytes, set_threads
+from cluster.backends import (DraftSide, PipelineSettings, bridge_chain_depth, gpu_ids, in_lockstep, rss_bytes,
+                              set_threads)
 from cluster.streams import DraftStream
 from cluster.verifier_actor import VerifierActor
 from cluster.wire import Signal, TreeHeader, WireError, decode_signals, encode_tree, pack_header
@@ -233,7 +234,9 @@ class DrafterActor:
         items = []
         for s in ready:
             k, width = s.budget
-            items.append((s.stream, s.position(), s.params, s.generator, k, width, s.epoch, s.bridge))
+            # a bridge step commits one token, or a bridge chain's r plus one (cluster/streams.py)
+            bridge = 1 + bridge_chain_depth(self.settings, s.params, k) if s.bridge else 0
+            items.append((s.stream, s.position(), s.params, s.generator, k, width, s.epoch, bridge))
         # lockstep (one tree in flight): the next tree waits for this one's signal, so no
         # outcome is assumed and no bonus level drafted; the verifier never bridges
         assume = not self._lockstep()
@@ -243,11 +246,11 @@ class DrafterActor:
         for s, item, d in zip(ready, items, drafted):
             bridged, s.bridge = s.bridge, False
             t = d.tree.num_nodes
-            if t == 0 or (bridged and d.bridge_token is None):
+            if t == 0 or (bridged and d.bridge_tokens is None):
                 s.budget = (0, s.budget[1])      # nothing to propose (no n-gram match): wait for a signal
                 continue
             if bridged:
-                s.record_bridge(d.bridge_token)
+                s.record_bridge(d.bridge_tokens)
             prefix = s.position()
             f = s.record(len(prefix), d.outcome, t, None if d.outcome is not None else d.cached)
             anchor = len(s.confirmed)
@@ -258,7 +261,7 @@ class DrafterActor:
             puts.append((pack_header(header), [ref]))
             self.counters["trees"] += 1
             self.counters["nodes"] += t
-        levels = max(item[4] + int(assume) + int(item[7]) for item in items)
+        levels = max(item[4] + int(assume) + item[7] for item in items)
         return puts, seconds, levels
 
 

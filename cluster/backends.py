@@ -23,6 +23,7 @@ from cluster.streams import cut_tree, greedy_outcome, reroot
 
 MAX_SPEC_LEN = 16
 MAX_TREE_WIDTH = 8
+MAX_BRIDGE_DEPTH = 4
 
 
 @dataclass
@@ -54,6 +55,18 @@ class PipelineSettings:
     # a sequence in "auto" mode whose draft model is off (budget 0, no drafter tree) may
     # still speculate with prompt lookup drafted by the verifier itself, where it pays
     lookup: bool = True
+    # tokens of the draft's own greedy chain a bridge step verifies (cluster/streams.py: the
+    # verifier holds a copy of the draft); 0 = a bridge decodes one token alone
+    bridge_depth: int = 0
+
+
+def bridge_chain_depth(settings: PipelineSettings, params, budget: int) -> int:
+    """Draft tokens a bridge step of this sequence verifies, decided alike by both sides: the
+    setting, for greedy requests with a draft model, within the sequence's budget (the
+    verifier's last signal; 0 = decode alone)."""
+    if settings.bridge_depth <= 0 or settings.proposer != "model" or not params.greedy:
+        return 0
+    return max(0, min(settings.bridge_depth, budget, MAX_BRIDGE_DEPTH))
 
 
 def set_threads(num_cpus: float) -> None:
@@ -242,7 +255,7 @@ class TargetSide:
 class Drafted:
     tree: object               # models.tree.TokenTree cut to the requested depth
     outcome: list[int] | None  # assumed committed tokens: greedy path + bonus guess
-    bridge_token: int | None = None   # bridge: the guessed token the tree is drafted after
+    bridge_tokens: list[int] | None = None   # bridge: the guessed tokens the tree is drafted after
     cached: list[int] | None = None   # tokens whose draft K/V were kept (the assumed path)
 
 
@@ -268,8 +281,9 @@ class DraftSide:
         model = _load(draft_dir, st.device, st.dtype)
         self.graphs = getattr(model, "graphs", None)
         rows = None if is_random(draft_dir) else read_logit_rows(draft_dir, vocab)
+        # levels: a tree, its bonus guess and a bridge chain's tokens plus its guess
         self.proposer = ModelProposer(model, model.new_cache(st.num_blocks, st.block_size),
-                                      MAX_SPEC_LEN + 1, 1, None, rows, vocab)
+                                      MAX_SPEC_LEN + MAX_BRIDGE_DEPTH + 2, 1, None, rows, vocab)
         self.kind = "model"
         if st.proposer == "replay":       # BENCHMARK ONLY: controlled acceptance (cluster/replay.py)
             self.proposer = CorruptedReplayProposer.from_file(self.proposer, st.replay_file,
@@ -281,12 +295,13 @@ class DraftSide:
         return getattr(self.proposer, "cache", None)
 
     def propose(self, items: list[tuple], assume: bool = True) -> tuple[list[Drafted], float]:
-        """`items`: (seq_id, prefix tokens, params, generator, spec_len, width, epoch, bridge).
+        """`items`: (seq_id, prefix tokens, params, generator, spec_len, width, epoch, bridge),
+        `bridge` the number of tokens the verifier's bridge step is assumed to commit (0: none).
 
-        One batched call drafts every sequence to depth spec_len + 1 (+ 1 more for a
-        bridge); each tree is cut to spec_len and the extra level gives the bonus
-        guess. A bridge tree is the subtree under the first child of the root,
-        drafted after prefix + that child's token (cluster/streams.py). With
+        One batched call drafts every sequence to depth spec_len + 1 (+ `bridge` more);
+        each tree is cut to spec_len and the extra level gives the bonus guess. A
+        bridge tree is the subtree under the `bridge`-th node of the first-child path
+        from the root, drafted after prefix + that path's tokens (cluster/streams.py). With
         `assume=False` (lockstep: nothing is drafted past a tree in flight) there is
         no bonus guess to make: trees are drafted to spec_len and carry no outcome.
         Returns the drafts and the seconds the batch took.
@@ -304,19 +319,21 @@ class DraftSide:
             out.append(self._assume(seq_id, tree, k, bridge))
         return out, time.perf_counter() - start
 
-    def _assume(self, seq_id: str, tree, k: int, bridge: bool) -> Drafted:
+    def _assume(self, seq_id: str, tree, k: int, bridge: int) -> Drafted:
         """Cut the tree, work out its assumed outcome, and keep the assumed path's draft K/V."""
-        full, bridge_token, prefix_nodes, index = tree, None, [], None
+        full, bridge_tokens, prefix_nodes, index = tree, None, [], None
         if bridge and tree.num_nodes:
-            root_child = int((tree.parent_ids == -1).nonzero()[0])
-            bridge_token, prefix_nodes = int(tree.token_ids[root_child]), [root_child]
-            tree, index = reroot(tree, root_child)
+            lead, lead_tokens, _ = greedy_outcome(tree, int(bridge))
+            if len(lead) < int(bridge):             # the draft stopped short: nothing to assume
+                return Drafted(cut_tree(tree, 0), None)
+            bridge_tokens, prefix_nodes = lead_tokens, lead
+            tree, index = reroot(tree, lead[-1])
         path, path_tokens, guess = greedy_outcome(tree, k)
         # the draft keeps the K/V of the assumed path, exactly what full acceptance leaves
         full_path = prefix_nodes + (path if index is None else [index[i] for i in path])
         self.proposer.on_verified(seq_id, full, full_path)
         outcome = None if guess is None else path_tokens + [guess]
-        return Drafted(cut_tree(tree, k), outcome, bridge_token, path_tokens)
+        return Drafted(cut_tree(tree, k), outcome, bridge_tokens, path_tokens)
 
     def rollback(self, seq_id: str, keep_len: int) -> None:
         """Forget draft state past the first keep_len tokens (epoch change, DESIGN §3 step 4)."""
@@ -342,10 +359,64 @@ class DraftSide:
         prefix = [1] * prompt_len
         try:
             for k in range(1, spec_len + 1):
-                for assume, bridge in ((True, False), (True, True), (False, False)):
+                for assume, bridge in ((True, 0), (True, 1), (False, 0)):
                     for _ in (0, 1):
                         self.propose([(sid, prefix, params, gen, k, 1, 0, bridge)], assume)
                         self.rollback(sid, len(prefix) - 1)
+        finally:
+            self.release(sid)
+        return time.perf_counter() - start
+
+
+class BridgeDraft:
+    """The verifier's copy of the draft model, for bridge chains (`bridge_depth`,
+    cluster/streams.py): after a step whose outcome contradicted what the drafter assumed,
+    the verifier verifies the draft's own greedy chain instead of decoding one token alone,
+    drafted here in one batched pass with its own KV cache (caught up on the committed
+    tokens at each use). The drafter drafts the same greedy path, and its restart tree after
+    it, at the same time on its own device."""
+
+    def __init__(self, draft_dir: str, target_dir: str, settings: PipelineSettings) -> None:
+        from cluster.engine import read_logit_rows
+        from drafter import DraftRequest, ModelProposer
+
+        model = _load(draft_dir, settings.device, settings.dtype)
+        vocab = _config_of(target_dir).vocab_size
+        self._request_cls = DraftRequest
+        # as the drafter's proposer reads it (reduced head, fp16 copies): the same greedy path
+        self.proposer = ModelProposer(model, model.new_cache(settings.num_blocks, settings.block_size),
+                                      MAX_BRIDGE_DEPTH + 1, 1, None, read_logit_rows(draft_dir, vocab), vocab)
+
+    def chains(self, items: list[tuple]) -> list[tuple[object, list[int] | None]]:
+        """`items`: (seq_id, committed tokens, params, generator, depth r). Returns per item the
+        chain cut to r (a TokenTree) and the outcome it announces: the chain plus the draft's
+        next token (None where the draft stopped short)."""
+        batch = [self._request_cls(seq_id, tokens, params, gen, depth + 1, epoch=0, tree_width=1)
+                 for seq_id, tokens, params, gen, depth in items]
+        out = []
+        for (seq_id, committed, _, _, depth), tree in zip(items, self.proposer.propose(batch)):
+            _, tokens, guess = greedy_outcome(tree, depth)
+            out.append((cut_tree(tree, depth), None if guess is None else tokens + [guess]))
+            # keep the committed prefix but its root, which the next chain feeds afresh
+            self.proposer.rollback(seq_id, len(committed) - 1)
+        return out
+
+    def release(self, seq_id: str) -> None:
+        self.proposer.release(seq_id)
+
+    def warm_up(self, depth: int, prompt_len: int = 32, on_cpu: bool = False) -> float:
+        """On a GPU (or with `on_cpu`, for tests), before the verifier serves: chains of 1..`depth`
+        for a dummy sequence, each twice (as `DraftSide.warm_up`). Returns the seconds taken."""
+        cache = self.proposer.cache
+        if cache.device.type != "cuda" and not on_cpu:
+            return 0.0
+        from models.sampling import SamplingParams
+
+        start, sid = time.perf_counter(), "__warm_up__"
+        params, gen = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
+        try:
+            for r in [r for r in range(1, depth + 1) for _ in (0, 1)]:
+                self.chains([(sid, [1] * prompt_len, params, gen, r)])
         finally:
             self.release(sid)
         return time.perf_counter() - start

@@ -146,6 +146,11 @@ class SpeculationDefaults(_Model):
         "processes' forwards on one GPU are time-sliced, so overlapping them gains nothing and "
         "slows each verification (3-7x on an H200, bench/results/gpu-20261130c)."))
     max_batch_size: int = Field(32, ge=1, le=4096, description="Sequences per verifier forward.")
+    bridge_depth: int = Field(0, ge=0, le=4, description=(
+        "After a tree whose outcome contradicts what the drafter assumed, the verifier's next "
+        "step (the bridge) verifies the draft's own greedy chain of this many tokens, drafted by "
+        "a copy of the draft the verifier holds, instead of decoding one token alone (greedy "
+        "requests with a draft model; 0 = decode alone)."))
     lookup: bool = Field(
         True, description="In auto mode, where the draft model does not pay, the verifier speculates "
                           "with prompt lookup (n-grams of the prompt and output) when that pays.")

@@ -51,6 +51,9 @@ class SpecStats:
     lookup_trees: int = 0             # prompt-lookup chains the verifier drafted itself
     lookup_drafted: int = 0           # their nodes (also counted in num_drafted)
     lookup_accepted: int = 0          # of those, accepted (also counted in num_accepted)
+    bridge_chains: int = 0            # bridge steps that verified the draft's chain (`bridge_depth`)
+    bridge_chain_drafted: int = 0     # their nodes (also counted in num_drafted)
+    bridge_chain_accepted: int = 0    # of those, accepted (also counted in num_accepted)
 
     # -- observers ---------------------------------------------------------------
     def observe_verification(self, num_nodes: int, num_accepted: int, max_depth: int,
@@ -115,6 +118,11 @@ class SpecStats:
         self.lookup_trees += 1
         self.lookup_drafted += num_nodes
         self.lookup_accepted += num_accepted
+
+    def observe_bridge_chain(self, num_nodes: int, num_accepted: int) -> None:
+        self.bridge_chains += 1
+        self.bridge_chain_drafted += num_nodes
+        self.bridge_chain_accepted += num_accepted
 
     def observe_borrowed_step(self) -> None:
         self.borrowed_steps += 1

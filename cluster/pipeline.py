@@ -228,6 +228,7 @@ def settings_from_config(config, **overrides) -> PipelineSettings:
                             lockstep_alone=spec.lockstep_alone,
                             lockstep_shared_gpu=spec.lockstep_shared_gpu,
                             max_batch_size=spec.max_batch_size, lookup=spec.lookup,
+                            bridge_depth=spec.bridge_depth,
                             dtype=config.models.dtype,
                             device="cuda" if gpu else "cpu")
     return replace(base, **overrides)
@@ -248,6 +249,8 @@ def build_pipeline_engine(config=None, *, target_dir: str | None = None, draft_d
     target_dir, draft_dir = _model_dirs(config, target_dir, draft_dir)
     refuse_in_pipeline(draft_dir)
     settings = settings_from_config(config, **overrides)
+    if draft_dir is None:            # prompt lookup drafts: no draft model to bridge with
+        settings = replace(settings, bridge_depth=0)
     drafter_cls, verifier_cls = remote_classes(drafter_max_restarts, verifier_max_restarts)
     placement = config.placement
     pipelines = []
@@ -261,7 +264,7 @@ def build_pipeline_engine(config=None, *, target_dir: str | None = None, draft_d
         # survives for a restart (ray-project/ray#53727); two strings travel inline
         name = (f"specflash-verifier-{uuid.uuid4().hex[:12]}", ray.get_runtime_context().namespace)
         verifier = verifier_cls.options(name=name[0], namespace=name[1], **v_opts).remote(
-            target_dir, asdict(v_settings))
+            target_dir, asdict(v_settings), draft_dir)
         def spawn(j: int, name=name, d_opts=d_opts, d_settings=d_settings):
             return drafter_cls.options(**d_opts[j % len(d_opts)]).remote(
                 j, name, draft_dir, target_dir, asdict(d_settings))

@@ -21,6 +21,17 @@ restart tree after the committed prefix plus its own guess `g` of that token.
 If the target's token equals `g`, the restart tree is valid when the bridge
 step ends; if not, it is dropped as stale and the drafter restarts plainly.
 
+Bridge chains (`PipelineSettings.bridge_depth` r > 0, greedy requests, a draft
+model): the verifier holds a copy of the draft and makes its bridge step verify
+the draft's own greedy chain of r tokens after the committed prefix (a short
+synchronous step: ~1 + γ + … + γ^r tokens instead of one), announcing the chain
+plus the draft's next token as the step's outcome. The drafter drafts the same
+greedy path and its restart tree after all r + 1 of those tokens. Since a bridge
+step now announces an outcome too, a bridge step that contradicts it is
+followed by another bridge (`InFlight.rebridge`). Both sides draft the same path
+from the same model and prefix; should they ever differ, a tree is stale, which
+costs a step, never exactness.
+
 Verifier side, `VerifyStream`: the committed tokens, the request's output and
 counters, and the stop conditions.
 """
@@ -41,6 +52,7 @@ class InFlight:
     outcome: list[int] | None    # assumed committed tokens of the tree; None = no guess possible
     num_nodes: int
     cached: list[int] | None = None   # tokens whose draft K/V were kept for it (default: outcome)
+    rebridge: bool = False       # a bridge chain: contradicted, it is followed by another bridge
 
     @property
     def assumed(self) -> list[int]:
@@ -78,9 +90,12 @@ class DraftStream:
         self.inflight.append(f)
         return f
 
-    def record_bridge(self, token: int) -> None:
-        """The verifier's bridge step (a tree of zero nodes, id -1) is assumed to commit `token`."""
-        self.inflight.append(InFlight(-1, len(self.confirmed), [token], 0))
+    def record_bridge(self, tokens: list[int] | int) -> None:
+        """The verifier's bridge step (id -1) is assumed to commit `tokens`: one token guessed
+        for a plain bridge (a tree of zero nodes), or a bridge chain's r tokens plus the
+        draft's next one (module doc); a contradicted chain is followed by another bridge."""
+        tokens = [tokens] if isinstance(tokens, int) else list(tokens)
+        self.inflight.append(InFlight(-1, len(self.confirmed), tokens, 0, rebridge=len(tokens) > 1))
 
     def on_step(self, sig: Signal) -> tuple[bool, int | None, int]:
         """Apply a step signal. Returns (epoch bumped, keep_len for the draft KV or None, wasted nodes).
@@ -102,8 +117,8 @@ class DraftStream:
                 return False, None, 0                      # the assumption held: nothing to undo
             if head.outcome is None:                       # nothing was drafted past it: no new epoch,
                 return False, keep, 0                      # but its assumed path leaves the draft KV
-            # a verified tree contradicted its announced outcome: the verifier bridges
-            self.bridge = sig.tree_id >= 0
+            # a verified tree (or bridge chain) contradicted its announced outcome: the verifier bridges
+            self.bridge = sig.tree_id >= 0 or head.rebridge
         wasted = sum(f.num_nodes for f in self.inflight)
         self.inflight.clear()
         self.epoch += 1
@@ -165,7 +180,8 @@ def cut_tree(tree, depth: int):
 
 
 def reroot(tree, node: int):
-    """The subtree under `node` as a tree of its own, drafted after prefix + [node's token].
+    """The subtree under `node` as a tree of its own, drafted after prefix + the tokens of the
+    path to `node` (its token and its ancestors').
 
     Returns (subtree, original index of each subtree node). Level order is kept.
     """
@@ -184,7 +200,8 @@ def reroot(tree, node: int):
     if tree.draft_probs is not None:
         probs = tree.draft_probs[torch.tensor([node + 1] + [i + 1 for i in order])]    # [T'+1, V]
     sub = TokenTree(tree.token_ids[idx], torch.tensor([new_index[parents[i]] for i in order], dtype=torch.long),
-                    tree.depths[idx] - int(tree.depths[node]), probs, tree.prefix_len + 1, tree.epoch)
+                    tree.depths[idx] - int(tree.depths[node]), probs, tree.prefix_len + int(tree.depths[node]),
+                    tree.epoch)
     return sub, order
 
 

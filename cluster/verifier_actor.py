@@ -44,8 +44,9 @@ import ray
 import torch
 
 from cluster.adaptive import AdaptiveSpeculation, CostModel, VerifyCosts, one_off_costs, plan_lookups
-from cluster.backends import (PipelineSettings, TargetSide, eos_ids_of, gpu_ids, in_lockstep,
-                              plain_step_threads, rss_bytes, set_threads, threads_of)
+from cluster.backends import (MAX_BRIDGE_DEPTH, BridgeDraft, PipelineSettings, TargetSide, bridge_chain_depth,
+                              eos_ids_of, gpu_ids, in_lockstep, plain_step_threads, rss_bytes, set_threads,
+                              threads_of)
 from cluster.metrics import SpecStats
 from cluster.protocol import GenerationChunk
 from cluster.ring import Ring, RingEntry
@@ -92,8 +93,12 @@ def _sampling_dict(p: SamplingParams) -> dict:
 
 
 class VerifierActor:
-    def __init__(self, target_dir: str, settings: dict) -> None:
+    def __init__(self, target_dir: str, settings: dict, draft_dir: str | None = None) -> None:
+        """`draft_dir`: the draft model, for bridge chains (`bridge_depth` > 0; unused otherwise)."""
         self.settings = PipelineSettings(**settings)
+        chains = self.settings.bridge_depth > 0 and self.settings.proposer == "model"
+        if chains and draft_dir is None:
+            raise ValueError("bridge_depth > 0 needs the draft model on the verifier (draft_dir)")
         set_threads(self.settings.num_cpus)
         self.threads = threads_of(self.settings.num_cpus)
         self.node_id = ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
@@ -103,6 +108,11 @@ class VerifierActor:
                                self.settings.device, self.settings.dtype)
         self.warm_up_s = self.side.warm_up(self.settings.spec_len)    # GPU: compile and capture now
         self.eos_ids = set(eos_ids_of(target_dir))
+        self.bridge_draft = None      # our copy of the draft, for bridge chains (cluster/streams.py)
+        if chains:
+            self.bridge_draft = BridgeDraft(draft_dir, target_dir, self.settings)
+            self.warm_up_s += self.bridge_draft.warm_up(min(self.settings.bridge_depth, MAX_BRIDGE_DEPTH))
+        self._announced: dict[str, list[int] | None] = {}   # this step's bridge chains: their outcomes
         self.ring = Ring(self.settings.ring_slots)
         self.adaptive = AdaptiveSpeculation(max_spec_len=16)
         # Step costs, one model per way of stepping (a lockstep step on a CPU runs on the
@@ -448,10 +458,12 @@ class VerifierActor:
             return
         from verifier import VerifyRequest
 
-        requests = [VerifyRequest(s.request_id, s.committed[-1], tree, s.params, s.generator)
-                    for s, tree, _ in batch]
         drafted = self._drafted(batch)
         threads = self._step_threads(batch, drafted)
+        if self._announced:           # bridge chains, drafted on the model thread before the forward
+            await self._on_model_thread(self._bridge_chains, batch, threads)
+        requests = [VerifyRequest(s.request_id, s.committed[-1], tree, s.params, s.generator)
+                    for s, tree, _ in batch]
         borrowed = threads != self.threads
         results, seconds = await self._on_model_thread(self.side.verify, requests, threads)
         self.stats.observe_batch(seconds)
@@ -553,6 +565,8 @@ class VerifierActor:
         torch.set_num_threads(threads)           # per call: the step before may have run on lent cores
         for rid in to_free:
             self.side.release(rid)
+            if self.bridge_draft is not None:
+                self.bridge_draft.release(rid)
         for rid in joins:
             self.side.prefill(rid, self.streams[rid].prompt if rid in self.streams else [0])
 
@@ -584,11 +598,28 @@ class VerifierActor:
             s.waiting_since = None
             if not (wants or s.bridge):
                 alone.append(len(batch))
+            elif s.bridge and self.bridge_draft is not None and \
+                    bridge_chain_depth(self.settings, s.params, s.budget[0]) > 0:
+                self._announced[s.request_id] = None     # a bridge chain: drafted in `_step`
             s.bridge = False
             batch.append((s, TokenTree.empty(len(s.committed)), None))
         if alone:
             self._lookup_trees(batch, alone)
         return batch, deadline
+
+    def _bridge_chains(self, batch: list, threads: int) -> None:
+        """Replace the empty trees of the batch's bridging sequences (`self._announced`) by the
+        draft's greedy chains, drafted in one pass; note the outcome each announces. Runs on
+        the model thread, on the step's `threads`."""
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        at = {s.request_id: i for i, (s, _, _) in enumerate(batch) if s.request_id in self._announced}
+        items = [(rid, batch[i][0].committed, batch[i][0].params, batch[i][0].generator,
+                  bridge_chain_depth(self.settings, batch[i][0].params, batch[i][0].budget[0]))
+                 for rid, i in at.items()]
+        for (rid, *_), (chain, announced) in zip(items, self.bridge_draft.chains(items)):
+            batch[at[rid]] = (batch[at[rid]][0], chain, None)
+            self._announced[rid] = announced
 
     def _lookup_trees(self, batch: list, alone: list[int]) -> None:
         """Prompt-lookup chains drafted here (`cluster.adaptive.plan_lookups`) for sequences of
@@ -754,13 +785,20 @@ class VerifierActor:
                 continue
             tree_id = -1 if header is None else header.tree_id
             # the drafter announced what it assumed; a contradiction makes it bridge, so do we
-            s.bridge = header is not None and header.outcome is not None and header.outcome != res.token_ids
+            # (after a bridge chain, which announced the draft's path: cluster/streams.py)
+            chained = s.request_id in self._announced
+            announced = self._announced.pop(s.request_id, None) if chained else \
+                (None if header is None else header.outcome)
+            s.bridge = announced is not None and announced != res.token_ids
             kept = s.commit(res.token_ids)
             s.num_drafted += tree.num_nodes
             s.num_accepted += res.num_accepted
             depth = int(tree.depths.max()) if tree.num_nodes else 0
             self.stats.observe_verification(tree.num_nodes, res.num_accepted, depth, res.num_accepted)
-            if header is None and tree.num_nodes:       # the verifier's own prompt-lookup chain
+            if chained:
+                self.stats.observe_bridge_chain(tree.num_nodes, res.num_accepted)
+                self.adaptive.observe(s.request_id, depth, res.num_accepted)   # the draft's own γ
+            elif header is None and tree.num_nodes:       # the verifier's own prompt-lookup chain
                 self.lookup.observe(s.request_id, depth, res.num_accepted)
                 self.stats.observe_lookup(tree.num_nodes, res.num_accepted)
             else:
@@ -790,6 +828,7 @@ class VerifierActor:
                                          len(s.committed), s.unsent + kept, s.budget))
             s.unsent, s.sent_budget = [], s.budget
         self.stats.observe_ring(self.ring.total(), self.ring.capacity())
+        self._announced.clear()       # a chain's outcome counts for its own step only
 
     @staticmethod
     def _budget_of(s: VerifyStream, planned: tuple[int, int]) -> tuple[int, int]:

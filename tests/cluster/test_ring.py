@@ -128,3 +128,42 @@ def test_contradicted_tree_makes_the_drafter_bridge_and_a_bridge_step_is_checked
     assert not bumped and not s.bridge and len(s.inflight) == 1
     bumped, _, _ = s.on_step(Signal("step", "s", 1, 1, 7, [3, 7]))  # next tree contradicted
     assert bumped and s.bridge
+
+
+def test_a_contradicted_bridge_chain_is_followed_by_another_bridge():
+    """A bridge chain (`bridge_depth` > 0) announces the draft's path; the drafter assumes its
+    r tokens plus its own next one. Contradicted, the verifier bridges again, and so does the
+    drafter; confirmed, the restart tree drafted after it is valid."""
+    s = DraftStream("s", [1, 2], 0, SamplingParams(temperature=0), 0)
+    f = s.record(2, [5, 6], 1)
+    s.on_step(Signal("step", "s", 0, f.tree_id, 4, [5, 4]))
+    assert s.bridge
+    s.record_bridge([9, 8, 7])                    # the verifier's chain [9, 8], then guess 7
+    s.record(7, [3, 3], 1)
+    assert s.position() == [1, 2, 5, 4, 9, 8, 7, 3, 3]
+    bumped, keep, wasted = s.on_step(Signal("step", "s", 1, -1, 6, [9, 6]))   # chain rejected at 8
+    assert bumped and s.bridge and s.epoch == 2 and not s.inflight and wasted == 1
+    assert keep == 5 and s.confirmed == [1, 2, 5, 4, 9, 6]   # 9 still true; 6 the next root
+    s.record_bridge([3, 3, 3])
+    s.record(9, [4, 4], 1)
+    bumped, _, _ = s.on_step(Signal("step", "s", 2, -1, 9, [3, 3, 3]))        # as assumed
+    assert not bumped and not s.bridge and len(s.inflight) == 1
+    # a plain bridge (one guessed token) contradicted is not followed by another bridge
+    s2 = DraftStream("t", [1], 0, SamplingParams(temperature=0), 0)
+    s2.record_bridge(4)
+    bumped, _, _ = s2.on_step(Signal("step", "t", 0, -1, 2, [5]))
+    assert bumped and not s2.bridge
+
+
+def test_bridge_chain_depth_is_decided_alike_from_settings_params_and_budget():
+    from cluster.backends import MAX_BRIDGE_DEPTH, PipelineSettings, bridge_chain_depth
+
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8)
+    on = PipelineSettings(bridge_depth=2)
+    assert bridge_chain_depth(on, greedy, 5) == 2
+    assert bridge_chain_depth(on, greedy, 1) == 1           # within the budget the verifier sent
+    assert bridge_chain_depth(on, greedy, 0) == 0           # speculation off: decode alone
+    assert bridge_chain_depth(on, sampled, 5) == 0          # sampling: the drafter cannot know the chain
+    assert bridge_chain_depth(PipelineSettings(bridge_depth=2, proposer="ngram"), greedy, 5) == 0
+    assert bridge_chain_depth(PipelineSettings(bridge_depth=0), greedy, 5) == 0
+    assert bridge_chain_depth(PipelineSettings(bridge_depth=9), greedy, 16) == MAX_BRIDGE_DEPTH

@@ -1,0 +1,86 @@
+"""Bridge chains (`bridge_depth`, cluster/streams.py): after a contradicted outcome the
+verifier verifies the draft's own greedy chain, drafted by its copy of the draft, and the
+drafter drafts its restart tree after the same path."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from cluster.backends import BridgeDraft, DraftSide, PipelineSettings
+from models.sampling import SamplingParams
+
+from .pipeline_helpers import collect, hf_greedy, prompts, request, run
+
+
+def test_the_verifiers_chain_is_the_path_the_drafter_assumes(tiny_target, close_draft, far_draft):
+    """Both sides draft the same greedy tokens after the same committed prefix, the drafter
+    with its restart tree hanging from them, the verifier as a chain cut to r plus the draft's
+    next token as the announced outcome; across successive prefixes (the caught-up cache)."""
+    threads = torch.get_num_threads()
+    try:
+        for draft in (close_draft, far_draft):
+            settings = PipelineSettings(num_blocks=64, bridge_depth=2)
+            drafter, verifier = DraftSide(str(draft), str(tiny_target), settings), \
+                BridgeDraft(str(draft), str(tiny_target), settings)
+            greedy, gen = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
+            prefix = [5, 9, 2, 7, 3, 8, 1, 4]
+            for step in range(4):
+                (d,), _ = drafter.propose([("s", prefix, greedy, gen, 3, 1, 0, 3)], assume=True)
+                ((chain, announced),) = verifier.chains([("s", prefix, greedy, gen, 2)])
+                assert chain.num_nodes == 2 and chain.depths.tolist() == [1, 2]
+                assert announced == d.bridge_tokens and len(announced) == 3
+                assert chain.token_ids.tolist() == announced[:2]
+                assert d.tree.prefix_len == len(prefix) + 3 and d.tree.num_nodes == 3
+                drafter.rollback("s", len(prefix) - 1)
+                prefix = prefix + [(7 * step + 3) % 50, (5 * step + 1) % 50]    # the prefix grows
+            verifier.release("s")
+            assert verifier.proposer.cache.num_free_blocks == verifier.proposer.cache.num_blocks
+            assert verifier.warm_up(2) == 0.0                       # nothing to compile on a CPU
+            assert verifier.warm_up(2, on_cpu=True) > 0.0
+            assert verifier.proposer.cache.num_free_blocks == verifier.proposer.cache.num_blocks
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_verifier_asked_to_bridge_with_chains_needs_the_draft(tiny_target):
+    from cluster.verifier_actor import VerifierActor
+
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(ValueError, match="bridge_depth"):
+            VerifierActor(str(tiny_target), {"num_blocks": 64, "bridge_depth": 2})
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("draft", ["far_draft", "close_draft"])
+def test_pipeline_with_bridge_chains_is_exact(make_engine, tiny_target, hf_target, draft, request_fixture):
+    """Greedy requests through a pipeline with `bridge_depth` 2 (set in the cluster config)
+    are token for token the target alone, with a far draft (nearly every tree contradicted:
+    chains after chains) and a close one; a sampled request beside them bridges plainly and
+    finishes."""
+    engine = make_engine(tiny_target, request_fixture(draft), drafters=1, speculation={"bridge_depth": 2})
+    ps = prompts(3, seed=21)
+
+    async def all_of():
+        greedy = [collect(engine, request(f"b{i}", p, 28, "chain", 4)) for i, p in enumerate(ps)]
+        sampled = collect(engine, request("sampled", ps[0], 12, "chain", 4, temperature=0.9, seed=3))
+        return await asyncio.gather(*greedy, sampled)
+
+    *outs, (sampled, last) = run(all_of(), timeout=180)
+    for (tokens, _), p in zip(outs, ps):
+        assert tokens == hf_greedy(hf_target, p, 28)
+    assert len(sampled) == 12 and last.finish_reason == "length"
+    stats = run(engine.stats())
+    if draft == "far_draft":
+        assert stats["bridge_chains"] > 0, stats
+        assert stats["bridge_chain_drafted"] >= stats["bridge_chains"]
+        assert stats["drafter_rollbacks"] > 0
+    assert stats["bridge_chain_accepted"] <= stats["bridge_chain_drafted"]
+
+
+@pytest.fixture
+def request_fixture(request):
+    return request.getfixturevalue
