@@ -38,3 +38,27 @@ def test_the_draft_warmth_bench_times_both_series(tiny_target, close_draft, benc
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "2-level chain" in out and "back to back" in out and "right after" in out
+
+
+def test_the_draft_runs_bench_counts_where_the_draft_misses(tiny_target, close_draft, far_draft, bench_script,
+                                                           tmp_path, capsys):
+    threads = torch.get_num_threads()
+    results = {}
+    try:
+        for name, draft in (("close", close_draft), ("far", far_draft)):
+            out = tmp_path / f"{name}.json"
+            assert bench_script("draft_runs").main(["--target", str(tiny_target), "--draft", str(draft),
+                                                    "--prompts", "1", "--max-tokens", "12", "--threads", "1",
+                                                    "--out", str(out)]) == 0
+            results[name] = json.loads(out.read_text())["result"]
+    finally:
+        torch.set_num_threads(threads)
+    assert "right after a miss" in capsys.readouterr().out
+    for result in results.values():
+        assert set(result) == {"code", "math", "chat"}
+        for r in result.values():
+            assert r["tokens"] == 12
+            for key in ("top1", "top2_given_miss", "right_after_right", "right_after_miss"):
+                assert r[key] is None or 0.0 <= r[key] <= 1.0
+    top1 = {name: sum(r["top1"] for r in result.values()) / 3 for name, result in results.items()}
+    assert top1["close"] > top1["far"]            # a draft near the target agrees with it more often

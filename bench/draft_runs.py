@@ -1,0 +1,126 @@
+"""Where the draft misses: its greedy agreement with the target, token by token, and how
+misses cluster.
+
+    python bench/draft_runs.py                      # embedded pair, the e2e prompts, 48 tokens
+    python bench/draft_runs.py --max-tokens 64 --out bench/results/draft_runs.json
+
+For each prompt (bench/e2e.py's set, in the chat template) the target decodes greedily
+alone; the draft then reads prompt + that continuation in one causal forward (its
+reduced head, as the pipeline's proposer reads it), and at every generated position we
+compare the draft's top choices with the target's token. Per category:
+
+- `top1`: the draft's argmax is the target's token (what a chain's acceptance rests on);
+- `top2_given_miss`: when it is not, the draft's second choice is (what drafting a second
+  candidate outcome for a tree in flight, "hedging", could win);
+- `right_after_right` / `right_after_miss`: the argmax is right given that it was right /
+  wrong at the position before (how misses cluster: a tree after a rejection, or a bridge
+  chain, starts right after a miss).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]   # bench/kernels.py shadows `kernels`
+
+
+def _prompts(tokenizer, per_category: int) -> list[tuple[str, list[int]]]:
+    spec = importlib.util.spec_from_file_location("e2e_prompts", ROOT / "e2e.py")
+    e2e = sys.modules[spec.name] = importlib.util.module_from_spec(spec)   # its dataclasses look it up
+    spec.loader.exec_module(e2e)
+    return [(c, e2e.prompt_ids(tokenizer, t)) for c, texts in e2e.PROMPTS.items() for t in texts[:per_category]]
+
+
+def _forward(model, ids: list[int], cache, seq_id, logit_rows=None) -> torch.Tensor:
+    """Logits [T, V] for `ids` appended to the sequence's cache (causal)."""
+    n = len(ids)
+    start = cache.seq_len(seq_id)
+    return model(torch.tensor([ids]), torch.arange(start, start + n)[None], cache, [seq_id],
+                 torch.ones(n, n, dtype=torch.bool).tril()[None], logit_rows=logit_rows)[0]
+
+
+@torch.inference_mode()
+def measure(target, draft, logit_rows, work: list[tuple[str, list[int]]], max_tokens: int) -> dict:
+    counts: dict[str, dict[str, int]] = {}
+    for category, ids in work:
+        cache = target.new_cache(max(8, (len(ids) + max_tokens) // 16 + 2), 16)
+        cache.add_sequence(0)
+        logits, out = _forward(target, ids, cache, 0), []
+        for _ in range(max_tokens):
+            out.append(int(logits[-1].argmax()))
+            logits = _forward(target, [out[-1]], cache, 0)
+        dcache = draft.new_cache(max(8, (len(ids) + max_tokens) // 16 + 2), 16)
+        dcache.add_sequence(0)
+        dl = _forward(draft, ids + out, dcache, 0, logit_rows)
+        top = dl.topk(2, dim=-1).indices
+        if logit_rows is not None:
+            top = logit_rows[top]
+        c = counts.setdefault(category, dict.fromkeys(
+            ("tokens", "top1", "misses", "top2_after_miss", "after_right", "right_after_right",
+             "after_miss", "right_after_miss"), 0))
+        before = None
+        for i, token in enumerate(out):
+            first, second = top[len(ids) - 1 + i].tolist()
+            right = first == token
+            c["tokens"] += 1
+            c["top1"] += right
+            if not right:
+                c["misses"] += 1
+                c["top2_after_miss"] += second == token
+            if before is not None:
+                key = "after_right" if before else "after_miss"
+                c[key] += 1
+                c["right_" + key] += right
+            before = right
+    rate = lambda a, b: a / b if b else None   # noqa: E731
+    return {cat: {"tokens": c["tokens"], "top1": rate(c["top1"], c["tokens"]),
+                  "top2_given_miss": rate(c["top2_after_miss"], c["misses"]),
+                  "right_after_right": rate(c["right_after_right"], c["after_right"]),
+                  "right_after_miss": rate(c["right_after_miss"], c["after_miss"]),
+                  "positions_after_miss": c["after_miss"]}
+            for cat, c in counts.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target"), p.add_argument("--draft")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--prompts", type=int, default=3, help="prompts per category (at most 3)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from cluster.engine import read_logit_rows
+    from models import load_model, load_tokenizer
+
+    if args.target is None:
+        from models import embedded
+
+        args.target, args.draft = (str(d) for d in embedded.default_pair())
+    target, draft = load_model(args.target), load_model(args.draft)
+    rows = read_logit_rows(args.draft, target.config.vocab_size)
+    rows = None if rows is None else torch.tensor(list(rows))
+    result = measure(target, draft, rows, _prompts(load_tokenizer(args.target), args.prompts), args.max_tokens)
+    fmt = lambda x: "–" if x is None else f"{x:.2f}"   # noqa: E731
+    print("| category | tokens | top-1 right | 2nd choice right, given a miss | right after right | "
+          "right after a miss |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for cat, r in result.items():
+        print(f"| {cat} | {r['tokens']} | {fmt(r['top1'])} | {fmt(r['top2_given_miss'])} | "
+              f"{fmt(r['right_after_right'])} | {fmt(r['right_after_miss'])} ({r['positions_after_miss']}) |")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "result": result},
+                                       indent=1))
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
