@@ -84,3 +84,21 @@ def test_pipeline_with_bridge_chains_is_exact(make_engine, tiny_target, hf_targe
 @pytest.fixture
 def request_fixture(request):
     return request.getfixturevalue
+
+
+def test_a_drafter_killed_while_chains_bridge_leaves_the_output_exact(make_engine, tiny_target, far_draft,
+                                                                     hf_target):
+    """Bridge chains are the verifier's own: with the drafter killed mid-generation (Ray
+    restarts it) a greedy request with a far draft — bridging nearly every step — still
+    completes token for token as the target alone."""
+    from .test_pipeline_faults import kill_after
+
+    engine = make_engine(tiny_target, far_draft, drafters=1, drafter_timeout_s=1.0,
+                         speculation={"bridge_depth": 2})
+    prompt = prompts(1, seed=23)[0]
+    killed_at = []
+    tokens, last = run(collect(engine, request("victim", prompt, 60, "chain", 4),
+                               kill_after(engine.pipelines[0].drafters[0], 6, killed_at)), 180)
+    assert killed_at and killed_at[0] < 60, "the drafter must die mid-generation"
+    assert tokens == hf_greedy(hf_target, prompt, 60) and last.finish_reason == "length"
+    assert run(engine.stats())["bridge_chains"] > 0
