@@ -251,6 +251,20 @@ class TargetSide:
         return time.perf_counter() - start
 
 
+def draft_proposer(draft_dir: str, vocab: int, settings: PipelineSettings, levels: int):
+    """The draft model as a `drafter.ModelProposer` with its own KV cache, drafting up to
+    `levels` deep, read as the pipeline reads it (its reduced head, fp16 copies): what a
+    drafter and a verifier's bridge chains both draft with."""
+    from cluster.engine import read_logit_rows
+    from cluster.replay import is_random
+    from drafter import ModelProposer
+
+    model = _load(draft_dir, settings.device, settings.dtype)
+    rows = None if is_random(draft_dir) else read_logit_rows(draft_dir, vocab)
+    return ModelProposer(model, model.new_cache(settings.num_blocks, settings.block_size), levels, 1, None,
+                         rows, vocab)
+
+
 @dataclass
 class Drafted:
     tree: object               # models.tree.TokenTree cut to the requested depth
@@ -263,9 +277,8 @@ class DraftSide:
     """A proposer driven on assumed prefixes (draft-ahead) with explicit rollback."""
 
     def __init__(self, draft_dir: str | None, target_dir: str, settings: PipelineSettings) -> None:
-        from cluster.engine import read_logit_rows
-        from cluster.replay import CorruptedReplayProposer, is_random
-        from drafter import DraftRequest, ModelProposer, NgramProposer
+        from cluster.replay import CorruptedReplayProposer
+        from drafter import DraftRequest, NgramProposer
         from models.eagle import refuse_in_pipeline
 
         st = settings
@@ -278,12 +291,9 @@ class DraftSide:
             self.kind = "ngram"
             return
         refuse_in_pipeline(draft_dir)
-        model = _load(draft_dir, st.device, st.dtype)
-        self.graphs = getattr(model, "graphs", None)
-        rows = None if is_random(draft_dir) else read_logit_rows(draft_dir, vocab)
         # levels: a tree, its bonus guess and a bridge chain's tokens plus its guess
-        self.proposer = ModelProposer(model, model.new_cache(st.num_blocks, st.block_size),
-                                      MAX_SPEC_LEN + MAX_BRIDGE_DEPTH + 2, 1, None, rows, vocab)
+        self.proposer = draft_proposer(draft_dir, vocab, st, MAX_SPEC_LEN + MAX_BRIDGE_DEPTH + 2)
+        self.graphs = getattr(self.proposer.model, "graphs", None)
         self.kind = "model"
         if st.proposer == "replay":       # BENCHMARK ONLY: controlled acceptance (cluster/replay.py)
             self.proposer = CorruptedReplayProposer.from_file(self.proposer, st.replay_file,
@@ -377,15 +387,11 @@ class BridgeDraft:
     it, at the same time on its own device."""
 
     def __init__(self, draft_dir: str, target_dir: str, settings: PipelineSettings) -> None:
-        from cluster.engine import read_logit_rows
-        from drafter import DraftRequest, ModelProposer
+        from drafter import DraftRequest
 
-        model = _load(draft_dir, settings.device, settings.dtype)
-        vocab = _config_of(target_dir).vocab_size
         self._request_cls = DraftRequest
-        # as the drafter's proposer reads it (reduced head, fp16 copies): the same greedy path
-        self.proposer = ModelProposer(model, model.new_cache(settings.num_blocks, settings.block_size),
-                                      MAX_BRIDGE_DEPTH + 1, 1, None, read_logit_rows(draft_dir, vocab), vocab)
+        # as the drafter's proposer reads it: the same greedy path
+        self.proposer = draft_proposer(draft_dir, _config_of(target_dir).vocab_size, settings, MAX_BRIDGE_DEPTH + 1)
 
     def chains(self, items: list[tuple]) -> list[tuple[object, list[int] | None]]:
         """`items`: (seq_id, committed tokens, params, generator, depth r). Returns per item the

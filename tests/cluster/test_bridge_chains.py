@@ -44,6 +44,22 @@ def test_the_verifiers_chain_is_the_path_the_drafter_assumes(tiny_target, close_
         torch.set_num_threads(threads)
 
 
+def test_a_random_benchmark_draft_bridges_like_its_drafter():
+    """`random:` models (benchmark only, cluster/replay.py) have no head rows to read: the
+    verifier's copy is built as the drafter's is, and both draft the same path."""
+    threads = torch.get_num_threads()
+    try:
+        settings = PipelineSettings(num_blocks=32, bridge_depth=2)
+        greedy, gen = SamplingParams(temperature=0.0), torch.Generator()
+        drafter = DraftSide("random:tiny-draft", "random:tiny", settings)
+        verifier = BridgeDraft("random:tiny-draft", "random:tiny", settings)
+        (d,), _ = drafter.propose([("s", [1, 2, 3], greedy, gen, 2, 1, 0, 3)])
+        ((_, announced),) = verifier.chains([("s", [1, 2, 3], greedy, gen, 2)])
+        assert announced == d.bridge_tokens and len(announced) == 3
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_verifier_asked_to_bridge_with_chains_needs_the_draft(tiny_target):
     from cluster.verifier_actor import VerifierActor
 
