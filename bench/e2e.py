@@ -321,9 +321,7 @@ def build_methods(args, pair, hf_target, hf_draft, eagle_engine=None) -> dict:
         spec = importlib.util.spec_from_file_location("e2e_async", ROOT / "e2e_async.py")
         e2e_async = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(e2e_async)
-        settings = dict(e2e_async.ONE_CORE_EACH) if args.one_core_each else {}
-        if args.bridge_depth is not None:
-            settings["bridge_depth"] = args.bridge_depth
+        settings = e2e_async.pipeline_settings(args.one_core_each, args.bridge_depth)
         methods["async"] = e2e_async.measure_async(args.target, args.draft, args.spec_len, 1, "auto", **settings)
     return {m: fn for m, fn in methods.items() if wanted(m)}
 

@@ -106,6 +106,16 @@ class AsyncMethod:
 ONE_CORE_EACH = {"lockstep_alone": False, "plain_threads": 0}
 
 
+def pipeline_settings(one_core_each: bool = False, bridge_depth: int | None = None, **settings) -> dict:
+    """PipelineSettings overrides of the `async` method from the benches' shared flags
+    (`--one-core-each`, `--bridge-depth`), on top of `settings`."""
+    if one_core_each:
+        settings.update(ONE_CORE_EACH)
+    if bridge_depth is not None:
+        settings["bridge_depth"] = bridge_depth
+    return settings
+
+
 def measure_async(target_dir: str, draft_dir: str | None, spec_len: int = 4, tree_width: int = 1,
                   mode: str = "auto", **kw) -> AsyncMethod:
     """The `async` column of bench/e2e.py: call it per prompt, `.close()` at the end."""
@@ -300,10 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {} if args.ring_slots is None else {"ring_slots": args.ring_slots}
     if args.no_lockstep_alone:
         settings["lockstep_alone"] = False
-    if args.one_core_each:
-        settings.update(ONE_CORE_EACH)
-    if args.bridge_depth is not None:
-        settings["bridge_depth"] = args.bridge_depth
+    settings = pipeline_settings(args.one_core_each, args.bridge_depth, **settings)
     methods["async"] = measure_async(target_dir, draft_dir, args.spec_len, 1, args.async_mode, **settings)
     try:
         runs = run_interleaved(methods, work, args.max_tokens)
