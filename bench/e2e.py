@@ -321,7 +321,8 @@ def build_methods(args, pair, hf_target, hf_draft, eagle_engine=None) -> dict:
         spec = importlib.util.spec_from_file_location("e2e_async", ROOT / "e2e_async.py")
         e2e_async = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(e2e_async)
-        settings = e2e_async.pipeline_settings(args.one_core_each, args.bridge_depth)
+        settings = e2e_async.pipeline_settings(args.one_core_each, args.bridge_depth,
+                                                  getattr(args, 'restart_depth', None))
         methods["async"] = e2e_async.measure_async(args.target, args.draft, args.spec_len, 1, "auto", **settings)
     return {m: fn for m, fn in methods.items() if wanted(m)}
 
@@ -360,7 +361,9 @@ def update_readme(table: str, info: dict, args) -> None:
              f"{args.tree_width}, {args.max_tokens} new tokens per prompt, "
              f"{args.prompts} prompts per category"
              f"{'; every model on one core, none lent (--one-core-each)' if tag != 'e2e' else ''}"
-             f"{f'; async bridge_depth {args.bridge_depth}' if getattr(args, 'bridge_depth', None) else ''}.\n{end}")
+             f"{f'; async bridge_depth {args.bridge_depth}' if getattr(args, 'bridge_depth', None) else ''}"
+             f"{f'; async restart_depth {args.restart_depth}' if getattr(args, 'restart_depth', None) is not None else ''}"
+             f".\n{end}")
     if begin in text:
         text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
     else:
@@ -386,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(bench/e2e_async.py's module doc)")
     p.add_argument("--bridge-depth", type=int, default=None,
                    help="the pipeline's bridge_depth (draft tokens a bridge step verifies; default: its own)")
+    p.add_argument("--restart-depth", type=int, default=None,
+                   help="the pipeline's restart_depth (restart tree after a contradicted outcome, 0 = "
+                        "bridge; default: its own)")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     p.add_argument("--readme", action="store_true", help="write the table into bench/README.md")
     args = p.parse_args(argv)

@@ -106,13 +106,16 @@ class AsyncMethod:
 ONE_CORE_EACH = {"lockstep_alone": False, "plain_threads": 0}
 
 
-def pipeline_settings(one_core_each: bool = False, bridge_depth: int | None = None, **settings) -> dict:
+def pipeline_settings(one_core_each: bool = False, bridge_depth: int | None = None,
+                      restart_depth: int | None = None, **settings) -> dict:
     """PipelineSettings overrides of the `async` method from the benches' shared flags
-    (`--one-core-each`, `--bridge-depth`), on top of `settings`."""
+    (`--one-core-each`, `--bridge-depth`, `--restart-depth`), on top of `settings`."""
     if one_core_each:
         settings.update(ONE_CORE_EACH)
     if bridge_depth is not None:
         settings["bridge_depth"] = bridge_depth
+    if restart_depth is not None:
+        settings["restart_depth"] = restart_depth
     return settings
 
 
@@ -286,6 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                         "asynchronous protocol itself, one request at a time")
     p.add_argument("--bridge-depth", type=int, default=None,
                    help="PipelineSettings.bridge_depth: draft tokens a bridge step verifies (default: its own)")
+    p.add_argument("--restart-depth", type=int, default=None,
+                   help="PipelineSettings.restart_depth: depth of the restart tree after a contradicted "
+                        "outcome, 0 = bridge (default: its own)")
     p.add_argument("--one-core-each", action="store_true",
                    help="every model on one core, none lent: the in-process methods on one thread, the "
                         "pipeline overlapped with no verifier step on the drafter's core (module doc)")
@@ -310,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {} if args.ring_slots is None else {"ring_slots": args.ring_slots}
     if args.no_lockstep_alone:
         settings["lockstep_alone"] = False
-    settings = pipeline_settings(args.one_core_each, args.bridge_depth, **settings)
+    settings = pipeline_settings(args.one_core_each, args.bridge_depth, args.restart_depth, **settings)
     methods["async"] = measure_async(target_dir, draft_dir, args.spec_len, 1, args.async_mode, **settings)
     try:
         runs = run_interleaved(methods, work, args.max_tokens)
@@ -349,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
 
 STEP_COUNTERS = ("num_steps", "num_batches", "spec_on_decisions", "spec_off_decisions", "joins_speculating",
                  "fallback_steps", "drafter_absent_steps", "lookup_trees", "bridge_chains", "bridge_chain_drafted",
-                 "bridge_chain_accepted", "trees_dropped", "rollbacks")
+                 "bridge_chain_accepted", "restarts", "restart_trees", "restart_drafted", "restart_accepted",
+                 "trees_dropped", "rollbacks")
 
 
 def pipeline_costs(stats: dict) -> dict:

@@ -14,7 +14,8 @@
 #   some steps:  STEPS="forward e2e" bash bench/gpu_check.sh
 #   more points: CORRUPTION=0,0.1,0.2,0.35,0.5,0.8 STEPS=e2e bash bench/gpu_check.sh
 #                (e2e-overlapped, not run by default: the e2e step with the actors' forwards
-#                overlapped on the one GPU instead of taking turns)
+#                overlapped on the one GPU instead of taking turns; e2e-restart: that with
+#                restart trees, STEPS="e2e-overlapped e2e-restart")
 #
 # At most 8 files come back from $OUT: env.txt, pytest_gpu.log, bench_kernels.log
 # (its table also in kernels_table.md), kernels.json, gpu_forward.json,
@@ -93,6 +94,16 @@ if want e2e-overlapped; then
     --max-tokens 64 --prompts 2 --corruption "$CORRUPTION" 2>&1 | tee -a "$OUT/gpu_e2e.log"
   test "${PIPESTATUS[0]}" -eq 0 || status=1
   cp bench/results/gpu_e2e_async_gpu-overlapped.json "$OUT/" 2>/dev/null || status=1
+fi
+
+# ---- 6. (not in the default STEPS) step 5 with restart trees instead of bridges after a
+# contradicted outcome (restart_depth 1), to set beside step 5's run
+if want e2e-restart; then
+  echo "== bench/gpu_e2e.py --no-lockstep-shared-gpu --restart-depth 1 ($((SECONDS - t0)) s)"
+  timeout 200 "$PY" bench/gpu_e2e.py --tag gpu-restart --no-lockstep-shared-gpu --restart-depth 1 \
+    --dtype float32 --max-tokens 64 --prompts 2 --corruption "$CORRUPTION" 2>&1 | tee -a "$OUT/gpu_e2e.log"
+  test "${PIPESTATUS[0]}" -eq 0 || status=1
+  cp bench/results/gpu_e2e_async_gpu-restart.json "$OUT/" 2>/dev/null || status=1
 fi
 
 echo "== gpu_check done in $((SECONDS - t0)) s, status $status"

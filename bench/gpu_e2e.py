@@ -52,6 +52,8 @@ def engine_for(args, replay_file: str):
         settings["lockstep_alone"] = False
     if args.no_lockstep_shared_gpu:   # on one GPU: overlap the two actors' forwards anyway
         settings["lockstep_shared_gpu"] = False
+    if args.restart_depth:            # restart trees instead of bridges after a contradiction
+        settings["restart_depth"] = args.restart_depth
     return build_pipeline_engine(AppArgs(placement=placement), target_dir=args.target, draft_dir=args.draft,
                                  dtype=args.dtype, device=args.device, proposer="replay",
                                  replay_file=replay_file, num_blocks=args.num_blocks, mode="chain",
@@ -196,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-lockstep-shared-gpu", action="store_true",
                    help="PipelineSettings.lockstep_shared_gpu off: drafter and verifier on the one GPU "
                         "overlap their forwards (time-sliced) instead of taking turns")
+    p.add_argument("--restart-depth", type=int, default=0,
+                   help="PipelineSettings.restart_depth: a restart chain this deep after a contradicted "
+                        "outcome instead of a bridge step (0: bridge)")
     p.add_argument("--ray-logs", action="store_true", help="the actors' log lines on stderr (log_to_driver)")
     p.add_argument("--replot", nargs=2, metavar=("JSON", "PNG"),
                    help="recompute a saved run's model columns in JSON and redraw PNG; runs nothing")

@@ -34,7 +34,7 @@ import uuid
 
 import ray
 
-from cluster.backends import (DraftSide, PipelineSettings, bridge_chain_depth, gpu_ids, in_lockstep, rss_bytes,
+from cluster.backends import (DraftSide, PipelineSettings, gpu_ids, in_lockstep, next_tree_shape, rss_bytes,
                               set_threads)
 from cluster.streams import DraftStream
 from cluster.verifier_actor import VerifierActor
@@ -233,9 +233,7 @@ class DrafterActor:
             return [], 0.0, 0
         items = []
         for s in ready:
-            k, width = s.budget
-            # a bridge step commits one token, or a bridge chain's r plus one (cluster/streams.py)
-            bridge = 1 + bridge_chain_depth(self.settings, s.params, k) if s.bridge else 0
+            k, width, bridge = next_tree_shape(self.settings, s.params, s.budget, s.bridge)
             items.append((s.stream, s.position(), s.params, s.generator, k, width, s.epoch, bridge))
         # lockstep (one tree in flight): the next tree waits for this one's signal, so no
         # outcome is assumed and no bonus level drafted; the verifier never bridges
@@ -244,7 +242,7 @@ class DrafterActor:
         self.counters["draft_s"] += seconds
         puts = []
         for s, item, d in zip(ready, items, drafted):
-            bridged, s.bridge = s.bridge, False
+            bridged, s.bridge = item[7] > 0, False
             t = d.tree.num_nodes
             if t == 0 or (bridged and d.bridge_tokens is None):
                 s.budget = (0, s.budget[1])      # nothing to propose (no n-gram match): wait for a signal

@@ -44,7 +44,10 @@ Two facts of the asynchronous pipeline enter the plan (`overlap=True`):
   accepted plus its guess of the bonus token, probability ≈ γ^(k+1)) is
   followed by a bridge step in which the sequence decodes alone (DESIGN §3).
   With m = 1 - γ^(k+1), a sequence at depth k commits (E + m) / (1 + m) tokens
-  and adds k·W / (1 + m) rows per step on average;
+  and adds k·W / (1 + m) rows per step on average. With restart trees
+  (`restart_depth` s) the step after a contradiction verifies a chain of
+  s' = min(s, k) instead: (E + m·E_s') / (1 + m) tokens and
+  (1 + k·W + m·(1 + s')) / (1 + m) rows, the wait for it in the measured costs;
 - a step in which every sequence decodes alone may run on idle drafters'
   cores (cluster/verifier_actor.py): its measured cost, `plain_step_s`, is the
   baseline a plan must beat, not the verifier's own-thread step.
@@ -201,6 +204,9 @@ class AdaptiveSpeculation:
         # the asynchronous pipeline bridges after a contradicted outcome; in lockstep (one tree
         # in flight, nothing assumed past it) it never does
         self.bridges = True
+        # with restart_depth s > 0 (PipelineSettings) a contradicted outcome is followed by a
+        # restart tree of depth min(s, k) instead of a bridge step
+        self.restart_depth = 0
         self.seqs: dict[str, SeqState] = {}
         # rows per forward beyond which the step costs jump (the CPU's few-row kernel,
         # `models.transformer.few_row_limit`): plans stay within it unless decoding alone
@@ -304,6 +310,10 @@ class AdaptiveSpeculation:
         if not self.costs.overlap or not self.bridges:
             return e, 1.0 + k * width
         m = 1.0 - min(gamma, 1.0) ** (k + 1)    # the outcome contradicts the drafter: a bridge step
+        restart = min(self.restart_depth, k)
+        if restart:       # ... or a restart tree (the wait for it lands in the measured step costs)
+            return (e + m * expected_tokens(gamma, restart)) / (1.0 + m), \
+                (1.0 + k * width + m * (1.0 + restart)) / (1.0 + m)
         return (e + m) / (1.0 + m), 1.0 + k * width / (1.0 + m)
 
     def _optimise(self, streams: list[str], fixed_rows: int, fixed_levels: int,

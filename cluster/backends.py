@@ -58,6 +58,10 @@ class PipelineSettings:
     # tokens of the draft's own greedy chain a bridge step verifies (cluster/streams.py: the
     # verifier holds a copy of the draft); 0 = a bridge decodes one token alone
     bridge_depth: int = 0
+    # after a contradicted outcome, the depth of the short restart tree the drafter drafts
+    # after the committed prefix while the verifier waits for it (cluster/streams.py);
+    # 0 = the verifier bridges instead
+    restart_depth: int = 0
 
 
 def bridge_chain_depth(settings: PipelineSettings, params, budget: int) -> int:
@@ -67,6 +71,28 @@ def bridge_chain_depth(settings: PipelineSettings, params, budget: int) -> int:
     if settings.bridge_depth <= 0 or settings.proposer != "model" or not params.greedy:
         return 0
     return max(0, min(settings.bridge_depth, budget, MAX_BRIDGE_DEPTH))
+
+
+def restart_tree_depth(settings: PipelineSettings, budget: int) -> int:
+    """Depth of the restart tree that follows a contradicted outcome, decided alike by both
+    sides: the setting within the sequence's budget (the verifier's last signal); 0 = the
+    verifier bridges instead (the setting is 0, or speculation is off for the sequence)."""
+    return max(0, min(settings.restart_depth, budget))
+
+
+def next_tree_shape(settings: PipelineSettings, params, budget: tuple[int, int],
+                    contradicted: bool) -> tuple[int, int, int]:
+    """The drafter's next tree for a sequence: (depth, width, bridge), `bridge` the tokens the
+    verifier's bridge step is assumed to commit before it (0: none; `DraftSide.propose`).
+    After a contradicted outcome: a restart chain (`restart_tree_depth`), else the restart
+    tree after a bridge of one token or a bridge chain's r plus one (cluster/streams.py)."""
+    k, width = budget
+    if not contradicted:
+        return k, width, 0
+    restart = restart_tree_depth(settings, k)
+    if restart:
+        return restart, 1, 0
+    return k, width, 1 + bridge_chain_depth(settings, params, k)
 
 
 def set_threads(num_cpus: float) -> None:

@@ -150,7 +150,12 @@ class SpeculationDefaults(_Model):
         "After a tree whose outcome contradicts what the drafter assumed, the verifier's next "
         "step (the bridge) verifies the draft's own greedy chain of this many tokens, drafted by "
         "a copy of the draft the verifier holds, instead of decoding one token alone (greedy "
-        "requests with a draft model; 0 = decode alone)."))
+        "requests with a draft model; 0 = decode alone). Used only with restart_depth 0."))
+    restart_depth: int = Field(0, ge=0, le=16, description=(
+        "After a tree whose outcome contradicts what the drafter assumed, the drafter drafts a "
+        "restart tree this deep (within the sequence's budget) after the committed prefix and "
+        "the verifier waits for it, instead of decoding one token alone (a bridge) while the "
+        "drafter drafts a full tree after its guess of that token. 0 = bridge."))
     lookup: bool = Field(
         True, description="In auto mode, where the draft model does not pay, the verifier speculates "
                           "with prompt lookup (n-grams of the prompt and output) when that pays.")
@@ -159,6 +164,9 @@ class SpeculationDefaults(_Model):
     def _chain_is_width_one(self) -> SpeculationDefaults:
         if self.mode == "chain" and self.tree_width != 1:
             raise ValueError(f"mode 'chain' means tree_width 1, got {self.tree_width}; use mode 'tree'")
+        if self.bridge_depth > 0 and self.restart_depth > 0:
+            raise ValueError(f"bridge_depth {self.bridge_depth} applies to bridges, which restart_depth "
+                             f"{self.restart_depth} replaces; set one of them to 0")
         return self
 
 

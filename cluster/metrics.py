@@ -54,6 +54,10 @@ class SpecStats:
     bridge_chains: int = 0            # bridge steps that verified the draft's chain (`bridge_depth`)
     bridge_chain_drafted: int = 0     # their nodes (also counted in num_drafted)
     bridge_chain_accepted: int = 0    # of those, accepted (also counted in num_accepted)
+    restarts: int = 0                 # contradicted outcomes answered by a restart tree (`restart_depth`)
+    restart_trees: int = 0            # restart trees verified (a restart waited out falls back alone)
+    restart_drafted: int = 0          # their nodes (also counted in num_drafted)
+    restart_accepted: int = 0         # of those, accepted (also counted in num_accepted)
 
     # -- observers ---------------------------------------------------------------
     def observe_verification(self, num_nodes: int, num_accepted: int, max_depth: int,
@@ -123,6 +127,14 @@ class SpecStats:
         self.bridge_chains += 1
         self.bridge_chain_drafted += num_nodes
         self.bridge_chain_accepted += num_accepted
+
+    def observe_restart(self) -> None:
+        self.restarts += 1
+
+    def observe_restart_tree(self, num_nodes: int, num_accepted: int) -> None:
+        self.restart_trees += 1
+        self.restart_drafted += num_nodes
+        self.restart_accepted += num_accepted
 
     def observe_borrowed_step(self) -> None:
         self.borrowed_steps += 1

@@ -228,7 +228,7 @@ def settings_from_config(config, **overrides) -> PipelineSettings:
                             lockstep_alone=spec.lockstep_alone,
                             lockstep_shared_gpu=spec.lockstep_shared_gpu,
                             max_batch_size=spec.max_batch_size, lookup=spec.lookup,
-                            bridge_depth=spec.bridge_depth,
+                            bridge_depth=spec.bridge_depth, restart_depth=spec.restart_depth,
                             dtype=config.models.dtype,
                             device="cuda" if gpu else "cpu")
     return replace(base, **overrides)

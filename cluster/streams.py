@@ -32,6 +32,16 @@ followed by another bridge (`InFlight.rebridge`). Both sides draft the same path
 from the same model and prefix; should they ever differ, a tree is stale, which
 costs a step, never exactness.
 
+Restart trees (`PipelineSettings.restart_depth` s > 0, replacing bridges): after a
+contradicted outcome the verifier does not decode alone; the sequence waits (within
+its patience) for the drafter, which drafts a short restart tree, a chain of
+min(s, budget) tokens after the committed prefix, sends it at once and drafts its
+next tree after the restart tree's assumed outcome. The wait is one hop plus s + 1
+draft levels instead of a bridge step; the first token after a rejection is then
+verified beside the one the target fixed, and a contradicted restart tree is followed
+by another one. Both sides decide s alike (`backends.restart_tree_depth`, from the
+budget of the step's signal); a budget of 0 bridges as before.
+
 Verifier side, `VerifyStream`: the committed tokens, the request's output and
 counters, and the stop conditions.
 """
@@ -228,6 +238,7 @@ class VerifyStream:
     finish_reason: str | None = None
     waiting_since: float | None = None  # waiting for a tree since (monotonic seconds)
     bridge: bool = False                # decode the next token alone at once (see module doc)
+    restarting: bool = False            # its next tree is a restart tree (`restart_depth`, module doc)
     first_tree: bool = True             # no tree verified since the drafter was (re)synced
     budget: tuple[int, int] = (0, 0)
     sent_budget: tuple[int, int] = (0, 0)   # the budget the drafter was last told

@@ -45,8 +45,8 @@ import torch
 
 from cluster.adaptive import AdaptiveSpeculation, CostModel, VerifyCosts, one_off_costs, plan_lookups
 from cluster.backends import (MAX_BRIDGE_DEPTH, BridgeDraft, PipelineSettings, TargetSide, bridge_chain_depth,
-                              eos_ids_of, gpu_ids, in_lockstep, plain_step_threads, rss_bytes, set_threads,
-                              threads_of)
+                              eos_ids_of, gpu_ids, in_lockstep, plain_step_threads, restart_tree_depth, rss_bytes,
+                              set_threads, threads_of)
 from cluster.metrics import SpecStats
 from cluster.protocol import GenerationChunk
 from cluster.ring import Ring, RingEntry
@@ -123,6 +123,7 @@ class VerifierActor:
         self.lockstep_costs = CostModel(overlap=False)
         # the planner's (bridges, costs), set again before each plan: `_plan_overlap`
         self.adaptive.bridges = self.settings.ring_slots > 1
+        self.adaptive.restart_depth = self.settings.restart_depth
         if self.settings.ring_slots == 1:
             self.adaptive.costs = self.lockstep_costs
         self.plain_costs = CostModel()   # plain steps (on borrowed cores; on a GPU all): a + b * rows
@@ -795,6 +796,9 @@ class VerifierActor:
             s.num_accepted += res.num_accepted
             depth = int(tree.depths.max()) if tree.num_nodes else 0
             self.stats.observe_verification(tree.num_nodes, res.num_accepted, depth, res.num_accepted)
+            if s.restarting and header is not None:
+                self.stats.observe_restart_tree(tree.num_nodes, res.num_accepted)
+            s.restarting = False
             if chained:
                 self.stats.observe_bridge_chain(tree.num_nodes, res.num_accepted)
                 self.adaptive.observe(s.request_id, depth, res.num_accepted)   # the draft's own γ
@@ -816,6 +820,11 @@ class VerifierActor:
         for s, tree_id, kept in steps:
             s.budget = self._budget_of(s, plan[s.request_id])
             self.stats.observe_speculation(s.budget[0] > 0)
+            if s.bridge and restart_tree_depth(self.settings, s.budget[0]):
+                # no bridge: the drafter drafts a short restart tree after the committed
+                # prefix (this step's signal tells it) and the sequence waits for it
+                s.bridge, s.restarting = False, True
+                self.stats.observe_restart()
             if s.drafter is None:
                 continue
             if s.budget == s.sent_budget == (0, 0) and tree_id == -1:

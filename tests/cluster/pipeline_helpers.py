@@ -47,3 +47,19 @@ def prompts(n: int, vocab: int = 256, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = [1 + (7 * i + 3) % 40 for i in range(n)]
     return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+def assert_greedy_exact_beside_sampled(engine, hf_target, ps: list[list[int]], max_tokens: int = 28,
+                                       sampled_tokens: int = 12, seed: int = 3) -> None:
+    """Greedy chain requests for `ps`, with a sampled one beside them, through `engine`: every
+    greedy output is the target's own (Hugging Face `generate`) and the sampled one finishes."""
+    async def all_of():
+        greedy = [collect(engine, request(f"g{i}", p, max_tokens, "chain", 4)) for i, p in enumerate(ps)]
+        sampled = collect(engine, request("sampled", ps[0], sampled_tokens, "chain", 4, temperature=0.9,
+                                          seed=seed))
+        return await asyncio.gather(*greedy, sampled)
+
+    *outs, (sampled, last) = run(all_of(), timeout=180)
+    for (tokens, _), p in zip(outs, ps):
+        assert tokens == hf_greedy(hf_target, p, max_tokens)
+    assert len(sampled) == sampled_tokens and last.finish_reason == "length"

@@ -1,6 +1,8 @@
 """Adaptive speculation (cluster/adaptive.py): Eq. 3.2 and measured costs decide the budgets."""
 from __future__ import annotations
 
+import pytest
+
 from cluster.adaptive import AdaptiveSpeculation, CostModel, expected_tokens
 
 
@@ -248,3 +250,24 @@ def test_a_stream_joining_a_batch_is_planned_with_it():
     crowded = ad.plan_joining(["new"], [(0, 0)] * 31)
     assert crowded == {"new": (0, 0)}
     assert ad.seqs["new"].off_steps == 0 and not ad.seqs["new"].probed     # a what-if, no bookkeeping
+
+
+def test_restart_trees_are_priced_as_the_chain_after_a_contradiction():
+    """With `restart_depth` s the step after a contradicted tree verifies a chain of
+    min(s, k) (E_s tokens over 1 + s rows), not one token alone: per step on average
+    (E + m·E_s) / (1 + m) tokens and (1 + kW + m(1 + s)) / (1 + m) rows, m = 1 - γ^(k+1)."""
+    ad = _pipeline((3, 4), a=0.05, b=0.01)
+    gamma = ad.seqs["s"].gamma
+    m = 1.0 - gamma ** 5
+    bridged = ad._per_step(gamma, 4, 1)
+    assert bridged == pytest.approx(((expected_tokens(gamma, 4) + m) / (1 + m), 1 + 4 / (1 + m)))
+    ad.restart_depth = 2
+    tokens, rows = ad._per_step(gamma, 4, 1)
+    assert tokens == pytest.approx((expected_tokens(gamma, 4) + m * expected_tokens(gamma, 2)) / (1 + m))
+    assert rows == pytest.approx((1 + 4 + m * 3) / (1 + m))
+    assert tokens > bridged[0] and rows > bridged[1]
+    assert ad._per_step(gamma, 1, 1) == pytest.approx(
+        ((expected_tokens(gamma, 1) + (1 - gamma ** 2) * expected_tokens(gamma, 1)) / (2 - gamma ** 2),
+         (2 + (1 - gamma ** 2) * 2) / (2 - gamma ** 2)))          # the restart chain within k
+    ad.bridges = False                                               # lockstep: nothing contradicted
+    assert ad._per_step(gamma, 4, 1) == pytest.approx((expected_tokens(gamma, 4), 5.0))

@@ -3,15 +3,13 @@ verifier verifies the draft's own greedy chain, drafted by its copy of the draft
 drafter drafts its restart tree after the same path."""
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
 from cluster.backends import BridgeDraft, DraftSide, PipelineSettings
 from models.sampling import SamplingParams
 
-from .pipeline_helpers import collect, hf_greedy, prompts, request, run
+from .pipeline_helpers import assert_greedy_exact_beside_sampled, collect, hf_greedy, prompts, request, run
 
 
 def test_the_verifiers_chain_is_the_path_the_drafter_assumes(tiny_target, close_draft, far_draft):
@@ -78,17 +76,7 @@ def test_pipeline_with_bridge_chains_is_exact(make_engine, tiny_target, hf_targe
     chains after chains) and a close one; a sampled request beside them bridges plainly and
     finishes."""
     engine = make_engine(tiny_target, request_fixture(draft), drafters=1, speculation={"bridge_depth": 2})
-    ps = prompts(3, seed=21)
-
-    async def all_of():
-        greedy = [collect(engine, request(f"b{i}", p, 28, "chain", 4)) for i, p in enumerate(ps)]
-        sampled = collect(engine, request("sampled", ps[0], 12, "chain", 4, temperature=0.9, seed=3))
-        return await asyncio.gather(*greedy, sampled)
-
-    *outs, (sampled, last) = run(all_of(), timeout=180)
-    for (tokens, _), p in zip(outs, ps):
-        assert tokens == hf_greedy(hf_target, p, 28)
-    assert len(sampled) == 12 and last.finish_reason == "length"
+    assert_greedy_exact_beside_sampled(engine, hf_target, prompts(3, seed=21))
     stats = run(engine.stats())
     if draft == "far_draft":
         assert stats["bridge_chains"] > 0, stats

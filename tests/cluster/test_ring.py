@@ -167,3 +167,42 @@ def test_bridge_chain_depth_is_decided_alike_from_settings_params_and_budget():
     assert bridge_chain_depth(PipelineSettings(bridge_depth=2, proposer="ngram"), greedy, 5) == 0
     assert bridge_chain_depth(PipelineSettings(bridge_depth=0), greedy, 5) == 0
     assert bridge_chain_depth(PipelineSettings(bridge_depth=9), greedy, 16) == MAX_BRIDGE_DEPTH
+
+
+def test_after_a_contradiction_both_sides_choose_a_restart_tree_or_a_bridge_alike():
+    """`restart_depth` s: the drafter's next tree after a contradicted outcome is a restart
+    chain of min(s, budget) with no bridge before it exactly where the verifier does not
+    bridge (`restart_tree_depth`); a budget of 0 bridges; with s = 0 the drafter bridges
+    (plainly, or after a bridge chain); without a contradiction nothing changes."""
+    from cluster.backends import PipelineSettings, next_tree_shape, restart_tree_depth
+
+    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8)
+    for settings in (PipelineSettings(restart_depth=1), PipelineSettings(restart_depth=3),
+                     PipelineSettings(), PipelineSettings(bridge_depth=2)):
+        for params in (greedy, sampled):
+            for budget in ((0, 0), (1, 1), (2, 2), (6, 1)):
+                verifier_bridges = restart_tree_depth(settings, budget[0]) == 0
+                depth, width, bridge = next_tree_shape(settings, params, budget, True)
+                assert (bridge > 0) == verifier_bridges, (settings, budget)
+                if not verifier_bridges:
+                    assert (depth, width) == (min(settings.restart_depth, budget[0]), 1)
+                else:
+                    assert (depth, width) == budget
+                assert next_tree_shape(settings, params, budget, False) == (*budget, 0)
+    assert next_tree_shape(PipelineSettings(restart_depth=3), greedy, (6, 2), True) == (3, 1, 0)
+    assert next_tree_shape(PipelineSettings(bridge_depth=2), greedy, (6, 1), True) == (6, 1, 3)
+    assert next_tree_shape(PipelineSettings(bridge_depth=2), sampled, (6, 1), True) == (6, 1, 1)
+
+
+def test_a_contradicted_restart_tree_is_followed_by_another_restart():
+    """A restart tree is a tree like any other: its outcome assumed, the next tree drafted
+    after it; contradicted, the drafter restarts again (its `bridge` flag: a contradiction)."""
+    s = DraftStream("s", [1, 2], 0, SamplingParams(temperature=0), 0)
+    f = s.record(2, [5, 6, 7], 2)
+    assert s.on_step(Signal("step", "s", 0, f.tree_id, 4, [5, 4]))[0] and s.bridge
+    s.bridge = False                              # the drafter drafted its restart tree:
+    r = s.record(4, [8, 9], 1)                    # a chain [8] after [1, 2, 5, 4], guess 9
+    s.record(6, [3, 3], 1)
+    assert s.position() == [1, 2, 5, 4, 8, 9, 3, 3]
+    bumped, keep, wasted = s.on_step(Signal("step", "s", 1, r.tree_id, 6, [8, 1]))
+    assert bumped and s.bridge and wasted == 1 and keep == 5
