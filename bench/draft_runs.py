@@ -15,6 +15,10 @@ compare the draft's top choices with the target's token. Per category:
 - `right_after_right` / `right_after_miss`: the argmax is right given that it was right /
   wrong at the position before (how misses cluster: a tree after a rejection, or a bridge
   chain, starts right after a miss).
+
+The JSON also keeps, per prompt, the rank of the target's token among the draft's
+choices at every position (0 = its argmax; `RANKS` = not among its first `RANKS`):
+greedy speculation is a function of these ranks, which bench/async_model.py replays.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent
+RANKS = 16         # ranks kept per position; a token further down counts as RANKS
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]   # bench/kernels.py shadows `kernels`
 
 
@@ -46,8 +51,10 @@ def _forward(model, ids: list[int], cache, seq_id, logit_rows=None) -> torch.Ten
 
 
 @torch.inference_mode()
-def measure(target, draft, logit_rows, work: list[tuple[str, list[int]]], max_tokens: int) -> dict:
+def measure(target, draft, logit_rows, work: list[tuple[str, list[int]]],
+            max_tokens: int) -> tuple[list[dict], dict]:
     counts: dict[str, dict[str, int]] = {}
+    ranks: list[dict] = []
     for category, ids in work:
         cache = target.new_cache(max(8, (len(ids) + max_tokens) // 16 + 2), 16)
         cache.add_sequence(0)
@@ -58,15 +65,18 @@ def measure(target, draft, logit_rows, work: list[tuple[str, list[int]]], max_to
         dcache = draft.new_cache(max(8, (len(ids) + max_tokens) // 16 + 2), 16)
         dcache.add_sequence(0)
         dl = _forward(draft, ids + out, dcache, 0, logit_rows)
-        top = dl.topk(2, dim=-1).indices
+        top = dl.topk(min(RANKS, dl.shape[-1]), dim=-1).indices
         if logit_rows is not None:
             top = logit_rows[top]
         c = counts.setdefault(category, dict.fromkeys(
             ("tokens", "top1", "misses", "top2_after_miss", "after_right", "right_after_right",
              "after_miss", "right_after_miss"), 0))
-        before = None
+        before, prompt_ranks = None, []
+        ranks.append({"category": category, "ranks": prompt_ranks})
         for i, token in enumerate(out):
-            first, second = top[len(ids) - 1 + i].tolist()
+            choices = top[len(ids) - 1 + i].tolist()
+            prompt_ranks.append(choices.index(token) if token in choices else RANKS)
+            first, second = choices[:2]
             right = first == token
             c["tokens"] += 1
             c["top1"] += right
@@ -79,7 +89,7 @@ def measure(target, draft, logit_rows, work: list[tuple[str, list[int]]], max_to
                 c["right_" + key] += right
             before = right
     rate = lambda a, b: a / b if b else None   # noqa: E731
-    return {cat: {"tokens": c["tokens"], "top1": rate(c["top1"], c["tokens"]),
+    return ranks, {cat: {"tokens": c["tokens"], "top1": rate(c["top1"], c["tokens"]),
                   "top2_given_miss": rate(c["top2_after_miss"], c["misses"]),
                   "right_after_right": rate(c["right_after_right"], c["after_right"]),
                   "right_after_miss": rate(c["right_after_miss"], c["after_miss"]),
@@ -106,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     target, draft = load_model(args.target), load_model(args.draft)
     rows = read_logit_rows(args.draft, target.config.vocab_size)
     rows = None if rows is None else torch.tensor(list(rows))
-    result = measure(target, draft, rows, _prompts(load_tokenizer(args.target), args.prompts), args.max_tokens)
+    ranks, result = measure(target, draft, rows, _prompts(load_tokenizer(args.target), args.prompts),
+                            args.max_tokens)
     fmt = lambda x: "–" if x is None else f"{x:.2f}"   # noqa: E731
     print("| category | tokens | top-1 right | 2nd choice right, given a miss | right after right | "
           "right after a miss |")
@@ -116,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(r['right_after_right'])} | {fmt(r['right_after_miss'])} ({r['positions_after_miss']}) |")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "result": result},
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "result": result,
+                                        "ranks": ranks},
                                        indent=1))
         print(f"wrote {args.out}")
     return 0

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "core_sharing.py"
@@ -62,3 +63,45 @@ def test_the_draft_runs_bench_counts_where_the_draft_misses(tiny_target, close_d
                 assert r[key] is None or 0.0 <= r[key] <= 1.0
     top1 = {name: sum(r["top1"] for r in result.values()) / 3 for name, result in results.items()}
     assert top1["close"] > top1["far"]            # a draft near the target agrees with it more often
+    for name in ("close", "far"):                 # per prompt, the rank of every target token
+        saved = json.loads((tmp_path / f"{name}.json").read_text())
+        assert [r["category"] for r in saved["ranks"]] == ["code", "math", "chat"]
+        for r in saved["ranks"]:
+            assert len(r["ranks"]) == 12 and all(0 <= x <= 16 for x in r["ranks"])
+            # rank 0 is the draft's argmax: the same count as top-1 agreement
+            assert sum(x == 0 for x in r["ranks"]) == round(saved["result"][r["category"]]["top1"] * 12)
+
+
+def test_the_async_model_replays_speculation_from_the_ranks(bench_script, tmp_path, capsys):
+    """bench/async_model.py: steps replayed from where the draft agrees, priced by hand here."""
+    m = bench_script("async_model")
+    c = m.Costs({1: 10.0, 2: 12.0, 3: 14.0}, draft_level_ms=1.0, off_ms=10.0, step_overhead_ms=0.5,
+                round_trip_ms=3.0)
+    assert c.forward(5) == 18.0                   # beyond the measured rows: the last slope
+    right = [0] * 9                               # the draft always right: every tree of K = 2
+    assert m.sync_ms(right, 9, 2, c) == 3 * (2.0 + 14.0 + 0.5)     # commits 3 tokens
+    assert m.pipeline_ms(right, 9, 2, c) == (3 * 14.5, 0.0)        # and overlaps its drafting
+    # a miss at position 1: the first tree commits 2 tokens and contradicts the drafter
+    ranks = [0, 1, 0, 0, 0, 0, 0, 0, 0]
+    # bridge: the token at 2 alone; the guess there (rank 0) was right, so trees at 3 and 6 follow
+    assert m.pipeline_ms(ranks, 9, 2, c) == (14.5 + 10.5 + 14.5 + 14.5, 0.0)
+    # ... had the guess been wrong, the verifier waits a round trip and K + 1 draft levels
+    assert m.pipeline_ms([0, 1, 2, 0, 0, 0, 0, 0, 0], 9, 2, c) == (14.5 + 10.5 + 6.0 + 14.5 + 14.5, 6.0)
+    # restart 1: wait a round trip and 2 draft levels, verify a chain of one after position 2
+    # (accepted, with the bonus at 3 as guessed), then trees at 4 and 7
+    assert m.pipeline_ms(ranks, 9, 2, c, restart=1) == (14.5 + 5.0 + 12.5 + 14.5 + 14.5, 5.0)
+    assert m.pipeline_ms(ranks, 9, 2, c, contradictions=False)[1] == 0.0
+    speed = m.model([{"category": "code", "ranks": ranks}], 9, 2, c)
+    assert speed["sync"] == pytest.approx(90.0 / m.sync_ms(ranks, 9, 2, c))
+    # sync's very steps with their drafting hidden (not a bound on the others: a bridge may
+    # commit a token more cheaply than a tree does)
+    assert speed["never contradicted"] == pytest.approx(speed["sync"] * (2.0 + 14.5) / 14.5)
+    # the command line reads draft_runs' ranks and an e2e_async run's costs
+    (tmp_path / "ranks.json").write_text(json.dumps({"ranks": [{"category": "code", "ranks": ranks}]}))
+    (tmp_path / "run.json").write_text(json.dumps({
+        "rows": [{"method": "off", "tokens_per_s": 100.0}],
+        "pipeline_costs_ms": {"step_1_row": 10.5, "draft_level": 1.0, "forward_1_rows": 10.0,
+                              "forward_2_rows": 12.0, "forward_3_rows": 14.0}}))
+    assert m.main(["--ranks", str(tmp_path / "ranks.json"), "--costs", str(tmp_path / "run.json"),
+                   "--spec-len", "2", "--max-tokens", "9", "--round-trip-ms", "3"]) == 0
+    assert "| code | 3 |" in capsys.readouterr().out

@@ -1,0 +1,151 @@
+"""What the asynchronous pipeline could reach on these prompts: a trace model.
+
+    python bench/draft_runs.py --max-tokens 48 --out bench/results/draft_runs.json
+    python bench/async_model.py --ranks bench/results/draft_runs.json \
+        --costs bench/results/e2e_async_cpu.json --spec-len 6 --round-trip-ms 4,16,30
+
+Greedy speculation is a function of where the draft agrees with the target: a chain
+drafted after position p is accepted up to the first position whose target token is
+not the draft's argmax (rank 0 in bench/draft_runs.py's `ranks`), and the drafter's
+assumed outcome of a tree (all of it plus its guess of the bonus token) holds when
+those K + 1 positions are all rank 0. So the steps of every method can be replayed
+from the ranks, and priced with the costs the verifier fitted in an e2e_async run
+(`pipeline_costs_ms`: forward_<n>_rows, draft_level; the target alone at that run's
+`off` tokens/s, the step overhead from step_1_row − forward_1_rows):
+
+- `sync`: K draft levels, then one forward of K + 1 rows;
+- `bridge` (the pipeline's default): a tree's forward; when its outcome contradicts
+  the drafter's assumption, a bridge forward of one row, after which the restart
+  tree (drafted after the draft's guess of that token) is valid if the guess was
+  right, else the verifier waits a round trip plus K + 1 draft levels;
+- `restart S` (`restart_depth`): after a contradiction the verifier waits a round
+  trip plus S + 1 draft levels, then verifies a chain of S;
+- `never contradicted`: sync's own steps with their drafting hidden, as if the drafter's
+  assumption always held (what overlapping alone is worth at these costs; not a bound
+  on the others, since a bridge may commit a token for less than a tree does).
+
+Every figure is a speedup over the target alone; `÷ sync` the pipeline over sync.
+The model leaves out batching, Python and Ray overheads beyond the round trip, and
+cache effects: it is for seeing which policy could pay and what bounds the pipeline,
+not a measurement (bench/e2e_async.py measures).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def run_length(ranks: list[int], p: int, k: int) -> int:
+    """Draft tokens accepted of a chain of k drafted after position p."""
+    a = 0
+    while a < k and p + a < len(ranks) and ranks[p + a] == 0:
+        a += 1
+    return a
+
+
+class Costs:
+    def __init__(self, forward_ms: dict[int, float], draft_level_ms: float, off_ms: float,
+                 step_overhead_ms: float, round_trip_ms: float) -> None:
+        self.forward_ms, self.d, self.off_ms = dict(forward_ms), draft_level_ms, off_ms
+        self.o, self.rt = step_overhead_ms, round_trip_ms
+
+    def forward(self, rows: int) -> float:
+        """A verifier forward of `rows` rows: measured, else extrapolated from the last two."""
+        if rows in self.forward_ms:
+            return self.forward_ms[rows]
+        known = sorted(self.forward_ms)
+        lo, hi = (known[-2], known[-1]) if len(known) > 1 else (known[0], known[0])
+        slope = (self.forward_ms[hi] - self.forward_ms[lo]) / (hi - lo) if hi > lo else 0.0
+        return self.forward_ms[hi] + slope * (rows - hi)
+
+    @classmethod
+    def from_run(cls, result: dict, round_trip_ms: float) -> Costs:
+        c = result["pipeline_costs_ms"]
+        forward = {int(k.split("_")[1]): v for k, v in c.items() if k.startswith("forward_") and v}
+        off = next(r for r in result["rows"] if r["method"] == "off")["tokens_per_s"]
+        overhead = max(0.0, (c.get("step_1_row") or forward[1]) - forward[1])
+        return cls(forward, c["draft_level"], 1000.0 / off, overhead, round_trip_ms)
+
+
+def sync_ms(ranks: list[int], n: int, k: int, c: Costs) -> float:
+    p = t = 0
+    while p < n:
+        t += k * c.d + c.forward(k + 1) + c.o
+        p += run_length(ranks, p, k) + 1
+    return t
+
+
+def pipeline_ms(ranks: list[int], n: int, k: int, c: Costs, restart: int = 0,
+                contradictions: bool = True) -> tuple[float, float]:
+    """(milliseconds, of which the verifier waited) to commit n tokens."""
+    p, t, idle = 0, 0.0, 0.0
+    depth = k                                    # the tree the verifier holds next
+    while p < n:
+        a = run_length(ranks, p, depth)
+        t += c.forward(depth + 1) + c.o
+        p += a + 1
+        held = a == depth and p - 1 < len(ranks) and ranks[p - 1] == 0     # outcome as assumed
+        depth = k
+        if held or not contradictions or p >= n:
+            continue
+        if restart:                              # wait for the drafter's restart chain
+            wait = c.rt + (restart + 1) * c.d
+            t, idle, depth = t + wait, idle + wait, restart
+            continue
+        t += c.forward(1) + c.o                  # the bridge: the next token alone
+        p += 1
+        if p - 1 < len(ranks) and ranks[p - 1] != 0:     # the restart tree hung under a wrong guess
+            wait = c.rt + (k + 1) * c.d
+            t, idle = t + wait, idle + wait
+    return t, idle
+
+
+def model(prompts: list[dict], n: int, k: int, c: Costs, restarts: tuple[int, ...] = (1, 2)) -> dict:
+    """Speedups over the target alone, per method, for these prompts (`ranks` lists)."""
+    off = sum(n * c.off_ms for _ in prompts)
+    sync = sum(sync_ms(pr["ranks"], n, k, c) for pr in prompts)
+    out = {"sync": off / sync}
+    runs = {"bridge": {}, **{f"restart {s}": {"restart": s} for s in restarts},
+            "never contradicted": {"contradictions": False}}
+    for name, kw in runs.items():
+        spent = [pipeline_ms(pr["ranks"], n, k, c, **kw) for pr in prompts]
+        total, idle = sum(s for s, _ in spent), sum(i for _, i in spent)
+        out[name] = off / total
+        out[name + " idle"] = idle / total
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=Path, required=True, help="bench/draft_runs.py's JSON (with `ranks`)")
+    p.add_argument("--costs", type=Path, required=True, help="a bench/e2e_async.py result JSON")
+    p.add_argument("--spec-len", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per prompt (at most what was ranked)")
+    p.add_argument("--round-trip-ms", default="4,16,30",
+                   help="signal to drafter and tree back, beyond the draft levels (comma list)")
+    args = p.parse_args(argv)
+    ranked = json.loads(args.ranks.read_text()).get("ranks")
+    if not ranked:
+        p.error(f"{args.ranks} holds no per-prompt ranks: run bench/draft_runs.py again")
+    n = min([args.max_tokens] + [len(r["ranks"]) for r in ranked])
+    result = json.loads(args.costs.read_text())
+    cats = sorted({r["category"] for r in ranked}) + ["all"]
+    print(f"K = {args.spec_len}, {n} tokens per prompt; costs from {args.costs.name}")
+    print("| prompts | round trip ms | sync | bridge (idle) | restart 1 (idle) | restart 2 (idle) | "
+          "never contradicted (÷ sync) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for rt in (float(x) for x in args.round_trip_ms.split(",")):
+        c = Costs.from_run(result, rt)
+        for cat in cats:
+            m = model([r for r in ranked if cat == "all" or r["category"] == cat], n, args.spec_len, c)
+            cell = lambda name: f"{m[name]:.2f}× ({100 * m[name + ' idle']:.0f} %)"   # noqa: E731
+            print(f"| {cat} | {rt:g} | {m['sync']:.2f}× | {cell('bridge')} | {cell('restart 1')} | "
+                  f"{cell('restart 2')} | {m['never contradicted']:.2f}× "
+                  f"({m['never contradicted'] / m['sync']:.2f}) |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
