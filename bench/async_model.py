@@ -2,7 +2,7 @@
 
     python bench/draft_runs.py --max-tokens 48 --out bench/results/draft_runs.json
     python bench/async_model.py --ranks bench/results/draft_runs.json \
-        --costs bench/results/e2e_async_cpu.json --spec-len 6 --round-trip-ms 4,16,30
+        --costs bench/results/e2e_async_cpu.json --spec-len 6 --round-trip-ms 4,16,30 [--hedges 1,4]
 
 Greedy speculation is a function of where the draft agrees with the target: a chain
 drafted after position p is accepted up to the first position whose target token is
@@ -11,7 +11,8 @@ assumed outcome of a tree (all of it plus its guess of the bonus token) holds wh
 those K + 1 positions are all rank 0. So the steps of every method can be replayed
 from the ranks, and priced with the costs the verifier fitted in an e2e_async run
 (`pipeline_costs_ms`: forward_<n>_rows, draft_level; the target alone at that run's
-`off` tokens/s, the step overhead from step_1_row − forward_1_rows):
+`off` tokens/s, the step overhead from step_1_row − forward_1_rows; sync's draft level
+from that run's sync row, whose steps carry no Ray calls):
 
 - `sync`: K draft levels, then one forward of K + 1 rows;
 - `bridge` (the pipeline's default): a tree's forward; when its outcome contradicts
@@ -20,6 +21,10 @@ from the ranks, and priced with the costs the verifier fitted in an e2e_async ru
   right, else the verifier waits a round trip plus K + 1 draft levels;
 - `restart S` (`restart_depth`): after a contradiction the verifier waits a round
   trip plus S + 1 draft levels, then verifies a chain of S;
+- `hedged h` (`--hedges`; nothing runs it): as `bridge`, but the drafter is taken to
+  have also filed, for each outcome of the tree in flight, trees after its next h choices
+  of the token the target contributes there, for free and in time, so an outcome whose
+  token ranks at most h needs no bridge: a bound on what hedged drafting ahead could win;
 - `never contradicted`: sync's own steps with their drafting hidden, as if the drafter's
   assumption always held (what overlapping alone is worth at these costs; not a bound
   on the others, since a bridge may commit a token for less than a tree does).
@@ -36,6 +41,14 @@ import json
 import sys
 from pathlib import Path
 
+RANKS = 16      # bench/draft_runs.py keeps ranks below this; RANKS itself: not among the draft's first RANKS
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
 
 def run_length(ranks: list[int], p: int, k: int) -> int:
     """Draft tokens accepted of a chain of k drafted after position p."""
@@ -47,18 +60,28 @@ def run_length(ranks: list[int], p: int, k: int) -> int:
 
 class Costs:
     def __init__(self, forward_ms: dict[int, float], draft_level_ms: float, off_ms: float,
-                 step_overhead_ms: float, round_trip_ms: float) -> None:
+                 step_overhead_ms: float, round_trip_ms: float,
+                 sync_draft_level_ms: float | None = None) -> None:
+        """`draft_level_ms`: a level as the pipeline's drafter drafts it; `sync_draft_level_ms`
+        (default the same): as the sync engine does, in process."""
         self.forward_ms, self.d, self.off_ms = dict(forward_ms), draft_level_ms, off_ms
+        self.sync_d = draft_level_ms if sync_draft_level_ms is None else sync_draft_level_ms
         self.o, self.rt = step_overhead_ms, round_trip_ms
 
     def forward(self, rows: int) -> float:
-        """A verifier forward of `rows` rows: measured, else extrapolated from the last two."""
+        """A verifier forward of `rows` rows: measured, else a line through the measured ones.
+
+        The line is a Theil-Sen fit (the median of the pairwise slopes, through the median
+        point), since one shape seen in a few disturbed steps can be far off (a 6-row forward
+        at 208 ms between 95 and 129 ms in one run); never below the cheapest measured forward."""
         if rows in self.forward_ms:
             return self.forward_ms[rows]
         known = sorted(self.forward_ms)
-        lo, hi = (known[-2], known[-1]) if len(known) > 1 else (known[0], known[0])
-        slope = (self.forward_ms[hi] - self.forward_ms[lo]) / (hi - lo) if hi > lo else 0.0
-        return self.forward_ms[hi] + slope * (rows - hi)
+        slopes = sorted((self.forward_ms[b] - self.forward_ms[a]) / (b - a)
+                        for i, a in enumerate(known) for b in known[i + 1:])
+        slope = max(0.0, _median(slopes)) if slopes else 0.0
+        at = _median([self.forward_ms[r] - slope * r for r in known])
+        return max(min(self.forward_ms.values()), at + slope * rows)
 
     @classmethod
     def from_run(cls, result: dict, round_trip_ms: float) -> Costs:
@@ -66,20 +89,34 @@ class Costs:
         forward = {int(k.split("_")[1]): v for k, v in c.items() if k.startswith("forward_") and v}
         off = next(r for r in result["rows"] if r["method"] == "off")["tokens_per_s"]
         overhead = max(0.0, (c.get("step_1_row") or forward[1]) - forward[1])
-        return cls(forward, c["draft_level"], 1000.0 / off, overhead, round_trip_ms)
+        costs = cls(forward, c["draft_level"], 1000.0 / off, overhead, round_trip_ms)
+        # the pipeline's draft level carries its ray.put and exchange call, which sync's does
+        # not (6.6 ms against ~4 in one run): sync's comes from the run's own sync row, a step
+        # being its mean accepted length of tokens, K levels and a forward of K + 1 rows
+        k = int((result.get("args") or {}).get("spec_len") or 0)
+        sync = next((r for r in result["rows"] if r["method"] == "sync"), None)
+        if k and sync and sync.get("mean_accepted_len") and sync.get("tokens_per_s"):
+            step = 1000.0 * sync["mean_accepted_len"] / sync["tokens_per_s"]
+            costs.sync_d = max(0.0, (step - costs.forward(k + 1) - overhead) / k)
+        return costs
 
 
 def sync_ms(ranks: list[int], n: int, k: int, c: Costs) -> float:
     p = t = 0
     while p < n:
-        t += k * c.d + c.forward(k + 1) + c.o
+        t += k * c.sync_d + c.forward(k + 1) + c.o
         p += run_length(ranks, p, k) + 1
     return t
 
 
 def pipeline_ms(ranks: list[int], n: int, k: int, c: Costs, restart: int = 0,
-                contradictions: bool = True) -> tuple[float, float]:
-    """(milliseconds, of which the verifier waited) to commit n tokens."""
+                contradictions: bool = True, hedges: int = 0) -> tuple[float, float]:
+    """(milliseconds, of which the verifier waited) to commit n tokens.
+
+    `hedges` h: the drafter also filed, for every outcome of the tree in flight, trees
+    after the draft's next h choices for the token the target contributes there, at no
+    cost and in time: an outcome whose token ranks at most h is then as good as assumed
+    (an upper bound on hedged drafting ahead, not a policy anything runs)."""
     p, t, idle = 0, 0.0, 0.0
     depth = k                                    # the tree the verifier holds next
     while p < n:
@@ -87,8 +124,9 @@ def pipeline_ms(ranks: list[int], n: int, k: int, c: Costs, restart: int = 0,
         t += c.forward(depth + 1) + c.o
         p += a + 1
         held = a == depth and p - 1 < len(ranks) and ranks[p - 1] == 0     # outcome as assumed
+        hedged = p - 1 < len(ranks) and ranks[p - 1] <= min(hedges, RANKS - 1)
         depth = k
-        if held or not contradictions or p >= n:
+        if held or hedged or not contradictions or p >= n:
             continue
         if restart:                              # wait for the drafter's restart chain
             wait = c.rt + (restart + 1) * c.d
@@ -102,12 +140,14 @@ def pipeline_ms(ranks: list[int], n: int, k: int, c: Costs, restart: int = 0,
     return t, idle
 
 
-def model(prompts: list[dict], n: int, k: int, c: Costs, restarts: tuple[int, ...] = (1, 2)) -> dict:
+def model(prompts: list[dict], n: int, k: int, c: Costs, restarts: tuple[int, ...] = (1, 2),
+          hedges: tuple[int, ...] = ()) -> dict:
     """Speedups over the target alone, per method, for these prompts (`ranks` lists)."""
     off = sum(n * c.off_ms for _ in prompts)
     sync = sum(sync_ms(pr["ranks"], n, k, c) for pr in prompts)
     out = {"sync": off / sync}
     runs = {"bridge": {}, **{f"restart {s}": {"restart": s} for s in restarts},
+            **{f"hedged {h}": {"hedges": h} for h in hedges},
             "never contradicted": {"contradictions": False}}
     for name, kw in runs.items():
         spent = [pipeline_ms(pr["ranks"], n, k, c, **kw) for pr in prompts]
@@ -125,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per prompt (at most what was ranked)")
     p.add_argument("--round-trip-ms", default="4,16,30",
                    help="signal to drafter and tree back, beyond the draft levels (comma list)")
+    p.add_argument("--hedges", default="",
+                   help="also the bound on hedged drafting with the draft's next h choices (comma list)")
     args = p.parse_args(argv)
+    hedges = tuple(int(x) for x in args.hedges.split(",") if x.strip())
+    if any(not 0 < h < RANKS for h in hedges):
+        p.error(f"--hedges: each h must be from 1 to {RANKS - 1} (the ranks kept)")
     ranked = json.loads(args.ranks.read_text()).get("ranks")
     if not ranked:
         p.error(f"{args.ranks} holds no per-prompt ranks: run bench/draft_runs.py again")
@@ -134,16 +179,18 @@ def main(argv: list[str] | None = None) -> int:
     cats = sorted({r["category"] for r in ranked}) + ["all"]
     print(f"K = {args.spec_len}, {n} tokens per prompt; costs from {args.costs.name}")
     print("| prompts | round trip ms | sync | bridge (idle) | restart 1 (idle) | restart 2 (idle) | "
-          "never contradicted (÷ sync) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          + "".join(f"hedged {h} (÷ sync) | " for h in hedges) + "never contradicted (÷ sync) |")
+    print("|---|---:|---:|---:|---:|---:|" + "---:|" * (len(hedges) + 1))
     for rt in (float(x) for x in args.round_trip_ms.split(",")):
         c = Costs.from_run(result, rt)
         for cat in cats:
-            m = model([r for r in ranked if cat == "all" or r["category"] == cat], n, args.spec_len, c)
+            m = model([r for r in ranked if cat == "all" or r["category"] == cat], n, args.spec_len, c,
+                      hedges=hedges)
             cell = lambda name: f"{m[name]:.2f}× ({100 * m[name + ' idle']:.0f} %)"   # noqa: E731
+            ratio = lambda name: f"{m[name]:.2f}× ({m[name] / m['sync']:.2f}) | "     # noqa: E731
             print(f"| {cat} | {rt:g} | {m['sync']:.2f}× | {cell('bridge')} | {cell('restart 1')} | "
-                  f"{cell('restart 2')} | {m['never contradicted']:.2f}× "
-                  f"({m['never contradicted'] / m['sync']:.2f}) |")
+                  f"{cell('restart 2')} | " + "".join(ratio(f"hedged {h}") for h in hedges)
+                  + ratio("never contradicted").rstrip(" |") + " |")
     return 0
 
 

@@ -91,6 +91,26 @@ def test_the_async_model_replays_speculation_from_the_ranks(bench_script, tmp_pa
     # (accepted, with the bonus at 3 as guessed), then trees at 4 and 7
     assert m.pipeline_ms(ranks, 9, 2, c, restart=1) == (14.5 + 5.0 + 12.5 + 14.5 + 14.5, 5.0)
     assert m.pipeline_ms(ranks, 9, 2, c, contradictions=False)[1] == 0.0
+    # hedged with the draft's second choice (the target's token at 1 ranks 1): no bridge, trees
+    # at 0, 2, 5 and 8; a token ranked 2 is not covered, so that pipeline bridges as before
+    assert m.pipeline_ms(ranks, 9, 2, c, hedges=1) == (4 * 14.5, 0.0)
+    far = [0, 2, 0, 0, 0, 0, 0, 0, 0]
+    assert m.pipeline_ms(far, 9, 2, c, hedges=1) == m.pipeline_ms(far, 9, 2, c)
+    # a token outside the draft's kept choices (rank RANKS) is never hedged
+    lost = [0, m.RANKS, 0, 0, 0, 0, 0, 0, 0]
+    assert m.pipeline_ms(lost, 9, 2, c, hedges=m.RANKS) == m.pipeline_ms(lost, 9, 2, c)
+    # sync's draft level comes from the run's own sync row: 3 tokens a step at 150 tokens/s is
+    # 20 ms a step, of which the 3-row forward and the overhead take 14.5: 2.75 ms a level
+    run = {"args": {"spec_len": 2}, "rows": [{"method": "off", "tokens_per_s": 100.0},
+                                             {"method": "sync", "tokens_per_s": 150.0, "mean_accepted_len": 3.0}],
+           "pipeline_costs_ms": {"step_1_row": 10.5, "draft_level": 1.0, "forward_1_rows": 10.0,
+                                 "forward_2_rows": 12.0, "forward_3_rows": 14.0}}
+    fitted = m.Costs.from_run(run, 3.0)
+    assert (fitted.d, fitted.sync_d, fitted.o, fitted.off_ms) == (1.0, 2.75, 0.5, 10.0)
+    assert m.sync_ms(right, 9, 2, fitted) == 3 * 20.0
+    # one shape seen in disturbed steps does not bend the line beyond the measured rows
+    noisy = m.Costs({1: 10.0, 2: 12.0, 3: 40.0, 4: 16.0}, 1.0, 10.0, 0.0, 3.0)
+    assert noisy.forward(6) == 20.0 and noisy.forward(3) == 40.0
     speed = m.model([{"category": "code", "ranks": ranks}], 9, 2, c)
     assert speed["sync"] == pytest.approx(90.0 / m.sync_ms(ranks, 9, 2, c))
     # sync's very steps with their drafting hidden (not a bound on the others: a bridge may
@@ -103,5 +123,10 @@ def test_the_async_model_replays_speculation_from_the_ranks(bench_script, tmp_pa
         "pipeline_costs_ms": {"step_1_row": 10.5, "draft_level": 1.0, "forward_1_rows": 10.0,
                               "forward_2_rows": 12.0, "forward_3_rows": 14.0}}))
     assert m.main(["--ranks", str(tmp_path / "ranks.json"), "--costs", str(tmp_path / "run.json"),
-                   "--spec-len", "2", "--max-tokens", "9", "--round-trip-ms", "3"]) == 0
-    assert "| code | 3 |" in capsys.readouterr().out
+                   "--spec-len", "2", "--max-tokens", "9", "--round-trip-ms", "3", "--hedges", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| code | 3 |" in out and "hedged 1 (÷ sync)" in out
+    with pytest.raises(SystemExit):               # a hedge past the ranks kept: a clear error
+        m.main(["--ranks", str(tmp_path / "ranks.json"), "--costs", str(tmp_path / "run.json"),
+                "--hedges", str(m.RANKS)])
+    assert "--hedges" in capsys.readouterr().err
