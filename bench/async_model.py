@@ -29,7 +29,9 @@ from that run's sync row, whose steps carry no Ray calls):
   assumption always held (what overlapping alone is worth at these costs; not a bound
   on the others, since a bridge may commit a token for less than a tree does).
 
-Every figure is a speedup over the target alone; `÷ sync` the pipeline over sync.
+With `--fix-misses`, the same for drafts of higher agreement at the same cost (a share
+of the misses made hits at random): how the pipeline's lead over sync moves with the
+draft's quality. Every figure is a speedup over the target alone; `÷ sync` the pipeline over sync.
 The model leaves out batching, Python and Ray overheads beyond the round trip, and
 cache effects: it is for seeing which policy could pay and what bounds the pipeline,
 not a measurement (bench/e2e_async.py measures).
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -113,30 +116,50 @@ def pipeline_ms(ranks: list[int], n: int, k: int, c: Costs, restart: int = 0,
                 contradictions: bool = True, hedges: int = 0) -> tuple[float, float]:
     """(milliseconds, of which the verifier waited) to commit n tokens.
 
+    Two clocks: the verifier's, and the drafter's, which drafts one tree at a time (K + 1
+    levels: the tree and its bonus guess), hears a signal only between two of its drafting
+    passes, half a round trip after it was sent, and files a tree half a round trip before
+    the verifier can take it; with two ring slots it drafts at most one tree past the one
+    being verified. So a drafter slower than the verifier makes it wait, as it does.
+
     `hedges` h: the drafter also filed, for every outcome of the tree in flight, trees
     after the draft's next h choices for the token the target contributes there, at no
     cost and in time: an outcome whose token ranks at most h is then as good as assumed
     (an upper bound on hedged drafting ahead, not a policy anything runs)."""
+    half = c.rt / 2
     p, t, idle = 0, 0.0, 0.0
-    depth = k                                    # the tree the verifier holds next
+    depth = k                   # the tree the verifier holds next
+    ready = 0.0                 # when that tree is in the verifier's ring
+    drafted = 0.0               # when the drafter finished drafting it
+    freed = 0.0                 # when the drafter heard the signal that freed the slot it needs next
     while p < n:
+        start = max(t, ready)
+        idle += start - t
         a = run_length(ranks, p, depth)
-        t += c.forward(depth + 1) + c.o
+        t = start + c.forward(depth + 1) + c.o
         p += a + 1
+        heard = t + half
+        # meanwhile the drafter drafts the next tree on the assumed outcome, once a slot is free
+        begun = max(drafted, freed)
+        assumed = begun + (k + 1) * c.d
         held = a == depth and p - 1 < len(ranks) and ranks[p - 1] == 0     # outcome as assumed
         hedged = p - 1 < len(ranks) and ranks[p - 1] <= min(hedges, RANKS - 1)
-        depth = k
+        depth, freed = k, heard
         if held or hedged or not contradictions or p >= n:
+            drafted, ready = assumed, assumed + half
             continue
+        learnt = max(heard, assumed) if begun <= heard else max(heard, drafted)
         if restart:                              # wait for the drafter's restart chain
-            wait = c.rt + (restart + 1) * c.d
-            t, idle, depth = t + wait, idle + wait, restart
+            drafted = learnt + (restart + 1) * c.d
+            ready, depth = drafted + half, restart
             continue
         t += c.forward(1) + c.o                  # the bridge: the next token alone
         p += 1
-        if p - 1 < len(ranks) and ranks[p - 1] != 0:     # the restart tree hung under a wrong guess
-            wait = c.rt + (k + 1) * c.d
-            t, idle = t + wait, idle + wait
+        freed = t + half                         # its signal frees the slot the bridge held
+        drafted = learnt + (k + 1) * c.d         # the restart tree, after the drafter's guess
+        if p - 1 < len(ranks) and ranks[p - 1] != 0:     # a wrong guess: draft again after the bridge
+            drafted = max(freed, drafted) + (k + 1) * c.d
+        ready = drafted + half
     return t, idle
 
 
@@ -157,6 +180,33 @@ def model(prompts: list[dict], n: int, k: int, c: Costs, restarts: tuple[int, ..
     return out
 
 
+def better_draft(prompts: list[dict], fix: float, seed: int) -> list[dict]:
+    """The same prompts as if the draft had been right at a share `fix` of its misses
+    (chosen at random, `seed`), at the same cost: a draft of higher agreement, for asking
+    how the pipeline's lead over sync moves with the draft's quality."""
+    rng = random.Random(seed)
+    return [{**pr, "ranks": [0 if r and rng.random() < fix else r for r in pr["ranks"]]} for pr in prompts]
+
+
+def quality_table(ranked: list[dict], n: int, k: int, c: Costs, fixes: list[float], seeds: int) -> None:
+    print(f"draft made right at a share of its misses, {seeds} seeds each (mean):")
+    print("| prompts | misses fixed | top-1 agreement | sync | bridge | bridge ÷ sync | "
+          "never contradicted ÷ sync |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for cat in sorted({r["category"] for r in ranked}):
+        for fix in fixes:
+            rows = []
+            for seed in range(seeds):
+                prs = better_draft([r for r in ranked if r["category"] == cat], fix, seed)
+                top1 = sum(x == 0 for pr in prs for x in pr["ranks"][:n]) / sum(len(pr["ranks"][:n]) for pr in prs)
+                m = model(prs, n, k, c, restarts=())
+                rows.append((top1, m["sync"], m["bridge"], m["bridge"] / m["sync"],
+                             m["never contradicted"] / m["sync"]))
+            mean = [sum(r[i] for r in rows) / len(rows) for i in range(5)]
+            print(f"| {cat} | {fix:g} | {mean[0]:.2f} | {mean[1]:.2f}× | {mean[2]:.2f}× | {mean[3]:.2f} | "
+                  f"{mean[4]:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=Path, required=True, help="bench/draft_runs.py's JSON (with `ranks`)")
@@ -167,7 +217,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="signal to drafter and tree back, beyond the draft levels (comma list)")
     p.add_argument("--hedges", default="",
                    help="also the bound on hedged drafting with the draft's next h choices (comma list)")
+    p.add_argument("--fix-misses", default="",
+                   help="also a table for drafts right at these shares of the misses (comma list, 0-1), "
+                        "at the first --round-trip-ms")
+    p.add_argument("--seeds", type=int, default=5, help="random draws per --fix-misses share")
     args = p.parse_args(argv)
+    fixes = [float(x) for x in args.fix_misses.split(",") if x.strip()]
+    if any(not 0.0 <= f <= 1.0 for f in fixes) or args.seeds < 1:
+        p.error("--fix-misses: shares from 0 to 1; --seeds: at least 1")
     hedges = tuple(int(x) for x in args.hedges.split(",") if x.strip())
     if any(not 0 < h < RANKS for h in hedges):
         p.error(f"--hedges: each h must be from 1 to {RANKS - 1} (the ranks kept)")
@@ -191,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"| {cat} | {rt:g} | {m['sync']:.2f}× | {cell('bridge')} | {cell('restart 1')} | "
                   f"{cell('restart 2')} | " + "".join(ratio(f"hedged {h}") for h in hedges)
                   + ratio("never contradicted").rstrip(" |") + " |")
+    if fixes:
+        rt = float(args.round_trip_ms.split(",")[0])
+        quality_table(ranked, n, args.spec_len, Costs.from_run(result, rt), fixes, args.seeds)
     return 0
 
 

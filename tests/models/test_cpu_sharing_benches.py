@@ -91,6 +91,11 @@ def test_the_async_model_replays_speculation_from_the_ranks(bench_script, tmp_pa
     # (accepted, with the bonus at 3 as guessed), then trees at 4 and 7
     assert m.pipeline_ms(ranks, 9, 2, c, restart=1) == (14.5 + 5.0 + 12.5 + 14.5 + 14.5, 5.0)
     assert m.pipeline_ms(ranks, 9, 2, c, contradictions=False)[1] == 0.0
+    # a drafter slower than the verifier (3 levels of 5 ms against a 14.5 ms step) makes it
+    # wait: the second tree is filed at 15 + 1.5, the third begun once the first's signal
+    # was heard (16) and filed at 31 + 1.5
+    slow = m.Costs({1: 10.0, 2: 12.0, 3: 14.0}, 5.0, 10.0, 0.5, 3.0)
+    assert m.pipeline_ms(right, 9, 2, slow) == (16.5 + 14.5 + 1.5 + 14.5, 3.5)
     # hedged with the draft's second choice (the target's token at 1 ranks 1): no bridge, trees
     # at 0, 2, 5 and 8; a token ranked 2 is not covered, so that pipeline bridges as before
     assert m.pipeline_ms(ranks, 9, 2, c, hedges=1) == (4 * 14.5, 0.0)
