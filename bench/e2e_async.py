@@ -7,7 +7,9 @@
 
 Methods, interleaved prompt by prompt (order rotating), one run, same prompts:
 - `off`: the in-process engine, target alone (the baseline of every speedup);
-- `sync`: the in-process engine, draft-then-verify with a chain of K;
+- `sync`: the in-process engine, draft-then-verify with a chain of K (and `sync-k<K>`
+  with each other chain length `--sync-spec-lens` names, to compare the pipeline
+  with sync at its best K, printed last);
 - `async`: `cluster.pipeline.PipelineEngine` on a local Ray, the drafter and the
   verifier each an actor given **one core** (`num_cpus=1`, one torch thread;
   a plain step taken while the drafter has nothing to draft runs on both cores,
@@ -136,7 +138,9 @@ async def _collect(engine, request):
 
 
 # ---------------------------------------------------------------- in-process baselines
-def sync_methods(target_dir: str, draft_dir: str, spec_len: int, threads: int) -> dict:
+def sync_methods(target_dir: str, draft_dir: str, spec_len: int, threads: int,
+                 other_spec_lens: tuple[int, ...] = ()) -> dict:
+    """`off` and `sync` (a chain of `spec_len`), plus `sync-k<K>` for each other chain length."""
     from cluster.engine import build_engine, speculation_for
     from cluster.protocol import GenerationRequest
     from models import SamplingParams
@@ -144,8 +148,8 @@ def sync_methods(target_dir: str, draft_dir: str, spec_len: int, threads: int) -
     torch.set_num_threads(threads)
     pair = build_engine(target_dir, draft_dir, spec_len=spec_len)
 
-    def method(mode: str):
-        spec = speculation_for(mode, spec_len, 1)
+    def method(mode: str, k: int = spec_len):
+        spec = speculation_for(mode, k, 1)
 
         def run(prompt_ids: list[int], max_tokens: int) -> dict:
             req = GenerationRequest("bench", prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens),
@@ -158,7 +162,17 @@ def sync_methods(target_dir: str, draft_dir: str, spec_len: int, threads: int) -
                         rejected_steps=getattr(st, "num_rejected_steps", 0))
         return run
 
-    return {"off": method("off"), "sync": method("sync")}, pair
+    methods = {"off": method("off"), "sync": method("sync")}
+    for k in other_spec_lens:
+        if k != spec_len:
+            methods[f"sync-k{k}"] = method("sync", k)
+    return methods, pair
+
+
+def best_sync(rows: list[dict]) -> dict:
+    """The fastest sync row (`sync` or a `sync-k<K>`): the pipeline's fair baseline."""
+    return max((r for r in rows if r["method"] == "sync" or r["method"].startswith("sync-k")),
+               key=lambda r: r["tokens_per_s"])
 
 
 def chat_prompts(tokenizer, per_category: int) -> list[tuple[str, list[int]]]:
@@ -295,8 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--one-core-each", action="store_true",
                    help="every model on one core, none lent: the in-process methods on one thread, the "
                         "pipeline overlapped with no verifier step on the drafter's core (module doc)")
+    p.add_argument("--sync-spec-lens", default="",
+                   help="also sync with these chain lengths in the same run (comma list; rows sync-k<K>), "
+                        "so the pipeline is compared with sync at its best K")
     p.add_argument("--tag", default="cpu")
     args = p.parse_args(argv)
+    try:
+        other_ks = tuple(int(x) for x in args.sync_spec_lens.split(",") if x.strip())
+    except ValueError:
+        p.error(f"--sync-spec-lens: a comma list of chain lengths, not {args.sync_spec_lens!r}")
+    if any(k < 1 for k in other_ks):
+        p.error("--sync-spec-lens: chain lengths of at least 1")
     if args.one_core_each:
         args.threads = 1
     target_dir, draft_dir = args.target, args.draft
@@ -312,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         import tempfile
 
         draft_dir = noisy_draft(draft_dir, args.draft_noise, Path(tempfile.mkdtemp()) / "draft")
-    methods, pair = sync_methods(target_dir, draft_dir, args.spec_len, args.threads)
+    methods, pair = sync_methods(target_dir, draft_dir, args.spec_len, args.threads, other_ks)
     settings = {} if args.ring_slots is None else {"ring_slots": args.ring_slots}
     if args.no_lockstep_alone:
         settings["lockstep_alone"] = False
@@ -326,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         methods["async"].close()
     rows = summarize(runs)
     print(markdown(rows))
+    best = best_sync(rows)
+    async_row = next(r for r in rows if r["method"] == "async")
+    print(f"async ÷ the fastest sync ({best['method']}): {async_row['tokens_per_s'] / best['tokens_per_s']:.2f}")
     print("pipeline step costs (ms, fitted by the verifier as it ran): " +
           ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
     # plain steps that ran on the idle drafter's core too (warm-up included)
@@ -342,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     steps = {k: final.get(k, 0) for k in STEP_COUNTERS}
     print("pipeline sequence-steps: " + ", ".join(f"{k} {v}" for k, v in steps.items()))
     result = {"args": vars(args), "rows": rows, "pipeline_costs_ms": costs, **borrowed, "drafters": drafters,
+              "fastest_sync": best["method"], "async_over_fastest_sync": async_row["tokens_per_s"] / best["tokens_per_s"],
               "steps": steps,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if args.sweep:

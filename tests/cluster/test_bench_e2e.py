@@ -46,3 +46,34 @@ def test_one_core_each_keeps_every_model_to_one_core(ray_cluster, tiny_target, c
     assert info["async_pipeline"]["borrowed_steps"] == 0
     rows = {r["method"]: r for r in info["summary"]}
     assert rows["async"]["exact_vs_off"] == 1.0 and rows["async"]["tokens"] == rows["off"]["tokens"] > 0
+
+
+def test_e2e_async_compares_the_pipeline_with_sync_at_its_best_chain_length(
+        ray_cluster, tiny_target, close_draft, tmp_path, bench_script, capsys):
+    """`bench/e2e_async.py --sync-spec-lens`: sync at other chain lengths in the same run, and
+    the pipeline over the fastest of them."""
+    bench = bench_script("e2e_async")
+    bench.RESULTS = tmp_path
+    threads = torch.get_num_threads()
+    try:
+        assert bench.main(["--target", str(tiny_target), "--draft", str(close_draft), "--prompts", "1",
+                           "--categories", "code", "--max-tokens", "6", "--spec-len", "2", "--one-core-each",
+                           "--sync-spec-lens", "1,2,3", "--tag", "t"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    info = json.loads((tmp_path / "e2e_async_t.json").read_text())
+    rows = {r["method"]: r for r in info["rows"]}
+    assert sorted(rows) == ["async", "off", "sync", "sync-k1", "sync-k3"]     # K = 2 is `sync` itself
+    assert all(r["exact_vs_off"] == 1.0 for r in rows.values())
+    fastest = max(("sync", "sync-k1", "sync-k3"), key=lambda m: rows[m]["tokens_per_s"])
+    assert info["fastest_sync"] == fastest
+    assert info["async_over_fastest_sync"] == rows["async"]["tokens_per_s"] / rows[fastest]["tokens_per_s"]
+    assert f"the fastest sync ({fastest})" in capsys.readouterr().out
+    for bad in ("2,x", "0"):                                       # a clear error, nothing run
+        try:
+            bench.main(["--sync-spec-lens", bad])
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"--sync-spec-lens {bad} was accepted")
+    assert "--sync-spec-lens" in capsys.readouterr().err
