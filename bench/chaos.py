@@ -21,6 +21,7 @@ level after the warm-up.
 
     python bench/chaos.py --duration 60 --max-requests 300      # tiny random pair, one minute
     python bench/chaos.py --duration 600 --max-requests 5000    # the long soak (bench/README.md)
+    python bench/chaos.py --duration 60 --restart-depth 1       # with restart trees (or --bridge-depth 2)
     python bench/chaos.py --target DIR --draft DIR --json
 
 Prints the counts (and `--json` the report); writes JSON under bench/results/;
@@ -72,6 +73,10 @@ class SoakConfig:
     seed: int = 0
 
 
+SPECULATION_COUNTERS = ("num_spec_steps", "drafter_rollbacks", "restarts", "restart_trees", "bridge_chains",
+                        "fallback_steps")
+
+
 @dataclass
 class SoakReport:
     sent: int = 0
@@ -97,6 +102,8 @@ class SoakReport:
     outcomes: dict = field(default_factory=dict)  # phase -> outcome -> count
     lost_examples: list = field(default_factory=list)
     config: dict = field(default_factory=dict)
+    # the verifier's speculation counters at the end (since its last restart): what the soak ran
+    speculation: dict = field(default_factory=dict)
 
     def count(self, rid: str, outcome: str) -> None:
         phase = self.outcomes.setdefault(rid.split("-")[0], {})
@@ -393,6 +400,8 @@ def soak(engine, injector: FaultInjector, work: Workload, cfg: SoakConfig, progr
 
         held = on_loop(wait_until(drained, cfg.settle_s)).result() or on_loop(held_state(engine)).result()
         after = on_loop(process_rss(engine)).result()
+        stats = on_loop(engine.stats()).result()
+        report.speculation = {k: stats.get(k, 0) for k in SPECULATION_COUNTERS}
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
@@ -484,6 +493,7 @@ def print_report(report: SoakReport, problems: list[str]) -> None:
             ("leaked ring slots", report.leaked_ring_slots), ("leaked draft KV blocks", report.leaked_draft_blocks),
             ("leaked streams / routes", report.leaked_state), ("exact after recovery", report.after_exact),
             ("recovered in (s)", "never" if report.recovered_s is None else f"{report.recovered_s:.1f}"),
+            ("speculation (last verifier)", ", ".join(f"{k} {v}" for k, v in report.speculation.items())),
             ("faults", ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items())) or "none"),
             ("tokens", report.tokens), ("wall (s)", f"{report.wall_s:.0f}")]
     rows += [(f"RSS {p} (MB)", f"{m['before']:.0f} -> {m['after']:.0f} ({m['delta']:+.0f}"
@@ -518,12 +528,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--target", help="target checkpoint directory (default: a tiny random Llama)")
     ap.add_argument("--draft", help="draft checkpoint directory (with --target)")
+    ap.add_argument("--restart-depth", type=int, default=None,
+                    help="PipelineSettings.restart_depth: restart trees instead of bridges (default: its own)")
+    ap.add_argument("--bridge-depth", type=int, default=None,
+                    help="PipelineSettings.bridge_depth: bridge chains of this depth (default: its own)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"), help="where the JSON goes")
     args = ap.parse_args(argv)
     faults = tuple(f for f in args.faults.split(",") if f)
     if not set(faults) <= set(FAULTS) or (args.target is None) != (args.draft is None):
         ap.error(f"--faults must name some of {FAULTS}; --target and --draft go together")
+    policy = {k: v for k, v in (("restart_depth", args.restart_depth), ("bridge_depth", args.bridge_depth))
+              if v is not None}
+    if any(v < 0 for v in policy.values()) or all(policy.get(k, 0) > 0 for k in ("restart_depth", "bridge_depth")):
+        ap.error("--restart-depth and --bridge-depth: at least 0, and at most one of them above 0")
     cfg = SoakConfig(duration_s=args.duration, max_requests=args.max_requests, concurrency=args.concurrency,
                      request_timeout_s=args.request_timeout, fault_every_s=args.fault_every, faults=faults,
                      node_down_s=args.node_down, max_tokens=max(args.max_tokens, d.min_tokens),
@@ -546,12 +564,12 @@ def main(argv: list[str] | None = None) -> int:
             cluster.wait_for_nodes()
             ray.init(address=cluster.address, log_to_driver=False)
             report = run_soak(cluster, node, node_args, placement_args(), target, draft, cfg,
-                              progress=sys.stderr.isatty())
+                              progress=sys.stderr.isatty(), **policy)
         finally:
             ray.shutdown()
             cluster.shutdown()
     problems = report.problems(cfg.rss_margin_mb)
-    out = {**asdict(report), "problems": problems, "target": args.target or "tiny random Llama",
+    out = {**asdict(report), "problems": problems, "target": args.target or "tiny random Llama", "settings": policy,
            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     path = Path(args.out) / f"chaos-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"

@@ -53,6 +53,21 @@ def test_short_soak_nothing_lost_hung_or_leaked(ray_cluster, extra_node, tiny_ta
     assert report.exact >= 10 and report.after_exact == cfg.after_requests, summary
     assert report.sent == (report.exact + report.complete_sampled + report.clear_errors
                            + report.lost + report.hung)
+    assert set(report.speculation) == set(chaos.SPECULATION_COUNTERS), report.speculation
+
+
+def test_the_soak_refuses_two_policies_at_once(bench_script, capsys):
+    """`--restart-depth` and `--bridge-depth` are one choice (as in the cluster config): a
+    clear error before any cluster starts."""
+    chaos = bench_script("chaos")
+    for bad in (["--restart-depth", "1", "--bridge-depth", "2"], ["--restart-depth", "-1"]):
+        try:
+            chaos.main(bad)
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"{bad} was accepted")
+    assert "at most one of them above 0" in capsys.readouterr().err
 
 
 def test_verifier_restarted_in_flight_fail_retryable_new_ones_served(make_engine, tiny_target, close_draft,
