@@ -1,6 +1,8 @@
-"""bench/e2e.py, small: the async pipeline runs in the same run as the baselines (issue 4, item 8)."""
+"""bench/e2e.py, e2e_async.py and engine_load.py, small: the async pipeline in the same run as
+the baselines (issue 4, item 8), sync at its best chain length, the engine under concurrent load."""
 import json
 
+import pytest
 import torch
 
 
@@ -70,10 +72,34 @@ def test_e2e_async_compares_the_pipeline_with_sync_at_its_best_chain_length(
     assert info["async_over_fastest_sync"] == rows["async"]["tokens_per_s"] / rows[fastest]["tokens_per_s"]
     assert f"the fastest sync ({fastest})" in capsys.readouterr().out
     for bad in ("2,x", "0"):                                       # a clear error, nothing run
-        try:
+        with pytest.raises(SystemExit) as refused:
             bench.main(["--sync-spec-lens", bad])
-        except SystemExit as e:
-            assert e.code == 2
-        else:
-            raise AssertionError(f"--sync-spec-lens {bad} was accepted")
+        assert refused.value.code == 2, bad
     assert "--sync-spec-lens" in capsys.readouterr().err
+
+
+def test_engine_load_drives_both_modes_through_the_engine(ray_cluster, tiny_target, close_draft, tmp_path,
+                                                          bench_script):
+    """bench/engine_load.py: concurrent clients in process, a window per mode, the verifier's
+    and the drafter's counters over each; `off` drafts nothing."""
+    out = tmp_path / "load.json"
+    assert bench_script("engine_load").main(["--target", str(tiny_target), "--draft", str(close_draft),
+                                             "--concurrency", "3", "--seconds", "2", "--rounds", "1",
+                                             "--max-tokens", "8", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["off", "auto"]
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["num_batches"] > 0 and r["concurrency"] == 3
+        assert 0 <= r["borrowed_steps"] <= r["num_batches"]
+        assert r["busy_ms_per_forward"] == 1e3 * r["verifier_busy_s"] / r["num_batches"]
+    off = rows[0]
+    assert off["num_spec_steps"] == 0 and off["drafter_trees"] == 0
+
+
+def test_engine_load_refuses_bad_arguments(bench_script, capsys):
+    bench = bench_script("engine_load")
+    for bad in (["--concurrency", "0"], ["--seconds", "0"], ["--target", "x"]):
+        with pytest.raises(SystemExit) as refused:
+            bench.main(bad)
+        assert refused.value.code == 2, bad
+    assert "--target and --draft go together" in capsys.readouterr().err

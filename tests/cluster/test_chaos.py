@@ -61,12 +61,9 @@ def test_the_soak_refuses_two_policies_at_once(bench_script, capsys):
     clear error before any cluster starts."""
     chaos = bench_script("chaos")
     for bad in (["--restart-depth", "1", "--bridge-depth", "2"], ["--restart-depth", "-1"]):
-        try:
+        with pytest.raises(SystemExit) as refused:
             chaos.main(bad)
-        except SystemExit as e:
-            assert e.code == 2
-        else:
-            raise AssertionError(f"{bad} was accepted")
+        assert refused.value.code == 2, bad
     assert "at most one of them above 0" in capsys.readouterr().err
 
 
