@@ -540,8 +540,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--faults must name some of {FAULTS}; --target and --draft go together")
     policy = {k: v for k, v in (("restart_depth", args.restart_depth), ("bridge_depth", args.bridge_depth))
               if v is not None}
-    if any(v < 0 for v in policy.values()) or all(policy.get(k, 0) > 0 for k in ("restart_depth", "bridge_depth")):
-        ap.error("--restart-depth and --bridge-depth: at least 0, and at most one of them above 0")
+    from pydantic import ValidationError
+
+    from cluster.config import SpeculationDefaults
+
+    try:                        # the cluster config's own bounds and its one-policy rule
+        SpeculationDefaults(**policy)
+    except ValidationError as e:
+        ap.error("--restart-depth and --bridge-depth as the cluster config takes them (at least 0, at most "
+                 "one of them above 0): " + "; ".join(err["msg"] for err in e.errors()))
     cfg = SoakConfig(duration_s=args.duration, max_requests=args.max_requests, concurrency=args.concurrency,
                      request_timeout_s=args.request_timeout, fault_every_s=args.fault_every, faults=faults,
                      node_down_s=args.node_down, max_tokens=max(args.max_tokens, d.min_tokens),
