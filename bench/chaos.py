@@ -144,7 +144,7 @@ class Workload:
     n: int = 0
 
     def next(self, cfg: SoakConfig, phase: str):
-        from cluster.protocol import GenerationRequest, SpeculationOptions
+        from speculation.requests import GenerationRequest, SpeculationOptions
         from models.sampling import SamplingParams
 
         self.n += 1

@@ -89,11 +89,11 @@ class Run:
 # -- methods: each maps (prompt_ids, max_tokens) -> Run fields ---------------------------------
 def ours(engine, mode: str, spec_len: int, tree_width: int, proposer: str = "model"):
     from cluster.engine import speculation_for
-    from cluster.protocol import GenerationRequest
+    from speculation.requests import GenerationRequest
     from models import SamplingParams
 
     if mode == "auto":
-        from cluster.protocol import SpeculationOptions
+        from speculation.requests import SpeculationOptions
 
         spec = SpeculationOptions(mode="auto", spec_len=spec_len, tree_width=tree_width, proposer=proposer)
     else:

@@ -61,7 +61,7 @@ class AsyncMethod:
         import ray
 
         from cluster.pipeline import build_pipeline_engine
-        from cluster.protocol import SpeculationOptions
+        from speculation.requests import SpeculationOptions
 
         self._own_ray = start_ray and not ray.is_initialized()
         if self._own_ray:
@@ -75,7 +75,7 @@ class AsyncMethod:
         self._n = 0
 
     def __call__(self, prompt_ids: list[int], max_tokens: int) -> dict:
-        from cluster.protocol import GenerationRequest
+        from speculation.requests import GenerationRequest
         from models.sampling import SamplingParams
 
         self._n += 1
@@ -142,7 +142,7 @@ def sync_methods(target_dir: str, draft_dir: str, spec_len: int, threads: int,
                  other_spec_lens: tuple[int, ...] = ()) -> dict:
     """`off` and `sync` (a chain of `spec_len`), plus `sync-k<K>` for each other chain length."""
     from cluster.engine import build_engine, speculation_for
-    from cluster.protocol import GenerationRequest
+    from speculation.requests import GenerationRequest
     from models import SamplingParams
 
     torch.set_num_threads(threads)

@@ -46,7 +46,7 @@ def chat_prompts(tokenizer) -> list[list[int]]:
 
 
 async def _client(engine, i: int, mode: str, prompts, max_tokens: int, stop: float, counted: list[int]) -> None:
-    from cluster.protocol import GenerationRequest, SpeculationOptions
+    from speculation.requests import GenerationRequest, SpeculationOptions
     from models.sampling import SamplingParams
 
     n = 0

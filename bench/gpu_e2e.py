@@ -61,7 +61,7 @@ def engine_for(args, replay_file: str):
 
 
 async def run_prompts(engine, prompts, mode: str, args) -> dict:
-    from cluster.protocol import GenerationRequest, SpeculationOptions
+    from speculation.requests import GenerationRequest, SpeculationOptions
     from models.sampling import SamplingParams
 
     spec = SpeculationOptions(mode=mode, spec_len=args.spec_len)

@@ -3,7 +3,7 @@
     python bench/lookup_plan.py                     # 16 sequences of 300 tokens, 500 steps
     python bench/lookup_plan.py --seqs 32 --tokens 1000
 
-Each step calls `cluster.adaptive.plan_lookups` for every sequence, as the verifier does
+Each step calls `speculation.planner.plan_lookups` for every sequence, as the verifier does
 when its whole batch decodes alone; the sequences (random tokens) grow by one token every
 step. Reports milliseconds per step (lookups and the plan) for the scan
 (`drafter.ngram.lookup`) and for a kept `drafter.ngram.NgramIndex` per sequence, and checks
@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT.parent))
 
 
 def run(seqs: int, tokens: int, steps: int, vocab: int, indexed: bool) -> tuple[float, list]:
-    from cluster.adaptive import AdaptiveSpeculation, CostModel, VerifyCosts, plan_lookups
+    from speculation.planner import AdaptiveSpeculation, CostModel, VerifyCosts, plan_lookups
     from drafter.ngram import NgramIndex
 
     rng = random.Random(0)

@@ -8,7 +8,7 @@ signals queued for it. Then it drafts, in **one** batched draft pass, the next
 tree of every sequence whose ring has room, on the prefix it *assumes*: the
 trees in flight fully accepted plus its own guess of each bonus token
 (DESIGN §3 step 2). A signal that contradicts the assumption bumps the epoch,
-drops the trees in flight and rolls the draft KV back (cluster/streams.py).
+drops the trees in flight and rolls the draft KV back (drafter/streams.py).
 When every ring is full, `exchange` long-polls: the drafter's backpressure.
 Each call also says whether anything is left to draft (`idle`): only an idle
 drafter's cores may run the verifier's forwards (cluster/verifier_actor.py).
@@ -36,9 +36,9 @@ import ray
 
 from cluster.backends import (DraftSide, PipelineSettings, gpu_ids, in_lockstep, next_tree_shape, rss_bytes,
                               set_threads)
-from cluster.streams import DraftStream
+from drafter.streams import DraftStream
 from cluster.verifier_actor import VerifierActor
-from cluster.wire import Signal, TreeHeader, WireError, decode_signals, encode_tree, pack_header
+from speculation.wire import Signal, TreeHeader, WireError, decode_signals, encode_tree, pack_header
 from models.sampling import SamplingParams
 
 log = logging.getLogger("specflash.cluster")
@@ -269,7 +269,7 @@ def _refused_frame(e: Exception) -> bool:
 
 def unpack_stream(header_bytes: bytes) -> str | None:
     """The stream a packed tree header of ours names (None if it does not decode)."""
-    from cluster.wire import unpack_header
+    from speculation.wire import unpack_header
 
     try:
         return unpack_header(header_bytes).stream

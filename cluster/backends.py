@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.streams import cut_tree, greedy_outcome, reroot
+from drafter.streams import cut_tree, greedy_outcome, reroot
 
 MAX_SPEC_LEN = 16
 MAX_TREE_WIDTH = 8
@@ -55,11 +55,11 @@ class PipelineSettings:
     # a sequence in "auto" mode whose draft model is off (budget 0, no drafter tree) may
     # still speculate with prompt lookup drafted by the verifier itself, where it pays
     lookup: bool = True
-    # tokens of the draft's own greedy chain a bridge step verifies (cluster/streams.py: the
+    # tokens of the draft's own greedy chain a bridge step verifies (drafter/streams.py: the
     # verifier holds a copy of the draft); 0 = a bridge decodes one token alone
     bridge_depth: int = 0
     # after a contradicted outcome, the depth of the short restart tree the drafter drafts
-    # after the committed prefix while the verifier waits for it (cluster/streams.py);
+    # after the committed prefix while the verifier waits for it (drafter/streams.py);
     # 0 = the verifier bridges instead
     restart_depth: int = 0
 
@@ -85,7 +85,7 @@ def next_tree_shape(settings: PipelineSettings, params, budget: tuple[int, int],
     """The drafter's next tree for a sequence: (depth, width, bridge), `bridge` the tokens the
     verifier's bridge step is assumed to commit before it (0: none; `DraftSide.propose`).
     After a contradicted outcome: a restart chain (`restart_tree_depth`), else the restart
-    tree after a bridge of one token or a bridge chain's r plus one (cluster/streams.py)."""
+    tree after a bridge of one token or a bridge chain's r plus one (drafter/streams.py)."""
     k, width = budget
     if not contradicted:
         return k, width, 0
@@ -337,7 +337,7 @@ class DraftSide:
         One batched call drafts every sequence to depth spec_len + 1 (+ `bridge` more);
         each tree is cut to spec_len and the extra level gives the bonus guess. A
         bridge tree is the subtree under the `bridge`-th node of the first-child path
-        from the root, drafted after prefix + that path's tokens (cluster/streams.py). With
+        from the root, drafted after prefix + that path's tokens (drafter/streams.py). With
         `assume=False` (lockstep: nothing is drafted past a tree in flight) there is
         no bonus guess to make: trees are drafted to spec_len and carry no outcome.
         Returns the drafts and the seconds the batch took.
@@ -406,7 +406,7 @@ class DraftSide:
 
 class BridgeDraft:
     """The verifier's copy of the draft model, for bridge chains (`bridge_depth`,
-    cluster/streams.py): after a step whose outcome contradicted what the drafter assumed,
+    drafter/streams.py): after a step whose outcome contradicted what the drafter assumed,
     the verifier verifies the draft's own greedy chain instead of decoding one token alone,
     drafted here in one batched pass with its own KV cache (caught up on the committed
     tokens at each use). The drafter drafts the same greedy path, and its restart tree after

@@ -89,7 +89,7 @@ class _Plan:
 
 
 def run_generate(args) -> int:
-    from cluster.protocol import GenerationRequest
+    from speculation.requests import GenerationRequest
     from models.sampling import SamplingParams
 
     if args.proposer == "eagle" and args.mode == "async":

@@ -425,7 +425,7 @@ class AppArgs(_Model):
     engine: str = Field(
         "auto",
         description="What runs behind the ingress: pipeline (the Ray drafter/verifier actors), local (the "
-        "in-process engine), fake (cluster.testing.FakeEngine, no model), auto (pipeline where it can be "
+        "in-process engine), fake (serving.testing.FakeEngine, no model), auto (pipeline where it can be "
         "built, else local), or a `module:factory` import path.",
     )
     model_name: str = Field("specflash", min_length=1, description="The model id clients send as `model`.")

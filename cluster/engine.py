@@ -5,7 +5,7 @@ alone (trees of zero nodes); "chain" and "tree" are classic draft-then-verify
 (Leviathan et al. 2023; Chen et al. 2023), with an EAGLE-2 tree (Li et al.
 2024) when the width is above 1, or prompt lookup decoding with the n-gram
 proposer. "auto" with the draft model chooses each sequence's depth every step
-(`cluster.adaptive`, with draft and verify costs added since they take turns
+(`speculation.planner`, with draft and verify costs added since they take turns
 here): a sequence whose drafts are rarely accepted decodes alone, probed now
 and then, so speculation that does not pay costs little; in a step where the
 model drafts for no sequence, an "auto" sequence may verify a prompt-lookup
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.adaptive import AdaptiveSpeculation, VerifyCosts, one_off_costs, plan_lookups
-from cluster.protocol import GenerationRequest, SpeculationOptions
+from speculation.planner import AdaptiveSpeculation, VerifyCosts, one_off_costs, plan_lookups
+from speculation.requests import GenerationRequest, SpeculationOptions
 from drafter import DraftRequest, EagleProposer, ModelProposer, NgramProposer
 from models.transformer import few_row_limit
 from models.tree import TokenTree

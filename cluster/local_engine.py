@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from cluster.protocol import GenerationChunk, GenerationRequest
+from speculation.requests import GenerationChunk, GenerationRequest
 
 log = logging.getLogger("specflash.cluster")
 
@@ -52,7 +52,7 @@ class _Totals:
 
 
 class LocalEngine:
-    """Implements `cluster.protocol.Engine` over `cluster.engine.Engine` on a worker thread."""
+    """Implements `speculation.requests.Engine` over `cluster.engine.Engine` on a worker thread."""
 
     def __init__(self, engine, max_batch: int = 16, speculation: bool | None = None) -> None:
         self.engine = engine                      # cluster.engine.Engine (sync, not thread-safe)

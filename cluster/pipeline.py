@@ -1,4 +1,4 @@
-"""`PipelineEngine`: the Engine protocol (cluster/protocol.py) over Ray actors.
+"""`PipelineEngine`: the Engine protocol (speculation/requests.py) over Ray actors.
 
 One *pipeline* is a `VerifierActor` and the `DrafterActor`s feeding it
 (DESIGN.md §3, §7); an engine spreads requests over one or more pipelines
@@ -34,8 +34,8 @@ from typing import AsyncIterator
 import ray
 
 from cluster.actors import PipelineSettings, remote_classes
-from cluster.metrics import SpecStats
-from cluster.protocol import GenerationChunk, GenerationRequest
+from speculation.stats import SpecStats
+from speculation.requests import GenerationChunk, GenerationRequest
 from models.eagle import refuse_in_pipeline
 
 log = logging.getLogger("specflash.cluster")
@@ -54,7 +54,7 @@ class Pipeline:
 
 
 class PipelineEngine:
-    """Implements `cluster.protocol.Engine`."""
+    """Implements `speculation.requests.Engine`."""
 
     def __init__(self, pipelines: list[Pipeline], settings: PipelineSettings,
                  chunk_timeout_s: float = 300.0, restart_wait_s: float = 30.0) -> None:
@@ -323,7 +323,7 @@ def run_async_generate(args) -> int:
     import sys
     import time
 
-    from cluster.protocol import SpeculationOptions
+    from speculation.requests import SpeculationOptions
     from models.sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

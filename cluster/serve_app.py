@@ -7,13 +7,13 @@
 `engine`, `model_name`). `engine` picks what runs behind the ingress: "pipeline"
 (the Ray drafter/verifier pipeline, `cluster.pipeline.PipelineEngine`), "local"
 (the in-process engine on a worker thread, `cluster.local_engine.LocalEngine`),
-"fake" (the scripted `cluster.testing.FakeEngine`, no model) or a
+"fake" (the scripted `serving.testing.FakeEngine`, no model) or a
 `module:factory` import path; "auto" (default) is the pipeline where it can be
 built, else local. `model_name` is the id clients send as `model`.
 
 The one deployment, `SpecflashIngress`, holds the engine and serves the
-OpenAI-compatible HTTP routes (`cluster.openai_api`) and the gRPC methods
-`Generate` / `GenerateStream` (`cluster.grpc_service`) that Serve's gRPC proxy
+OpenAI-compatible HTTP routes (`serving.openai_api`) and the gRPC methods
+`Generate` / `GenerateStream` (`serving.grpc_service`) that Serve's gRPC proxy
 routes to it. The pipeline's actors are placed by `PipelineEngine` from
 `placement` (Ray resources or a placement group).
 
@@ -60,7 +60,7 @@ def make_engine(kind: str, app_args: AppArgs):
     from models.loader import load_config
 
     if kind == "fake":
-        from cluster.testing import FakeEngine, tiny_byte_tokenizer
+        from serving.testing import FakeEngine, tiny_byte_tokenizer
 
         tokenizer = tiny_byte_tokenizer()
         return FakeEngine(tokenizer=tokenizer, delay_s=0.01), tokenizer, 2048
@@ -117,9 +117,9 @@ class SpecflashIngress:
     """HTTP (FastAPI, built per replica) and gRPC front over one injected engine."""
 
     async def __init__(self, app_args: dict) -> None:
-        from cluster.access import load_api_keys
-        from cluster.grpc_service import GrpcService
-        from cluster.openai_api import OpenAIServer, ServerSettings
+        from serving.access import load_api_keys
+        from serving.grpc_service import GrpcService
+        from serving.openai_api import OpenAIServer, ServerSettings
 
         args, extra = split_args(app_args)
         load_api_keys(args.serving.api_key_env, args.serving.api_key_file)  # fail before loading models
@@ -131,7 +131,7 @@ class SpecflashIngress:
         self.drafter_scaler = start_drafter_autoscaler(self.engine, args)
 
     def __serve_build_asgi_app__(self):
-        from cluster.openai_api import build_fastapi_app
+        from serving.openai_routes import build_fastapi_app
 
         return build_fastapi_app(self.server)
 

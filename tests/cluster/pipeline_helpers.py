@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import torch
 
-from cluster.protocol import GenerationRequest, SpeculationOptions
+from speculation.requests import GenerationRequest, SpeculationOptions
 from models.sampling import SamplingParams
 
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import grpc
 
-from cluster.grpc_service import GrpcService, SpecflashServicer, add_servicer_to_server
-from cluster.openai_api import OpenAIServer, ServerSettings
-from cluster.protos import specflash_pb2_grpc as pb_grpc
+from serving.grpc_service import GrpcService, SpecflashServicer, add_servicer_to_server
+from serving.openai_api import OpenAIServer, ServerSettings
+from serving.protos import specflash_pb2_grpc as pb_grpc
 
 
 async def with_grpc(fn, engine, tokenizer, add_to_server=add_servicer_to_server, **settings):

@@ -14,11 +14,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from cluster import manifests
-from cluster.access import ApiKeyConfigError, ApiKeys, load_api_keys
+from serving.access import ApiKeyConfigError, ApiKeys, load_api_keys
 from cluster.config import ClusterConfig, ServingConfig
-from cluster.openai_api import OpenAIServer, ServerSettings, build_fastapi_app
-from cluster.protos import specflash_pb2 as pb
-from cluster.testing import SAMPLE_TEXT, FakeEngine, tiny_byte_tokenizer
+from serving.openai_api import OpenAIServer, ServerSettings
+from serving.openai_routes import build_fastapi_app
+from serving.protos import specflash_pb2 as pb
+from serving.testing import SAMPLE_TEXT, FakeEngine, tiny_byte_tokenizer
 
 from . import serving_helpers
 

@@ -1,4 +1,4 @@
-"""Bridge chains (`bridge_depth`, cluster/streams.py): after a contradicted outcome the
+"""Bridge chains (`bridge_depth`, drafter/streams.py): after a contradicted outcome the
 verifier verifies the draft's own greedy chain, drafted by its copy of the draft, and the
 drafter drafts its restart tree after the same path."""
 from __future__ import annotations

@@ -97,7 +97,7 @@ def test_verifier_restarted_in_flight_fail_retryable_new_ones_served(make_engine
 def test_drafter_node_lost_for_good_serves_without_speculation(make_engine, ray_cluster, extra_node,
                                                                tiny_target, close_draft, hf_target):
     from cluster.config import ActorPlacement, AppArgs, PlacementConfig
-    from cluster.openai_api import OpenAIServer, ServerSettings
+    from serving.openai_api import OpenAIServer, ServerSettings
     from cluster.pipeline import build_pipeline_engine
     from models import load_tokenizer
 
@@ -150,7 +150,7 @@ class CorruptingProxy:
         return self.done
 
     async def exchange(self, drafter, incarnation, puts, wait_s, *rest):
-        from cluster.wire import WIRE_VERSION
+        from speculation.wire import WIRE_VERSION
 
         kind = self.plan[0] if self.plan else None
         if kind == "put_version" and puts:
@@ -178,7 +178,7 @@ def test_actors_reject_bad_frames_log_and_keep_serving_exactly(ray_cluster, tiny
                                                                 hf_target):
     from cluster.actors import PipelineSettings, remote_classes
     from cluster.pipeline import Pipeline, PipelineEngine
-    from cluster.wire import WIRE_VERSION, TreeHeader, pack_header
+    from speculation.wire import WIRE_VERSION, TreeHeader, pack_header
 
     settings = PipelineSettings(num_blocks=256, drafter_timeout_s=1.0)
     drafter_cls, verifier_cls = remote_classes()

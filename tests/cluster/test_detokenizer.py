@@ -1,12 +1,12 @@
-"""Incremental detokenization and stop strings (cluster/detokenizer.py)."""
+"""Incremental detokenization and stop strings (serving/detokenizer.py)."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from cluster.detokenizer import IncrementalDetokenizer, StopStrings
-from cluster.testing import SAMPLE_TEXT, tiny_byte_tokenizer
+from serving.detokenizer import IncrementalDetokenizer, StopStrings
+from serving.testing import SAMPLE_TEXT, tiny_byte_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,13 @@
 """The synchronous engine's "auto" mode: per-sequence depths from running acceptance and step
-costs (cluster/adaptive.py with draft and verify taking turns). A draft far from the target is
+costs (speculation/planner.py with draft and verify taking turns). A draft far from the target is
 switched off (probed now and then); a close one keeps speculating; output stays exact."""
 from __future__ import annotations
 
 import pytest
 
-from cluster.adaptive import CostModel
+from speculation.planner import CostModel
 from cluster.engine import build_engine
-from cluster.protocol import GenerationRequest, SpeculationOptions
+from speculation.requests import GenerationRequest, SpeculationOptions
 from models import SamplingParams
 
 from .test_engine_greedy import hf_greedy

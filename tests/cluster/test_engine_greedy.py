@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cluster.engine import build_engine, speculation_for
-from cluster.protocol import GenerationRequest
+from speculation.requests import GenerationRequest
 from models import SamplingParams
 
 PROMPTS = [list(b"def add(a, b):\n    return"), list(b"The quick brown fox"), [7]]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.adaptive import CostModel, VerifyCosts
+from speculation.planner import CostModel, VerifyCosts
 from cluster.engine import Engine
-from cluster.protocol import GenerationRequest, SpeculationOptions
+from speculation.requests import GenerationRequest, SpeculationOptions
 from models import SamplingParams, load_model
 
 from .test_engine_greedy import hf_greedy

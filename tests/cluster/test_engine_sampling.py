@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from cluster.engine import Engine, build_engine, speculation_for
-from cluster.protocol import GenerationRequest
+from speculation.requests import GenerationRequest
 from models import SamplingParams, load_model
 from models.sampling import logits_to_probs
 

@@ -1,7 +1,7 @@
 """Fuzz the HTTP API from its own OpenAPI schema with schemathesis (issue 7): no 5xx.
 
 The FastAPI app runs in-process over the FakeEngine; schemathesis reads `/openapi.json` (which
-carries the request models, cluster/openai_routes.py) and Hypothesis generates, with a fixed
+carries the request models, serving/openai_routes.py) and Hypothesis generates, with a fixed
 budget and a fixed seed (derandomize), bodies that fit the schema (positive) and bodies that
 break it (negative). Every response must not be a server error, must have a documented status
 and content type, must match its documented schema, and schema-breaking bodies must be refused.
@@ -20,8 +20,9 @@ from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi import checks as openapi_checks  # noqa: E402
 
-from cluster.openai_api import OpenAIServer, ServerSettings, build_fastapi_app  # noqa: E402
-from cluster.testing import FakeEngine, tiny_byte_tokenizer  # noqa: E402
+from serving.openai_api import OpenAIServer, ServerSettings
+from serving.openai_routes import build_fastapi_app  # noqa: E402
+from serving.testing import FakeEngine, tiny_byte_tokenizer  # noqa: E402
 
 EXAMPLES = 100   # per operation and generation mode
 CHECKS = [not_a_server_error, openapi_checks.status_code_conformance,

@@ -12,9 +12,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from cluster.protos import specflash_pb2 as pb
-from cluster.protos import specflash_pb2_grpc as pb_grpc
-from cluster.testing import SAMPLE_TEXT, FakeEngine, tiny_byte_tokenizer
+from serving.protos import specflash_pb2 as pb
+from serving.protos import specflash_pb2_grpc as pb_grpc
+from serving.testing import SAMPLE_TEXT, FakeEngine, tiny_byte_tokenizer
 
 from . import serving_helpers
 
@@ -113,15 +113,15 @@ def _rpcs(source: str) -> list[tuple[str, str]]:
 def test_generated_modules_are_current(tmp_path):
     """Regenerate from the .proto and compare what the modules define (the descriptor and the
     RPCs), not their text, which varies with the grpcio-tools version."""
-    proto = "cluster/protos/specflash.proto"
-    (tmp_path / "cluster" / "protos").mkdir(parents=True)
+    proto = "serving/protos/specflash.proto"
+    (tmp_path / "serving" / "protos").mkdir(parents=True)
     (tmp_path / proto).write_bytes((ROOT / proto).read_bytes())
     subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-I.", "--python_out=.",
                     "--grpc_python_out=.", proto], cwd=tmp_path, check=True)
-    fresh = {n: (tmp_path / "cluster" / "protos" / n).read_text()
+    fresh = {n: (tmp_path / "serving" / "protos" / n).read_text()
              for n in ("specflash_pb2.py", "specflash_pb2_grpc.py")}
-    committed = {n: (ROOT / "cluster" / "protos" / n).read_text() for n in fresh}
-    stale = "cluster/protos/{} is stale: regenerate it (the command is in specflash.proto)"
+    committed = {n: (ROOT / "serving" / "protos" / n).read_text() for n in fresh}
+    stale = "serving/protos/{} is stale: regenerate it (the command is in specflash.proto)"
     assert _descriptor_bytes(fresh["specflash_pb2.py"]) == \
         _descriptor_bytes(committed["specflash_pb2.py"]), stale.format("specflash_pb2.py")
     rpcs = _rpcs(fresh["specflash_pb2_grpc.py"])

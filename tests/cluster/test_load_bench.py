@@ -9,8 +9,9 @@ import math
 import httpx
 import pytest
 
-from cluster.openai_api import OpenAIServer, ServerSettings, build_fastapi_app
-from cluster.testing import FakeEngine, tiny_byte_tokenizer
+from serving.openai_api import OpenAIServer, ServerSettings
+from serving.openai_routes import build_fastapi_app
+from serving.testing import FakeEngine, tiny_byte_tokenizer
 
 @pytest.fixture(scope="module")
 def load(bench_script):

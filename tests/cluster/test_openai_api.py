@@ -6,9 +6,9 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from cluster.openai_api import (DEFAULT_CHAT_TEMPLATE, OpenAIServer, ServerSettings,
-                                build_fastapi_app)
-from cluster.testing import SAMPLE_TEXT, FakeEngine, tiny_byte_tokenizer
+from serving.openai_api import DEFAULT_CHAT_TEMPLATE, OpenAIServer, ServerSettings
+from serving.openai_routes import build_fastapi_app
+from serving.testing import SAMPLE_TEXT, FakeEngine, tiny_byte_tokenizer
 
 TOK = tiny_byte_tokenizer()
 OUT = TOK.encode(SAMPLE_TEXT * 4)

@@ -1,4 +1,4 @@
-"""Restart trees (`restart_depth`, cluster/streams.py): after a contradicted outcome the
+"""Restart trees (`restart_depth`, drafter/streams.py): after a contradicted outcome the
 verifier waits for the drafter's short restart chain after the committed prefix instead of
 decoding a token alone; the output stays the target's own."""
 from __future__ import annotations

@@ -1,13 +1,13 @@
-"""The ring of in-flight trees (cluster/ring.py) and the drafter's assumption bookkeeping
-(cluster/streams.py): bounded slots, staleness by epoch and claimed prefix, rollback."""
+"""The ring of in-flight trees (verifier/ring.py) and the drafter's assumption bookkeeping
+(drafter/streams.py): bounded slots, staleness by epoch and claimed prefix, rollback."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cluster.ring import Ring, RingEntry, StreamRing, claims_prefix
-from cluster.streams import DraftStream, cut_tree, greedy_outcome
-from cluster.wire import Signal, TreeHeader
+from verifier.ring import Ring, RingEntry, StreamRing, claims_prefix
+from drafter.streams import DraftStream, cut_tree, greedy_outcome
+from speculation.wire import Signal, TreeHeader
 from models.sampling import SamplingParams
 from models.tree import TokenTree
 

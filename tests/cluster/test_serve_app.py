@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from cluster.config import INGRESS_DEPLOYMENT, ClusterConfig
-from cluster.grpc_service import SERVICER_FUNCTION
+from serving.grpc_service import SERVICER_FUNCTION
 from cluster.serve_app import build_app, split_args
 from cluster.serve_cli import add_parser, app_args_from
 

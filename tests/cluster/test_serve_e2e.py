@@ -144,8 +144,8 @@ def test_chat_greedy_matches_transformers_on_the_chat_template(client, tok, hf_t
 
 
 def test_grpc_generate_and_stream(served, tok, hf_target):
-    from cluster.protos import specflash_pb2 as pb
-    from cluster.protos import specflash_pb2_grpc as pb_grpc
+    from serving.protos import specflash_pb2 as pb
+    from serving.protos import specflash_pb2_grpc as pb_grpc
 
     prompt = PROMPTS[1]
     expected = hf_greedy(hf_target, tok.encode(prompt), 24)

@@ -9,8 +9,9 @@ import torch
 from fastapi.testclient import TestClient
 
 from cluster.local_engine import build_local_engine
-from cluster.openai_api import OpenAIServer, ServerSettings, build_fastapi_app
-from cluster.protocol import GenerationRequest, SpeculationOptions
+from serving.openai_api import OpenAIServer, ServerSettings
+from serving.openai_routes import build_fastapi_app
+from speculation.requests import GenerationRequest, SpeculationOptions
 from models.sampling import SamplingParams
 
 

@@ -9,7 +9,7 @@ from dataclasses import asdict
 
 import torch
 
-from cluster.adaptive import CostModel
+from speculation.planner import CostModel
 from cluster.verifier_actor import VerifierActor
 from models.sampling import SamplingParams
 

@@ -11,9 +11,9 @@ from dataclasses import asdict
 
 import torch
 
-from cluster.streams import DraftStream
+from drafter.streams import DraftStream
 from cluster.verifier_actor import VerifierActor
-from cluster.wire import decode_signals
+from speculation.wire import decode_signals
 from models.sampling import SamplingParams
 
 
@@ -116,14 +116,14 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
             setattr(s, field, value)                            # drafting, told to, or bridging
             assert va._step_threads(plain) == 1
             setattr(s, field, (0, 0) if field != "bridge" else False)
-        from cluster.wire import TreeHeader
+        from speculation.wire import TreeHeader
 
         tree = TokenTree(torch.tensor([9]), torch.tensor([-1]), torch.tensor([1]), None, 3, 0)
         header = TreeHeader("q", 0, 0, 3, 3, [], 1, 0)
         assert va._step_threads([(s, tree, header)]) == 1       # a drafter's tree in the batch
         assert va._step_threads([(s, tree, None)]) == 2         # the verifier's own lookup chain
         # a drafter lends its cores only while idle by its own word, until told to draft again
-        from cluster.wire import Signal
+        from speculation.wire import Signal
 
         await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0, idle=False)   # still drafting
         assert va._step_threads(plain) == 1
@@ -149,7 +149,7 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
 
 
 def test_lockstep_verification_borrows_only_while_every_drafter_waits_for_it(tiny_target):
-    from cluster.wire import TreeHeader
+    from speculation.wire import TreeHeader
     from models.tree import TokenTree
 
     threads = torch.get_num_threads()
@@ -183,7 +183,7 @@ def test_a_lone_stream_runs_in_lockstep_beside_a_cpu_drafter_with_as_many_cores(
     """`lockstep_alone`: one stream served by a drafter on our node with at least our CPUs is in
     lockstep (its verification borrows, the planner counts no bridges); a second stream for the
     same drafter, a drafter elsewhere or with fewer CPUs, or the setting off, and it is not."""
-    from cluster.wire import TreeHeader
+    from speculation.wire import TreeHeader
     from models.tree import TokenTree
 
     threads = torch.get_num_threads()
@@ -311,7 +311,7 @@ def test_lockstep_pricing_switches_speculation_off_where_taking_turns_does_not_p
     plus wait), a sequence at γ 0.5 decodes alone and one at γ 0.95 speculates; had the waits
     been folded into the forward's a + b·rows, a run of five-row steps alone would read as a
     slope it cannot separate from the wait, and γ 0.5 would speculate and lose (0.63× measured)."""
-    from cluster.adaptive import AdaptiveSpeculation
+    from speculation.planner import AdaptiveSpeculation
 
     def planner(overlap: bool) -> AdaptiveSpeculation:
         a = AdaptiveSpeculation(max_spec_len=4)

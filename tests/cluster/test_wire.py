@@ -1,4 +1,4 @@
-"""Wire format of trees and signals (cluster/wire.py): round trips and rejected frames."""
+"""Wire format of trees and signals (speculation/wire.py): round trips and rejected frames."""
 from __future__ import annotations
 
 import msgpack
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from cluster.wire import (WIRE_VERSION, Signal, TreeHeader, WireError, decode_signals, decode_tree,
+from speculation.wire import (WIRE_VERSION, Signal, TreeHeader, WireError, decode_signals, decode_tree,
                           encode_signals, encode_tree, pack_header, unpack_header)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from cluster.engine import Engine, build_engine, speculation_for
-from cluster.protocol import GenerationRequest, SpeculationOptions
+from speculation.requests import GenerationRequest, SpeculationOptions
 from drafter import EagleProposer
 from drafter.eagle_proposer import MissingFeaturesError
 from models import SamplingParams, load_model

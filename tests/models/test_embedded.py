@@ -109,7 +109,7 @@ def test_assembled_eagle_head_drafts_for_the_target(target):
     from safetensors import safe_open
 
     from cluster.engine import build_engine, speculation_for
-    from cluster.protocol import GenerationRequest
+    from speculation.requests import GenerationRequest
     from drafter import EagleProposer
     from models import SamplingParams, load_tokenizer
     from models.eagle import EagleDraft, is_eagle_dir

@@ -5,7 +5,7 @@ without a model: it answers each request with a scripted list of token ids, in
 chunks, optionally slowly, honours `max_tokens`, EOS and `ignore_eos`, counts
 drafted / accepted tokens like a speculative engine, and records aborts and the
 requests it saw, so tests can check what the ingress asked of it. It is
-importable by path (`cluster.testing:FakeEngine`) for Serve-level tests and for
+importable by path (`serving.testing:FakeEngine`) for Serve-level tests and for
 trying the HTTP API without a model (`build_app({"engine": "fake"})`).
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Callable
 
-from cluster.protocol import GenerationChunk, GenerationRequest
+from speculation.requests import GenerationChunk, GenerationRequest
 
 SAMPLE_TEXT = ("Hello, wörld! Ünïcödé: 世界 🙂 naïve café — ∑ αβγ. "
                "def reverse(s): return s[::-1]\n")

@@ -1,4 +1,4 @@
-"""The HTTP route table over `OpenAIServer` (cluster/openai_api.py): FastAPI, nothing else.
+"""The HTTP route table over `OpenAIServer` (serving/openai_api.py): FastAPI, nothing else.
 
 Each route checks the API key, reads the body under the size limit, hands off to
 the server and shapes the response. The routes read the raw body (the server
@@ -16,9 +16,9 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
-from cluster.openai_api import OpenAIServer
-from cluster.openai_models import APIError, ChatCompletionRequest, CompletionRequest
-from cluster.prom import CONTENT_TYPE
+from serving.openai_api import OpenAIServer
+from serving.openai_models import APIError, ChatCompletionRequest, CompletionRequest
+from serving.prom import CONTENT_TYPE
 
 REQUEST_MODELS = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
 

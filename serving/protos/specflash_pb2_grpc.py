@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from cluster.protos import specflash_pb2 as cluster_dot_protos_dot_specflash__pb2
+from serving.protos import specflash_pb2 as serving_dot_protos_dot_specflash__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in cluster/protos/specflash_pb2_grpc.py depends on'
+        + ' but the generated code in serving/protos/specflash_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,13 +36,13 @@ class SpecflashStub:
         """
         self.Generate = channel.unary_unary(
                 '/specflash.Specflash/Generate',
-                request_serializer=cluster_dot_protos_dot_specflash__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=cluster_dot_protos_dot_specflash__pb2.GenerateResponse.FromString,
+                request_serializer=serving_dot_protos_dot_specflash__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=serving_dot_protos_dot_specflash__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.GenerateStream = channel.unary_stream(
                 '/specflash.Specflash/GenerateStream',
-                request_serializer=cluster_dot_protos_dot_specflash__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=cluster_dot_protos_dot_specflash__pb2.GenerateStreamResponse.FromString,
+                request_serializer=serving_dot_protos_dot_specflash__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=serving_dot_protos_dot_specflash__pb2.GenerateStreamResponse.FromString,
                 _registered_method=True)
 
 
@@ -66,13 +66,13 @@ def add_SpecflashServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_unary_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=cluster_dot_protos_dot_specflash__pb2.GenerateRequest.FromString,
-                    response_serializer=cluster_dot_protos_dot_specflash__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=serving_dot_protos_dot_specflash__pb2.GenerateRequest.FromString,
+                    response_serializer=serving_dot_protos_dot_specflash__pb2.GenerateResponse.SerializeToString,
             ),
             'GenerateStream': grpc.unary_stream_rpc_method_handler(
                     servicer.GenerateStream,
-                    request_deserializer=cluster_dot_protos_dot_specflash__pb2.GenerateRequest.FromString,
-                    response_serializer=cluster_dot_protos_dot_specflash__pb2.GenerateStreamResponse.SerializeToString,
+                    request_deserializer=serving_dot_protos_dot_specflash__pb2.GenerateRequest.FromString,
+                    response_serializer=serving_dot_protos_dot_specflash__pb2.GenerateStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -100,8 +100,8 @@ class Specflash:
             request,
             target,
             '/specflash.Specflash/Generate',
-            cluster_dot_protos_dot_specflash__pb2.GenerateRequest.SerializeToString,
-            cluster_dot_protos_dot_specflash__pb2.GenerateResponse.FromString,
+            serving_dot_protos_dot_specflash__pb2.GenerateRequest.SerializeToString,
+            serving_dot_protos_dot_specflash__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -127,8 +127,8 @@ class Specflash:
             request,
             target,
             '/specflash.Specflash/GenerateStream',
-            cluster_dot_protos_dot_specflash__pb2.GenerateRequest.SerializeToString,
-            cluster_dot_protos_dot_specflash__pb2.GenerateStreamResponse.FromString,
+            serving_dot_protos_dot_specflash__pb2.GenerateRequest.SerializeToString,
+            serving_dot_protos_dot_specflash__pb2.GenerateStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

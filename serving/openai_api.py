@@ -3,9 +3,9 @@
 `OpenAIServer` is a plain class (no Ray): it validates requests, tokenizes,
 admits them against a bounded queue, runs each choice through the engine with an
 incremental detokenizer and stop strings, and shapes OpenAI responses, whole or
-as server-sent events ending in `data: [DONE]`. `build_fastapi_app(server)` is
-the route table. The Ray Serve ingress (`cluster.serve_app`) and the gRPC
-service (`cluster.grpc_service`) both drive the same `OpenAIServer`, and the
+as server-sent events ending in `data: [DONE]`. The route table over it is
+`serving.openai_routes.build_fastapi_app(server)`. The Ray Serve ingress (`cluster.serve_app`) and the gRPC
+service (`serving.grpc_service`) both drive the same `OpenAIServer`, and the
 tests drive it in-process with FastAPI's TestClient and a fake engine.
 
 Every generation that ends before the engine finishes it (stop string, client
@@ -24,14 +24,14 @@ from typing import AsyncIterator, Sequence
 
 from pydantic import ValidationError
 
-from cluster.access import ANONYMOUS, ApiKeys, KeyLimiter, load_api_keys
-from cluster.choice_streams import DisconnectWatch, Disconnected, merge
-from cluster.detokenizer import IncrementalDetokenizer, StopStrings
-from cluster.openai_models import (APIError, ChatCompletionRequest, CompletionRequest, Delta,
+from serving.access import ANONYMOUS, ApiKeys, KeyLimiter, load_api_keys
+from serving.choice_streams import DisconnectWatch, Disconnected, merge
+from serving.detokenizer import IncrementalDetokenizer, StopStrings
+from serving.openai_models import (APIError, ChatCompletionRequest, CompletionRequest, Delta,
                                    EngineError, Prepared, SamplingFields, engine_api_error,
                                    validation_error)
-from cluster.prom import PrometheusExporter, ServingStats
-from cluster.protocol import Engine, GenerationRequest, SpeculationOptions
+from serving.prom import PrometheusExporter, ServingStats
+from speculation.requests import Engine, GenerationRequest, SpeculationOptions
 from models.sampling import SamplingParams
 
 # Used when the tokenizer has no chat template of its own (ChatML, as documented
@@ -533,9 +533,3 @@ def _with_ids(choice: dict, d: Delta, return_token_ids: bool) -> dict:
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-
-def build_fastapi_app(server: OpenAIServer):
-    """The route table (`cluster.openai_routes`), kept importable from here."""
-    from cluster.openai_routes import build_fastapi_app as build
-
-    return build(server)

@@ -2,7 +2,7 @@
 
 The drafter drafts ahead: tree T(n+1) is drafted on the *assumed* outcome of
 T(n) and filed here before T(n) is verified. Each entry is the tree's header
-(cluster/wire.py: epoch, prefix length, the assumed tokens) plus the ObjectRef
+(speculation/wire.py: epoch, prefix length, the assumed tokens) plus the ObjectRef
 of the tree in Ray's object store; the tensors never pass through the ring.
 
 Where the ring lives. The ring state sits inside the VerifierActor, which is
@@ -34,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from cluster.wire import TreeFrame, TreeHeader
+from speculation.wire import TreeFrame, TreeHeader
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Requests are validated in strict mode (`"max_tokens": "5"` is a type error, as in
 OpenAI's API); unknown top-level fields are ignored, the way clients that send
 newer OpenAI fields expect. Range checks that depend on the model (context
-length, vocabulary) happen in `cluster.openai_api`, which knows the model.
+length, vocabulary) happen in `serving.openai_api`, which knows the model.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from cluster.protocol import SpeculationOptions
+from speculation.requests import SpeculationOptions
 from models.sampling import SamplingParams
 
 
@@ -186,7 +186,7 @@ class Prepared:
     prompt_of: list[int]               # choice index -> prompt index
     speculation: SpeculationOptions
     stops: list[str]
-    client: str = "anonymous"          # who asked: `key-<i>` or anonymous (cluster.access)
+    client: str = "anonymous"          # who asked: `key-<i>` or anonymous (serving.access)
 
 
 class EngineError(Exception):

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cluster.wire import Signal
+from speculation.wire import Signal
 
 
 @dataclass

@@ -6,12 +6,12 @@ Two kinds of message cross the actor boundary:
   *header* (version, stream id, epoch, prefix length, the tokens the drafter
   assumed beyond what it knows to be committed, node count, vocabulary size,
   and the outcome it assumes for this tree, so that both sides agree on when
-  to bridge a rollback: cluster/streams.py) plus the tree's *tensors* as numpy
+  to bridge a rollback: drafter/streams.py) plus the tree's *tensors* as numpy
   arrays. The frame is stored with
   `ray.put`; Ray serialises numpy arrays as out-of-band pickle-5 buffers, so
   the tensors sit in the object store and the reader maps them without a copy
   (no pickled Python lists). Only the ObjectRef and a copy of the header go
-  through the ring (cluster/ring.py).
+  through the ring (verifier/ring.py).
 - **Signals** (verifier -> drafter): the accept / rollback outcome of one
   verification step, plus the control messages that let sequences join and
   leave a drafter. Pure msgpack: they carry a handful of integers.

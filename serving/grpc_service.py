@@ -1,4 +1,4 @@
-"""gRPC `Generate` / `GenerateStream` (cluster/protos/specflash.proto) over `OpenAIServer`.
+"""gRPC `Generate` / `GenerateStream` (serving/protos/specflash.proto) over `OpenAIServer`.
 
 `GrpcService` turns a `GenerateRequest` into the same validated completion
 request the HTTP API uses, so both fronts share admission, stop strings,
@@ -17,11 +17,11 @@ import grpc
 from google.protobuf.message import DecodeError
 from pydantic import ValidationError
 
-from cluster.openai_api import OpenAIServer
-from cluster.openai_models import (APIError, CompletionRequest, EngineError, engine_api_error,
+from serving.openai_api import OpenAIServer
+from serving.openai_models import (APIError, CompletionRequest, EngineError, engine_api_error,
                                    validation_error)
-from cluster.protos import specflash_pb2 as pb
-from cluster.protos import specflash_pb2_grpc as pb_grpc
+from serving.protos import specflash_pb2 as pb
+from serving.protos import specflash_pb2_grpc as pb_grpc
 
 STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
           404: grpc.StatusCode.NOT_FOUND, 408: grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -29,8 +29,8 @@ STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTI
 # What Serve's gRPC proxy registers: the generated service, except that bytes that are not a
 # GenerateRequest reach the method as `Malformed` and get INVALID_ARGUMENT, where the generated
 # deserializer (GENERATED_SERVICER_FUNCTION, which configs may still name) fails them as INTERNAL.
-SERVICER_FUNCTION = "cluster.grpc_service.add_servicer_to_server"
-GENERATED_SERVICER_FUNCTION = "cluster.protos.specflash_pb2_grpc.add_SpecflashServicer_to_server"
+SERVICER_FUNCTION = "serving.grpc_service.add_servicer_to_server"
+GENERATED_SERVICER_FUNCTION = "serving.protos.specflash_pb2_grpc.add_SpecflashServicer_to_server"
 
 
 @dataclass
@@ -86,7 +86,7 @@ class GrpcService:
         return parsed
 
     def _authorize(self, context) -> str:
-        """The client (cluster.access) named by the `authorization` metadata; 401 otherwise."""
+        """The client (serving.access) named by the `authorization` metadata; 401 otherwise."""
         metadata = dict(context.invocation_metadata() or ()) if context is not None else {}
         return self.server.check_api_key(metadata.get("authorization"))
 

@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable
 
-from cluster.openai_models import APIError
+from serving.openai_models import APIError
 
 ANONYMOUS = "anonymous"
 

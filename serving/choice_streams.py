@@ -1,4 +1,4 @@
-"""Async helpers of the HTTP/gRPC front (cluster/openai_api.py): the choices of one request
+"""Async helpers of the HTTP/gRPC front (serving/openai_api.py): the choices of one request
 interleaved as their deltas come (`merge`), and a rate-limited client-disconnect check."""
 from __future__ import annotations
 
