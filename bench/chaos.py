@@ -301,7 +301,7 @@ async def held_state(engine) -> dict:
     pipe = engine.pipelines[0]
     v = await asyncio.wait_for(pipe.verifier.kv_usage.remote(), 10)
     held = {"blocks": v["total"] - v["free"], "ring": v["ring"],
-            "state": v["streams"] + v["queues"] + v["joins"] + v["reserved_blocks"] + v["to_free"]
+            "state": v["streams"] + v["joins"] + v["reserved_blocks"] + v["to_free"]
             + len(engine.routes) + sum(p.active for p in engine.pipelines),
             "draft_blocks": 0}
     for d in pipe.drafters:
@@ -342,7 +342,7 @@ async def wait_until(check, timeout_s: float, every_s: float = 0.5):
 
 async def process_rss(engine) -> dict:
     """Resident MB of the driver, the verifier and the drafter (with their incarnation ids)."""
-    from cluster.backends import rss_bytes
+    from cluster.actors import rss_bytes
 
     gc.collect()
     pipe = engine.pipelines[0]
@@ -529,9 +529,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", help="target checkpoint directory (default: a tiny random Llama)")
     ap.add_argument("--draft", help="draft checkpoint directory (with --target)")
     ap.add_argument("--restart-depth", type=int, default=None,
-                    help="PipelineSettings.restart_depth: restart trees instead of bridges (default: its own)")
+                    help="EngineSettings.restart_depth: restart trees instead of bridges (default: its own)")
     ap.add_argument("--bridge-depth", type=int, default=None,
-                    help="PipelineSettings.bridge_depth: bridge chains of this depth (default: its own)")
+                    help="EngineSettings.bridge_depth: bridge chains of this depth (default: its own)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"), help="where the JSON goes")
     args = ap.parse_args(argv)
@@ -542,10 +542,10 @@ def main(argv: list[str] | None = None) -> int:
               if v is not None}
     from pydantic import ValidationError
 
-    from cluster.config import SpeculationDefaults
+    from speculation.settings import SpeculationSettings
 
     try:                        # the cluster config's own bounds and its one-policy rule
-        SpeculationDefaults(**policy)
+        SpeculationSettings(**policy)
     except ValidationError as e:
         ap.error("--restart-depth and --bridge-depth as the cluster config takes them (at least 0, at most "
                  "one of them above 0): " + "; ".join(err["msg"] for err in e.errors()))

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from cluster.engine import read_logit_rows
+    from models.pair import read_logit_rows
     from models import load_model, load_tokenizer
 
     if args.target is None:

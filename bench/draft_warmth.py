@@ -4,7 +4,7 @@ right after a verification.
     python bench/draft_warmth.py                   # embedded pair, 3-level chains, 40 of each
     python bench/draft_warmth.py --spec-len 4 --reps 60 --draft-threads 2
 
-The pipeline's drafter (`cluster.backends.DraftSide`, the proposer as a drafter actor
+The pipeline's drafter (`drafter.draft_side.DraftSide`, the proposer as a drafter actor
 runs it, in lockstep: drafted from the committed prefix, nothing assumed) drafts a chain
 of `--spec-len` for one sequence, the whole chain accepted and a bonus token committed
 after each, so every proposal is one catch-up level and the rest. Two interleaved
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -40,12 +39,14 @@ def main(argv: list[str] | None = None) -> int:
         from models import embedded
 
         target_dir, draft_dir = map(str, embedded.default_pair())
-    from cluster.backends import DraftSide, PipelineSettings
+    from drafter.draft_side import DraftItem, DraftSide
+    from models.presets import config_of
+    from speculation.settings import EngineSettings
     from models import load_model
     from models.sampling import SamplingParams
     from models.transformer import causal_mask
 
-    side = DraftSide(draft_dir, target_dir, PipelineSettings())
+    side = DraftSide.build(draft_dir, config_of(target_dir).vocab_size, EngineSettings())
     target = load_model(target_dir)
     vocab = target.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -60,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     def propose() -> float:
         nonlocal tokens
         torch.set_num_threads(args.draft_threads)
-        item = ("s", tokens, greedy, gen, args.spec_len, 1, 0, False)
+        item = DraftItem("s", tokens, greedy, gen, args.spec_len, 1, 0)
         (drafted,), seconds = side.propose([item], assume=False)
         chain = drafted.tree.token_ids.tolist()
-        side.proposer.on_verified("s", drafted.tree, list(range(len(chain))))
+        side.model.on_verified("s", drafted.tree, list(range(len(chain))))
         tokens = tokens + chain + [int(torch.randint(0, vocab, (1,), generator=gen))]
         if len(tokens) > 400:        # keep the context short and alike across the series
             side.release("s")

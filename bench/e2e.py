@@ -88,7 +88,7 @@ class Run:
 
 # -- methods: each maps (prompt_ids, max_tokens) -> Run fields ---------------------------------
 def ours(engine, mode: str, spec_len: int, tree_width: int, proposer: str = "model"):
-    from cluster.engine import speculation_for
+    from cluster.local import speculation_for
     from speculation.requests import GenerationRequest
     from models import SamplingParams
 
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         args.threads = 1
     torch.set_num_threads(args.threads)
 
-    from cluster.engine import build_engine
+    from cluster.local import build_engine
 
     if args.eagle is None and args.target is None:
         from models import embedded
@@ -410,13 +410,15 @@ def main(argv: list[str] | None = None) -> int:
     pair = build_engine(args.target, args.draft, spec_len=args.spec_len, tree_width=args.tree_width)
     eagle_engine = None
     if args.eagle and args.eagle != "none":
-        from cluster.engine import Engine, read_logit_rows
+        from cluster.local import InProcessEngine
         from models import load_model
+        from models.pair import read_logit_rows
 
         e = pair.engine             # the same target object: only the draft differs
-        eagle_engine = Engine(e.target, load_model(args.eagle), spec_len=args.spec_len, tree_width=args.tree_width,
-                              draft_logit_rows=read_logit_rows(args.eagle, e.vocab_size),
-                              eos_token_ids=sorted(e.eos_token_ids))
+        eagle_engine = InProcessEngine(e.target, load_model(args.eagle), spec_len=args.spec_len,
+                                       tree_width=args.tree_width,
+                                       draft_logit_rows=read_logit_rows(args.eagle, e.target.config.vocab_size),
+                                       eos_token_ids=sorted(e.eos_token_ids))
     hf_target = hf_draft = None
     if not args.no_hf:
         from transformers import AutoModelForCausalLM

@@ -13,7 +13,7 @@ Methods, interleaved prompt by prompt (order rotating), one run, same prompts:
 - `async`: `cluster.pipeline.PipelineEngine` on a local Ray, the drafter and the
   verifier each an actor given **one core** (`num_cpus=1`, one torch thread;
   a plain step taken while the drafter has nothing to draft runs on both cores,
-  `PipelineSettings.plain_threads`); mode `auto` (adaptive) unless
+  `EngineSettings.plain_threads`); mode `auto` (adaptive) unless
   `--async-mode` says otherwise.
 Columns: tokens/s (prefill included), speedup over `off`, acceptance rate,
 mean accepted length (bonus included), verifier idle fraction (time the
@@ -31,7 +31,7 @@ PNG and JSON go to bench/results/.
 `--one-core-each` gives every model one core and lends none: the in-process methods
 run on one thread (the target alone, as on one device; sync with draft and target
 taking turns on it) and the pipeline's actors keep to their own core, its lone
-stream overlapped (`PipelineSettings.lockstep_alone` off) and a verifier step never
+stream overlapped (`EngineSettings.lockstep_alone` off) and a verifier step never
 run on the drafter's core (`plain_threads` 0): the CPU stand-in for one device per
 model, the shape the pipeline is built for.
 
@@ -110,7 +110,7 @@ ONE_CORE_EACH = {"lockstep_alone": False, "plain_threads": 0}
 
 def pipeline_settings(one_core_each: bool = False, bridge_depth: int | None = None,
                       restart_depth: int | None = None, **settings) -> dict:
-    """PipelineSettings overrides of the `async` method from the benches' shared flags
+    """EngineSettings overrides of the `async` method from the benches' shared flags
     (`--one-core-each`, `--bridge-depth`, `--restart-depth`), on top of `settings`."""
     if one_core_each:
         settings.update(ONE_CORE_EACH)
@@ -141,7 +141,7 @@ async def _collect(engine, request):
 def sync_methods(target_dir: str, draft_dir: str, spec_len: int, threads: int,
                  other_spec_lens: tuple[int, ...] = ()) -> dict:
     """`off` and `sync` (a chain of `spec_len`), plus `sync-k<K>` for each other chain length."""
-    from cluster.engine import build_engine, speculation_for
+    from cluster.local import build_engine, speculation_for
     from speculation.requests import GenerationRequest
     from models import SamplingParams
 
@@ -297,14 +297,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="run every method with the draft plus Gaussian noise of this relative size "
                         "(1.0: a draft far from the target, where speculation must switch off)")
     p.add_argument("--ring-slots", type=int, default=None,
-                   help="trees in flight per sequence in the pipeline (default: PipelineSettings')")
+                   help="trees in flight per sequence in the pipeline (default: EngineSettings')")
     p.add_argument("--no-lockstep-alone", action="store_true",
-                   help="keep a lone stream overlapped (PipelineSettings.lockstep_alone off): the "
+                   help="keep a lone stream overlapped (EngineSettings.lockstep_alone off): the "
                         "asynchronous protocol itself, one request at a time")
     p.add_argument("--bridge-depth", type=int, default=None,
-                   help="PipelineSettings.bridge_depth: draft tokens a bridge step verifies (default: its own)")
+                   help="EngineSettings.bridge_depth: draft tokens a bridge step verifies (default: its own)")
     p.add_argument("--restart-depth", type=int, default=None,
-                   help="PipelineSettings.restart_depth: depth of the restart tree after a contradicted "
+                   help="EngineSettings.restart_depth: depth of the restart tree after a contradicted "
                         "outcome, 0 = bridge (default: its own)")
     p.add_argument("--one-core-each", action="store_true",
                    help="every model on one core, none lent: the in-process methods on one thread, the "
@@ -358,8 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     borrowed = {"borrowed_steps": final.get("borrowed_steps", 0), "target_forwards": final.get("num_batches", 0)}
     print(f"verifier forwards on borrowed cores: {borrowed['borrowed_steps']} of {borrowed['target_forwards']}")
     # the drafter's own time: what a step in lockstep waits for besides the forward
-    drafters = [{k: d.get(k) for k in ("trees", "nodes", "draft_s", "exchanges")} for d in final.get("drafters", [])]
-    trees = sum(d["trees"] or 0 for d in drafters)
+    drafters = [{k: d.get(k) for k in ("trees_drafted", "nodes_drafted", "draft_s", "exchanges")}
+                for d in final.get("drafters", [])]
+    trees = sum(d["trees_drafted"] or 0 for d in drafters)
     if trees:
         print(f"drafter: {trees} trees, {1e3 * sum(d['draft_s'] or 0 for d in drafters) / trees:.1f} ms "
               f"drafting each")
@@ -397,7 +398,7 @@ def pipeline_costs(stats: dict) -> dict:
     # the target's own forward per batch shape inside the verifier actor (rows: 1 = plain step)
     for rows, ms in sorted((int(r), ms) for r, ms in c.get("forward_ms_by_rows", {}).items()):
         out[f"forward_{rows}_rows"] = ms
-    # the same on the idle drafter's cores too (plain steps, PipelineSettings.plain_threads)
+    # the same on the idle drafter's cores too (plain steps, EngineSettings.plain_threads)
     for rows, ms in sorted((int(r), ms) for r, ms in c.get("borrowed_forward_ms_by_rows", {}).items()):
         out[f"borrowed_forward_{rows}_rows"] = ms
     return out
@@ -411,7 +412,7 @@ def sweep(args, target_dir, draft_dir, work, methods, runs, costs: dict) -> dict
     from e2e import forward_ms
 
     sys.path.pop(0)
-    from cluster.engine import read_logit_rows
+    from models.pair import read_logit_rows
     from models import load_model
     from models.transformer import use_half_weights
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]   # bench/kernels.py shadows `kernels`
 
 VERIFIER_COUNTERS = ("num_batches", "borrowed_steps", "num_spec_steps", "verifier_busy_s", "verifier_wall_s")
-DRAFTER_COUNTERS = ("trees", "draft_s", "exchanges", "rollbacks")
+DRAFTER_COUNTERS = ("trees_drafted", "draft_s", "exchanges", "rollbacks")
 
 
 def _sibling(name: str):
@@ -85,7 +85,7 @@ def line(row: dict) -> str:
     return (f"{row['mode']:>4} x{row['concurrency']}: {row['tokens_per_s']:.1f} tokens/s, "
             f"{row['num_batches']} forwards ({row['borrowed_steps']} on borrowed cores, "
             f"{row['num_spec_steps']} speculating), {row['busy_ms_per_forward']:.1f} ms busy a forward; "
-            f"drafter: {row['drafter_trees']} trees, {row['drafter_draft_s']:.2f} s drafting, "
+            f"drafter: {row['drafter_trees_drafted']} trees, {row['drafter_draft_s']:.2f} s drafting, "
             f"{row['drafter_exchanges']} exchanges")
 
 

@@ -5,7 +5,7 @@ shaped draft with random weights run as the pipeline's verifier and drafter
 actors on one GPU (half a GPU each in Ray's accounting; sharing it, they take
 turns: `lockstep_shared_gpu`, off with --no-lockstep-shared-gpu). A random
 draft never agrees with a random target, so the drafter is the clearly named
-`cluster.replay.CorruptedReplayProposer`: it runs the real 1B-shaped draft for
+`bench/replay.py`'s `CorruptedReplayProposer`: it runs the real 1B-shaped draft for
 its cost, then replays the target's own recorded greedy continuation with each
 token corrupted at a chosen rate. Acceptance is thereby controlled; the output
 is still exactly the target's (checked against the recorded continuation).
@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,9 +39,25 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]   # benc
 RESULTS = ROOT / "results"
 
 
-def engine_for(args, replay_file: str):
+def _sibling(name: str):
+    """bench/<name>.py as a module (bench/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def engine_for(args):
+    from ray import cloudpickle
+
     from cluster.config import ActorPlacement, AppArgs, PlacementConfig
     from cluster.pipeline import build_pipeline_engine
+
+    replay = _sibling("replay")
+    cloudpickle.register_pickle_by_value(replay)      # bench/ is not importable in the actors
 
     gpu = 0.5 if args.device == "cuda" else 0.0
     placement = PlacementConfig(drafter=ActorPlacement(num_cpus=1, num_gpus=gpu),
@@ -55,8 +70,8 @@ def engine_for(args, replay_file: str):
     if args.restart_depth:            # restart trees instead of bridges after a contradiction
         settings["restart_depth"] = args.restart_depth
     return build_pipeline_engine(AppArgs(placement=placement), target_dir=args.target, draft_dir=args.draft,
-                                 dtype=args.dtype, device=args.device, proposer="replay",
-                                 replay_file=replay_file, num_blocks=args.num_blocks, mode="chain",
+                                 dtype=args.dtype, device=args.device, wrap_proposer=replay.ReplayWrap(),
+                                 num_blocks=args.num_blocks, mode="chain",
                                  spec_len=args.spec_len, ready_timeout_s=900, **settings)
 
 
@@ -99,7 +114,7 @@ async def run_prompts(engine, prompts, mode: str, args) -> dict:
                                          "drafter_absent_steps", "trees_dropped", "rollbacks")},
             # the drafter's side: trees, seconds drafting, its longest stretch between two calls
             # to the verifier so far (a compile or a graph capture shows here) and its incarnation
-            "drafter": {"trees": d_after["trees"] - d_before["trees"],
+            "drafter": {"trees": d_after["trees_drafted"] - d_before["trees_drafted"],
                         "draft_s": d_after["draft_s"] - d_before["draft_s"],
                         "work_s_max_so_far": d_after.get("work_s_max"),
                         "exchanges": d_after["exchanges"] - d_before["exchanges"],
@@ -192,14 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--num-blocks", type=int, default=256)
     p.add_argument("--ring-slots", type=int, default=None,
-                   help="PipelineSettings.ring_slots (1: lockstep, one tree in flight)")
+                   help="EngineSettings.ring_slots (1: lockstep, one tree in flight)")
     p.add_argument("--no-lockstep-alone", action="store_true",
-                   help="PipelineSettings.lockstep_alone off (a CPU drafter's lone stream stays overlapped)")
+                   help="EngineSettings.lockstep_alone off (a CPU drafter's lone stream stays overlapped)")
     p.add_argument("--no-lockstep-shared-gpu", action="store_true",
-                   help="PipelineSettings.lockstep_shared_gpu off: drafter and verifier on the one GPU "
+                   help="EngineSettings.lockstep_shared_gpu off: drafter and verifier on the one GPU "
                         "overlap their forwards (time-sliced) instead of taking turns")
     p.add_argument("--restart-depth", type=int, default=0,
-                   help="PipelineSettings.restart_depth: a restart chain this deep after a contradicted "
+                   help="EngineSettings.restart_depth: a restart chain this deep after a contradicted "
                         "outcome instead of a bridge step (0: bridge)")
     p.add_argument("--ray-logs", action="store_true", help="the actors' log lines on stderr (log_to_driver)")
     p.add_argument("--replot", nargs=2, metavar=("JSON", "PNG"),
@@ -210,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         return replot(Path(args.replot[0]), Path(args.replot[1]))
     import ray
 
-    from cluster.replay import random_config
+    from models.presets import random_config
 
     vocab = random_config(args.target).vocab_size
     g = torch.Generator().manual_seed(0)
@@ -218,15 +233,12 @@ def main(argv: list[str] | None = None) -> int:
     # A bounded object store: trees and signals are small, and a VM's /dev/shm may be.
     ray.init(address="local", num_cpus=4, num_gpus=1 if args.device == "cuda" else 0,
              object_store_memory=2 << 30, include_dashboard=False, log_to_driver=args.ray_logs)
-    with tempfile.TemporaryDirectory() as tmp:
-        replay = Path(tmp) / "replay.json"
-        replay.write_text("[]")
-        engine = engine_for(args, str(replay))
-        try:
-            points = measure(engine, prompts, args, save=lambda pts: write_json(pts, args, partial=True))
-        finally:
-            engine.kill_pipeline_actors()
-            ray.shutdown()
+    engine = engine_for(args)
+    try:
+        points = measure(engine, prompts, args, save=lambda pts: write_json(pts, args, partial=True))
+    finally:
+        engine.kill_pipeline_actors()
+        ray.shutdown()
     return report(points, args)
 
 
@@ -237,17 +249,17 @@ def measure(engine, prompts, args, save=lambda points: None) -> list[dict]:
     off = asyncio.run(run_prompts(engine, prompts, "off", args))
     refs = [p + o for p, o in zip(prompts, off["outputs"])]
     drafter = engine.pipelines[0].drafters[0]
-    ray.get(drafter.set_replay.remote(refs))
+    ray.get(drafter.call_proposer.remote("set_references", refs))
     points = [{"corruption": None, "method": "off", **{k: v for k, v in off.items() if k != "outputs"},
                "speedup": 1.0, "gamma": None}]
     # Warm-up of the speculating shapes (trees, partial and full accepts, bridge steps, the
     # planner's shorter chains) on both sides: their first forwards compile kernels and capture
     # CUDA graphs, hundreds of ms each; a drafter busy past drafter_timeout_s reads as absent.
     for c, mode in ((0.5, "chain"), (0.0, "chain"), (0.2, "auto")):
-        ray.get(drafter.set_replay_corruption.remote(c))
+        ray.get(drafter.call_proposer.remote("set_corruption", c))
         asyncio.run(run_prompts(engine, prompts[:1], mode, args))
     for c in [float(x) for x in args.corruption.split(",")]:
-        ray.get(drafter.set_replay_corruption.remote(c))
+        ray.get(drafter.call_proposer.remote("set_corruption", c))
         for mode in args.modes.split(","):
             r = asyncio.run(run_prompts(engine, prompts, mode, args))
             outs = r.pop("outputs")

@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--out", default=str(ROOT / "results"))
     args = p.parse_args(argv)
-    from cluster.replay import random_model
+    from models.presets import random_model
     from models import cuda_graphs
 
     result = dict(args=vars(args), device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",

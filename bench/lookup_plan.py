@@ -23,11 +23,12 @@ sys.path.insert(0, str(ROOT.parent))
 
 
 def run(seqs: int, tokens: int, steps: int, vocab: int, indexed: bool) -> tuple[float, list]:
-    from speculation.planner import AdaptiveSpeculation, CostModel, VerifyCosts, plan_lookups
-    from drafter.ngram import NgramIndex
+    from speculation.planner import AdaptiveSpeculation, CostModel, VerifyCosts
+    from speculation.proposal import NgramIndex
+    from verifier.lookup import plan_lookups
 
     rng = random.Random(0)
-    planner = AdaptiveSpeculation(max_spec_len=16, overlap=False)    # as VerifierActor.lookup
+    planner = AdaptiveSpeculation(max_spec_len=16, overlap=False)    # as verifier.lookup.VerifierLookup's
     steps_model = CostModel(overlap=False)
     for rows in (seqs, seqs, seqs, 2 * seqs, 2 * seqs, 2 * seqs):
         steps_model.observe_verify(rows, 0.05 + 0.002 * rows)        # a fixed cost rows barely add to

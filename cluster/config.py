@@ -18,6 +18,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from speculation.settings import SpeculationSettings
+
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 K8S_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
 # Name of the Serve ingress deployment the app builds (`cluster.serve_app:build_app`); the Serve
@@ -27,6 +29,7 @@ INGRESS_DEPLOYMENT = "SpecflashIngress"
 # Ray's built-in resources are requested through num_cpus / num_gpus, never as custom names.
 RAY_BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 DEFAULT_VERIFIER_POLICY = "cluster.autoscaling:PipelineLoadPolicy"
+MAX_DRAFTERS_PER_VERIFIER = 8
 
 
 class _Model(BaseModel):
@@ -124,52 +127,6 @@ class PlacementConfig(_Model):
         return [self.verifier.bundle()] + [self.drafter.bundle() for _ in range(drafters_per_verifier)]
 
 
-class SpeculationDefaults(_Model):
-    mode: Literal["off", "chain", "tree", "auto"] = Field(
-        "auto", description="Server default; a request may override it. auto = adaptive per sequence."
-    )
-    spec_len: int = Field(4, ge=1, le=16, description="Chain length K / maximum tree depth.")
-    tree_width: int = Field(1, ge=1, le=8, description="Children per tree node (1 = chain).")
-    proposer: Literal["model", "ngram"] = Field("model", description="Draft model or prompt-lookup n-grams.")
-    ring_slots: int = Field(2, ge=1, le=64, description=(
-        "Trees in flight per sequence (ring buffer depth). 1 = lockstep: the drafter drafts only "
-        "from the committed prefix (nothing assumed, no rollbacks) and, on a CPU node it shares "
-        "with the verifier, lends its cores to each verification; it pays where drafter and "
-        "verifier split a few cores."))
-    lockstep_alone: bool = Field(True, description=(
-        "Run in lockstep (as ring_slots 1) while a CPU drafter on its verifier's node, with at "
-        "least the verifier's CPUs, serves one sequence: a lone stream then gets every "
-        "verification on both actors' cores and no bridges; with more streams the pipeline "
-        "overlaps drafting and verification again."))
-    lockstep_shared_gpu: bool = Field(True, description=(
-        "Run in lockstep (as ring_slots 1) while the drafter runs on the verifier's GPU: two "
-        "processes' forwards on one GPU are time-sliced, so overlapping them gains nothing and "
-        "slows each verification (3-7x on an H200, bench/results/gpu-20261130c)."))
-    max_batch_size: int = Field(32, ge=1, le=4096, description="Sequences per verifier forward.")
-    bridge_depth: int = Field(0, ge=0, le=4, description=(
-        "After a tree whose outcome contradicts what the drafter assumed, the verifier's next "
-        "step (the bridge) verifies the draft's own greedy chain of this many tokens, drafted by "
-        "a copy of the draft the verifier holds, instead of decoding one token alone (greedy "
-        "requests with a draft model; 0 = decode alone). Used only with restart_depth 0."))
-    restart_depth: int = Field(0, ge=0, le=16, description=(
-        "After a tree whose outcome contradicts what the drafter assumed, the drafter drafts a "
-        "restart tree this deep (within the sequence's budget) after the committed prefix and "
-        "the verifier waits for it, instead of decoding one token alone (a bridge) while the "
-        "drafter drafts a full tree after its guess of that token. 0 = bridge."))
-    lookup: bool = Field(
-        True, description="In auto mode, where the draft model does not pay, the verifier speculates "
-                          "with prompt lookup (n-grams of the prompt and output) when that pays.")
-
-    @model_validator(mode="after")
-    def _chain_is_width_one(self) -> SpeculationDefaults:
-        if self.mode == "chain" and self.tree_width != 1:
-            raise ValueError(f"mode 'chain' means tree_width 1, got {self.tree_width}; use mode 'tree'")
-        if self.bridge_depth > 0 and self.restart_depth > 0:
-            raise ValueError(f"bridge_depth {self.bridge_depth} applies to bridges, which restart_depth "
-                             f"{self.restart_depth} replaces; set one of them to 0")
-        return self
-
-
 class ReplicaScaling(_Model):
     """Verifier replicas: each replica of the Serve ingress deployment hosts one verifier pipeline, so
     this is the deployment's `autoscaling_config` (cluster.autoscaling.PipelineLoadPolicy by default)."""
@@ -223,8 +180,8 @@ class DrafterScaling(_Model):
     """Drafters per verifier, adjusted inside each replica by `cluster.autoscaling.DrafterAutoscaler`
     from that verifier's own signals; `drafters_per_verifier` is the starting count."""
 
-    min_per_verifier: int = Field(1, ge=1, le=8, description="Fewest drafters feeding one verifier.")
-    max_per_verifier: int = Field(1, ge=1, le=8, description="Most drafters feeding one verifier.")
+    min_per_verifier: int = Field(1, ge=1, le=MAX_DRAFTERS_PER_VERIFIER, description="Fewest drafters feeding one verifier.")
+    max_per_verifier: int = Field(1, ge=1, le=MAX_DRAFTERS_PER_VERIFIER, description="Most drafters feeding one verifier.")
     starved_idle_fraction: float = Field(
         0.2, gt=0, lt=1, description="Add a drafter while the verifier spends more than this fraction of its "
         "time waiting for trees with requests pending (drafting is the bottleneck).")
@@ -431,8 +388,8 @@ class AppArgs(_Model):
     model_name: str = Field("specflash", min_length=1, description="The model id clients send as `model`.")
     models: ModelPairConfig = Field(default_factory=ModelPairConfig, description="The model pair.")
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Actor resources.")
-    speculation: SpeculationDefaults = Field(default_factory=SpeculationDefaults, description="Server defaults.")
-    drafters_per_verifier: int = Field(1, ge=1, le=8, description="Drafter actors feeding one verifier at start.")
+    speculation: SpeculationSettings = Field(default_factory=SpeculationSettings, description="Server defaults.")
+    drafters_per_verifier: int = Field(1, ge=1, le=MAX_DRAFTERS_PER_VERIFIER, description="Drafter actors feeding one verifier at start.")
     verifier_scaling: ReplicaScaling = Field(
         default_factory=ReplicaScaling, description="Verifier replicas = replicas of the Serve deployment.")
     drafter_scaling: DrafterScaling = Field(default_factory=DrafterScaling, description="Drafters per verifier.")

@@ -19,8 +19,6 @@ Failure semantics, as the serving layer sees them (docs/internals.md,
   Ray reports the death (and at worst after `chunk_timeout_s` without a chunk);
   Ray restarts it (`verifier_max_restarts`), its drafters reattach, and new
   requests are served; requests on other pipelines are unaffected.
-
-`run_async_generate(args)` is `specflash generate --mode async`.
 """
 from __future__ import annotations
 
@@ -28,15 +26,17 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import AsyncIterator
 
 import ray
 
-from cluster.actors import PipelineSettings, remote_classes
-from speculation.stats import SpecStats
-from speculation.requests import GenerationChunk, GenerationRequest
+from cluster.actors import remote_classes, settings_dict
+from cluster.transport import first_line
 from models.eagle import refuse_in_pipeline
+from speculation.requests import GenerationChunk, GenerationRequest, resolve_speculation
+from speculation.settings import EngineSettings
+from speculation.stats import SpecStats
 
 log = logging.getLogger("specflash.cluster")
 RETRYABLE = "retryable: "
@@ -56,7 +56,7 @@ class Pipeline:
 class PipelineEngine:
     """Implements `speculation.requests.Engine`."""
 
-    def __init__(self, pipelines: list[Pipeline], settings: PipelineSettings,
+    def __init__(self, pipelines: list[Pipeline], settings: EngineSettings,
                  chunk_timeout_s: float = 300.0, restart_wait_s: float = 30.0) -> None:
         if not pipelines:
             raise ValueError("a PipelineEngine needs at least one pipeline")
@@ -73,6 +73,7 @@ class PipelineEngine:
             raise ValueError(f"request id {rid!r} is already running")
         if not request.prompt_token_ids:
             raise ValueError("the prompt is empty: it must hold at least one token")
+        resolve_speculation(request.speculation, self.settings, self.settings.proposers)   # InvalidRequest
         index = min(range(len(self.pipelines)), key=lambda i: self.pipelines[i].active)
         pipe = self.pipelines[index]
         self.routes[rid] = index
@@ -118,11 +119,11 @@ class PipelineEngine:
                 "speculation_reason": reason, "pipelines": reports}
 
     async def stats(self) -> dict:
+        """The verifiers' and their drafters' stats added up (`speculation.stats.SpecStats`), with
+        the first pipeline's step models and every pipeline's costs."""
         total = SpecStats()
-        drafters = []
-        costs = []
+        drafters, costs, planner = [], [], {}
         alive, gc_s, gc_full = 0, 0.0, 0
-        planner = {}          # the first pipeline's step models (`VerifierActor.get_stats`)
         for p in self.pipelines:
             try:
                 raw = await _timed(p.verifier.get_stats.remote(), 5)
@@ -133,12 +134,9 @@ class PipelineEngine:
             gc_full += raw.get("gc_full_collections", 0)
             if not planner:
                 planner = {f"planner_{k}": v for k, v in raw.items() if k.endswith("_rows_s")}
-            costs.append({k: raw[k] for k in ("verify_cost_a_s", "verify_cost_b_s", "draft_level_s",
-                                              "lockstep_draft_level_s") if k in raw})
-            costs[-1]["forward_ms_by_rows"] = raw.get("forward_ms_by_rows", {})
-            costs[-1]["borrowed_forward_ms_by_rows"] = raw.get("borrowed_forward_ms_by_rows", {})
-            costs[-1]["cuda_graphs"] = raw.get("cuda_graphs")
-            costs[-1]["warm_up_s"] = raw.get("warm_up_s")
+            costs.append({k: raw.get(k) for k in ("verify_cost_a_s", "verify_cost_b_s", "draft_level_s",
+                                                  "lockstep_draft_level_s", "forward_ms_by_rows",
+                                                  "borrowed_forward_ms_by_rows", "cuda_graphs", "warm_up_s")})
             live = raw.get("drafters_live", [])
             alive += len(live)
             ids = getattr(p, "drafter_indices", None) or list(range(len(p.drafters)))
@@ -147,16 +145,15 @@ class PipelineEngine:
                     drafters.append(await _timed(p.drafters[ids.index(i)].info.remote(), 5))
                 except Exception:
                     pass
+        drafted = SpecStats()
+        for d in drafters:
+            drafted = drafted.merge(SpecStats.from_dict(d))
         out = total.as_dict()
-        out["costs"] = costs
-        out["drafters"] = drafters
-        out["drafters_alive"] = alive
-        out["verifier_gc_s"] = gc_s
-        out["verifier_gc_full_collections"] = gc_full
-        out.update(planner)
-        out["speculation_enabled"] = int(alive > 0)
-        out["drafter_rollbacks"] = out["rollbacks"] = sum(d["rollbacks"] for d in drafters)
-        out["drafter_tokens_wasted"] = total.drafter_tokens_wasted + sum(d["wasted_nodes"] for d in drafters)
+        out.update(costs=costs, drafters=drafters, drafters_alive=alive, verifier_gc_s=gc_s,
+                   verifier_gc_full_collections=gc_full, speculation_enabled=int(alive > 0), **planner)
+        # what the drafters did: rollbacks are theirs; wasted nodes, theirs and the ring's drops
+        out["drafter_rollbacks"] = out["rollbacks"] = drafted.rollbacks
+        out["drafter_tokens_wasted"] = total.drafter_tokens_wasted + drafted.drafter_tokens_wasted
         return out
 
     # -- helpers ---------------------------------------------------------------------
@@ -170,14 +167,14 @@ class PipelineEngine:
         except asyncio.TimeoutError:
             return _error_chunk(rid, f"{RETRYABLE}no progress from the verifier in {self.chunk_timeout_s:.0f} s")
         except ray.exceptions.RayActorError as e:
-            return _error_chunk(rid, f"{RETRYABLE}{VERIFIER_DIED} ({_first_line(e)})")
+            return _error_chunk(rid, f"{RETRYABLE}{VERIFIER_DIED} ({first_line(e)})")
         except ray.exceptions.RayTaskError as e:
             cause = e.as_instanceof_cause()
             if isinstance(cause, ValueError):
                 return _error_chunk(rid, str(cause.args[0] if cause.args else cause))
-            return _error_chunk(rid, f"verifier error: {_first_line(e)}")
+            return _error_chunk(rid, f"verifier error: {first_line(e)}")
         except ray.exceptions.RayError as e:     # the stream's objects lost with a node, ...
-            return _error_chunk(rid, f"{RETRYABLE}the verifier's output was lost ({_first_line(e)})")
+            return _error_chunk(rid, f"{RETRYABLE}the verifier's output was lost ({first_line(e)})")
 
     async def _abort_on(self, pipe: Pipeline, rid: str) -> None:
         try:
@@ -189,7 +186,7 @@ class PipelineEngine:
         try:
             report = await _timed(p.verifier.health.remote(), 5)
         except Exception as e:
-            return {"ok": False, "error": f"verifier unreachable: {_first_line(e)}", "speculation": False}
+            return {"ok": False, "error": f"verifier unreachable: {first_line(e)}", "speculation": False}
         return report
 
     def kill_pipeline_actors(self) -> None:
@@ -209,39 +206,29 @@ async def _timed(ref, seconds: float):
     return await asyncio.wait_for(ref, seconds)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
-
-
 def _error_chunk(rid: str, message: str) -> GenerationChunk:
     return GenerationChunk(rid, [], True, "error", error=message)
 
 
 # ---------------------------------------------------------------- building
-def settings_from_config(config, **overrides) -> PipelineSettings:
-    """PipelineSettings from an AppArgs' / ClusterConfig's `speculation`, `models` and `placement` blocks."""
-    spec = config.speculation
+def settings_from_config(config, **overrides) -> EngineSettings:
+    """EngineSettings from an AppArgs' / ClusterConfig's `speculation`, `models` and `placement` blocks."""
     gpu = config.placement.verifier.num_gpus > 0
-    base = PipelineSettings(mode=spec.mode, spec_len=spec.spec_len, tree_width=spec.tree_width,
-                            proposer=spec.proposer, ring_slots=spec.ring_slots,
-                            lockstep_alone=spec.lockstep_alone,
-                            lockstep_shared_gpu=spec.lockstep_shared_gpu,
-                            max_batch_size=spec.max_batch_size, lookup=spec.lookup,
-                            bridge_depth=spec.bridge_depth, restart_depth=spec.restart_depth,
-                            dtype=config.models.dtype,
-                            device="cuda" if gpu else "cpu")
-    return replace(base, **overrides)
+    base = EngineSettings(**config.speculation.model_dump(), dtype=config.models.dtype,
+                          device="cuda" if gpu else "cpu")
+    return base.model_copy(update=overrides)
 
 
 def build_pipeline_engine(config=None, *, target_dir: str | None = None, draft_dir: str | None = None,
                           num_pipelines: int = 1, drafter_max_restarts: int = 10,
                           verifier_max_restarts: int = 10, chunk_timeout_s: float = 300.0, ready_timeout_s: float = 300.0,
-                          **overrides) -> PipelineEngine:
+                          wrap_proposer=None, **overrides) -> PipelineEngine:
     """Start `num_pipelines` pipelines on the running Ray cluster and wait until they serve.
 
     `config`: a `cluster.config.AppArgs` (or a `ClusterConfig`, which extends it);
-    None = the local defaults. `overrides`: PipelineSettings fields (num_blocks, ...).
+    None = the local defaults. `overrides`: EngineSettings fields (num_blocks, ...);
+    `wrap_proposer`: a benchmark's instrument around each drafter's draft proposer
+    (bench/replay.py).
     """
     from cluster.config import AppArgs
 
@@ -250,24 +237,25 @@ def build_pipeline_engine(config=None, *, target_dir: str | None = None, draft_d
     refuse_in_pipeline(draft_dir)
     settings = settings_from_config(config, **overrides)
     if draft_dir is None:            # prompt lookup drafts: no draft model to bridge with
-        settings = replace(settings, bridge_depth=0)
+        settings = settings.model_copy(update=dict(bridge_depth=0, proposers=("ngram",)))
     drafter_cls, verifier_cls = remote_classes(drafter_max_restarts, verifier_max_restarts)
     placement = config.placement
     pipelines = []
     for _ in range(num_pipelines):
         pg, v_opts, d_opts = _placement(config)
-        v_settings = replace(settings, num_cpus=placement.verifier.num_cpus)
-        d_settings = replace(settings, num_cpus=placement.drafter.num_cpus,
-                             device="cuda" if placement.drafter.num_gpus > 0 else "cpu")
+        v_settings = settings_dict(settings, num_cpus=placement.verifier.num_cpus)
+        d_settings = settings_dict(settings, num_cpus=placement.drafter.num_cpus,
+                                   device="cuda" if placement.drafter.num_gpus > 0 else "cpu")
         # drafters find their verifier by name: an actor handle among a restartable actor's
         # constructor arguments lives in the object store, where Ray cannot yet guarantee it
         # survives for a restart (ray-project/ray#53727); two strings travel inline
         name = (f"specflash-verifier-{uuid.uuid4().hex[:12]}", ray.get_runtime_context().namespace)
         verifier = verifier_cls.options(name=name[0], namespace=name[1], **v_opts).remote(
-            target_dir, asdict(v_settings), draft_dir)
+            target_dir, v_settings, draft_dir)
+
         def spawn(j: int, name=name, d_opts=d_opts, d_settings=d_settings):
             return drafter_cls.options(**d_opts[j % len(d_opts)]).remote(
-                j, name, draft_dir, target_dir, asdict(d_settings))
+                j, name, draft_dir, target_dir, d_settings, wrap_proposer)
 
         n = config.drafters_per_verifier
         pipelines.append(Pipeline(verifier, [spawn(j) for j in range(n)], pg, spawn_drafter=spawn,
@@ -312,90 +300,3 @@ def _placement(config) -> tuple[object, dict, list[dict]]:
             pg, placement_group_bundle_index=bundle)}
 
     return pg, opts(placement.verifier, 0), [opts(placement.drafter, 1 + j) for j in range(n)]
-
-
-
-# ---------------------------------------------------------------- specflash generate --mode async
-def run_async_generate(args) -> int:
-    """`specflash generate --mode async`: a local Ray, one pipeline, one request; same flags and
-    JSON as the in-process modes (issue 2 item 5). Raises ValueError / OSError on bad input."""
-    import json
-    import sys
-    import time
-
-    from speculation.requests import SpeculationOptions
-    from models.sampling import SamplingParams
-
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-    proposer = getattr(args, "proposer", "model")
-    spec = SpeculationOptions(mode="tree" if args.tree_width > 1 else "chain", spec_len=args.spec_len,
-                              tree_width=args.tree_width, proposer=proposer)
-    target_dir, draft_dir = _cli_model_dirs(args, proposer)
-    from models import load_tokenizer
-
-    tokenizer = load_tokenizer(target_dir)
-    prompt_ids = _cli_prompt_ids(tokenizer, args.prompt, getattr(args, "chat", False))
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
-    engine = None
-    try:
-        engine = build_pipeline_engine(None, target_dir=target_dir, draft_dir=draft_dir,
-                                       spec_len=args.spec_len, tree_width=args.tree_width, proposer=proposer)
-        start = time.perf_counter()
-        tokens, last = asyncio.run(_collect(engine, GenerationRequest("cli", prompt_ids, params, spec)))
-        seconds = time.perf_counter() - start
-        if last is not None and last.finish_reason == "error":
-            raise RuntimeError(last.error)
-        stats = asyncio.run(engine.stats())
-    finally:
-        if engine is not None:
-            engine.kill_pipeline_actors()
-        ray.shutdown()
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
-    drafted, accepted = last.num_drafted, last.num_accepted
-    out_stats = {"drafted": drafted, "accepted": accepted,
-                 "acceptance_rate": accepted / drafted if drafted else 0.0,
-                 "mean_accepted_len": stats["mean_accepted_len"],
-                 "tokens_per_s": len(tokens) / seconds if seconds > 0 else 0.0,
-                 "verifier_idle_fraction": stats["verifier_idle_fraction"]}
-    if args.json:
-        print(json.dumps({"text": text, "token_ids": tokens, "target": target_dir, "draft": draft_dir,
-                          "stats": out_stats}))
-    else:
-        print(text)
-        print(f"[{len(tokens)} tokens, {out_stats['tokens_per_s']:.1f} tokens/s, mode async, acceptance "
-              f"{out_stats['acceptance_rate']:.2f}, verifier idle {out_stats['verifier_idle_fraction']:.2f}, "
-              f"finish: {last.finish_reason}]", file=sys.stderr)
-    return 0
-
-
-async def _collect(engine, request: GenerationRequest):
-    tokens, last = [], None
-    async for chunk in engine.generate(request):
-        tokens += chunk.token_ids
-        last = chunk
-    return tokens, last
-
-
-def _cli_model_dirs(args, proposer: str) -> tuple[str, str | None]:
-    if args.target is None and args.draft is not None:
-        raise ValueError("--draft needs --target (the draft must match a named target)")
-    if args.target is not None:
-        if proposer == "model" and args.draft is None:
-            raise ValueError("--mode async with the model proposer needs --draft; or use --proposer ngram")
-        if proposer == "model":
-            refuse_in_pipeline(args.draft)
-        return str(args.target), None if args.draft is None else str(args.draft)
-    from models import embedded
-
-    target, draft = embedded.default_pair()
-    return str(target), str(draft)
-
-
-def _cli_prompt_ids(tokenizer, prompt: str, chat: bool) -> list[int]:
-    if not chat:
-        return list(tokenizer(prompt)["input_ids"])
-    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

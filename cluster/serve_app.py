@@ -6,7 +6,7 @@
 `args` is a `cluster.config.AppArgs` (models, placement, speculation, serving,
 `engine`, `model_name`). `engine` picks what runs behind the ingress: "pipeline"
 (the Ray drafter/verifier pipeline, `cluster.pipeline.PipelineEngine`), "local"
-(the in-process engine on a worker thread, `cluster.local_engine.LocalEngine`),
+(the in-process engine, `cluster.local.LocalEngine`),
 "fake" (the scripted `serving.testing.FakeEngine`, no model) or a
 `module:factory` import path; "auto" (default) is the pipeline where it can be
 built, else local. `model_name` is the id clients send as `model`.
@@ -69,7 +69,6 @@ def make_engine(kind: str, app_args: AppArgs):
         return getattr(importlib.import_module(module), attr)(app_args)
     target, draft = model_dirs(app_args)
     max_context = load_config(target).max_position_embeddings
-    spec = app_args.speculation
     if kind in ("auto", "pipeline"):
         try:
             from cluster.pipeline import build_pipeline_engine
@@ -79,11 +78,10 @@ def make_engine(kind: str, app_args: AppArgs):
         else:
             engine = build_pipeline_engine(app_args, target_dir=target, draft_dir=draft)
             return WithKVUsage(engine), load_tokenizer(target), max_context
-    from cluster.local_engine import build_local_engine
+    from cluster.local import build_local_engine
+    from cluster.pipeline import settings_from_config
 
-    engine, tokenizer = build_local_engine(target, draft, spec_len=spec.spec_len,
-                                           tree_width=spec.tree_width,
-                                           max_batch=spec.max_batch_size)
+    engine, tokenizer = build_local_engine(target, draft, settings_from_config(app_args))
     return engine, tokenizer, max_context
 
 

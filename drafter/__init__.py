@@ -1,12 +1,11 @@
-"""Token-tree proposal: draft-model chains and EAGLE-2 trees (also with a feature-conditioned
-EAGLE draft head), and n-gram prompt lookup.
+"""The drafter: proposers (a draft model's chains and EAGLE-2 trees, an EAGLE draft head, n-gram
+prompt lookup) and the drafter's runtime (streams drafted ahead on an assumed outcome,
+rollback, bridge and restart chains), free of Ray.
 
-Contract: docs/internals.md, `drafter / verifier` section.
+Contract: docs/internals.md, "drafter".
 """
-from drafter.base import DraftRequest, Proposer
 from drafter.eagle_proposer import EagleProposer
 from drafter.model_proposer import ModelProposer
 from drafter.ngram import NgramProposer
-from models.tree import TokenTree
 
-__all__ = ["DraftRequest", "EagleProposer", "ModelProposer", "NgramProposer", "Proposer", "TokenTree"]
+__all__ = ["EagleProposer", "ModelProposer", "NgramProposer"]

@@ -15,7 +15,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from drafter.base import DraftRequest
+from speculation.proposal import DraftRequest
 from drafter.model_proposer import ModelProposer
 from drafter.tree_search import ROOT, TreeBuilder
 from models.tree import TokenTree, ragged_tree_forward

@@ -20,7 +20,7 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from drafter.base import DraftRequest
+from speculation.proposal import DraftRequest
 from drafter.tree_search import ROOT, TreeBuilder
 from models.transformer import PackedWeight, use_half_weights
 from models.tree import TokenTree, ragged_tree_forward

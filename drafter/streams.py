@@ -1,7 +1,7 @@
-"""Per-sequence bookkeeping of the asynchronous protocol, both sides (DESIGN.md §3).
+"""The drafter's per-sequence bookkeeping of the asynchronous protocol (DESIGN.md §3).
 
 Plain classes (no Ray), so the protocol's state machine is testable in one
-process; cluster/actors.py drives them.
+process; drafter/runtime.py drives them (the verifier's side is verifier/stream.py).
 
 Drafter side, `DraftStream`: the prefix the drafter knows to be committed
 (`confirmed`, learnt only from the verifier's signals, so always a true prefix)
@@ -21,7 +21,7 @@ restart tree after the committed prefix plus its own guess `g` of that token.
 If the target's token equals `g`, the restart tree is valid when the bridge
 step ends; if not, it is dropped as stale and the drafter restarts plainly.
 
-Bridge chains (`PipelineSettings.bridge_depth` r > 0, greedy requests, a draft
+Bridge chains (`EngineSettings.bridge_depth` r > 0, greedy requests, a draft
 model): the verifier holds a copy of the draft and makes its bridge step verify
 the draft's own greedy chain of r tokens after the committed prefix (a short
 synchronous step: ~1 + γ + … + γ^r tokens instead of one), announcing the chain
@@ -32,23 +32,20 @@ followed by another bridge (`InFlight.rebridge`). Both sides draft the same path
 from the same model and prefix; should they ever differ, a tree is stale, which
 costs a step, never exactness.
 
-Restart trees (`PipelineSettings.restart_depth` s > 0, replacing bridges): after a
+Restart trees (`EngineSettings.restart_depth` s > 0, replacing bridges): after a
 contradicted outcome the verifier does not decode alone; the sequence waits (within
 its patience) for the drafter, which drafts a short restart tree, a chain of
 min(s, budget) tokens after the committed prefix, sends it at once and drafts its
 next tree after the restart tree's assumed outcome. The wait is one hop plus s + 1
 draft levels instead of a bridge step; the first token after a rejection is then
 verified beside the one the target fixed, and a contradicted restart tree is followed
-by another one. Both sides decide s alike (`backends.restart_tree_depth`, from the
+by another one. Both sides decide s alike (`speculation.policy.restart_tree_depth`, from the
 budget of the step's signal); a budget of 0 bridges as before.
-
-Verifier side, `VerifyStream`: the committed tokens, the request's output and
-counters, and the stop conditions.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -70,8 +67,10 @@ class InFlight:
 
 
 class DraftStream:
-    def __init__(self, stream: str, tokens: list[int], epoch: int, params, seed: int) -> None:
+    def __init__(self, stream: str, tokens: list[int], epoch: int, params, seed: int,
+                 proposer: str = "model") -> None:
         self.stream = stream
+        self.proposer = proposer                   # "model" | "ngram": what drafts its trees
         self.confirmed = list(tokens)
         self.epoch = epoch
         self.params = params                       # models.SamplingParams
@@ -213,53 +212,3 @@ def reroot(tree, node: int):
                     tree.depths[idx] - int(tree.depths[node]), probs, tree.prefix_len + int(tree.depths[node]),
                     tree.epoch)
     return sub, order
-
-
-@dataclass
-class VerifyStream:
-    """Verifier-side state of one request."""
-
-    request_id: str
-    prompt: list[int]
-    params: object                      # models.SamplingParams
-    generator: torch.Generator
-    stop_ids: set[int]
-    mode: str
-    spec_len: int
-    tree_width: int
-    max_context: int
-    drafter: int | None = None          # index of the drafter feeding it
-    committed: list[int] = field(default_factory=list)
-    output: list[int] = field(default_factory=list)
-    num_drafted: int = 0
-    num_accepted: int = 0
-    admitted: bool = False              # has its ring, budget and drafter (set before the prefill)
-    prefilled: bool = False
-    finish_reason: str | None = None
-    waiting_since: float | None = None  # waiting for a tree since (monotonic seconds)
-    bridge: bool = False                # decode the next token alone at once (see module doc)
-    restarting: bool = False            # its next tree is a restart tree (`restart_depth`, module doc)
-    first_tree: bool = True             # no tree verified since the drafter was (re)synced
-    budget: tuple[int, int] = (0, 0)
-    sent_budget: tuple[int, int] = (0, 0)   # the budget the drafter was last told
-    unsent: list[int] = field(default_factory=list)   # committed tokens the drafter has not heard of
-
-    def commit(self, token_ids: list[int]) -> list[int]:
-        """Append verified tokens up to a stop condition; returns the tokens kept."""
-        kept = []
-        for t in token_ids:
-            self.committed.append(t)
-            self.output.append(t)
-            kept.append(t)
-            if t in self.stop_ids:
-                self.finish_reason = "stop"
-            elif len(self.output) >= self.params.max_tokens or len(self.committed) >= self.max_context:
-                self.finish_reason = "length"
-            if self.finish_reason:
-                break
-        return kept
-
-    def max_depth(self) -> int:
-        """Deepest draft node worth verifying (tokens left - 1; context room)."""
-        left = self.params.max_tokens - len(self.output)
-        return max(0, min(left - 1, self.max_context - len(self.committed) - 1))

@@ -76,7 +76,7 @@ class GrpcService:
             body["model"] = req.model
         if req.HasField("speculation"):
             s = req.speculation
-            body["speculation"] = {"mode": s.mode or "auto", "proposer": s.proposer or "model",
+            body["speculation"] = {"mode": s.mode or None, "proposer": s.proposer or None,
                                    "spec_len": s.spec_len or None, "tree_width": s.tree_width or None}
         try:
             parsed = CompletionRequest.model_validate(body)

@@ -16,22 +16,18 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import re
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Sequence
 
-from pydantic import ValidationError
-
 from serving.access import ANONYMOUS, ApiKeys, KeyLimiter, load_api_keys
 from serving.choice_streams import DisconnectWatch, Disconnected, merge
 from serving.detokenizer import IncrementalDetokenizer, StopStrings
-from serving.openai_models import (APIError, ChatCompletionRequest, CompletionRequest, Delta,
-                                   EngineError, Prepared, SamplingFields, engine_api_error,
-                                   validation_error)
+from serving.openai_models import (APIError, ChatCompletionRequest, CompletionRequest, Delta, EngineError,
+                                   Prepared, SamplingFields, engine_api_error, parse_body)
 from serving.prom import PrometheusExporter, ServingStats
-from speculation.requests import Engine, GenerationRequest, SpeculationOptions
+from speculation.requests import Engine, GenerationRequest, InvalidRequest, SpeculationOptions
 from models.sampling import SamplingParams
 
 # Used when the tokenizer has no chat template of its own (ChatML, as documented
@@ -42,13 +38,6 @@ DEFAULT_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 DEFAULT_TEMPLATE_STOP = "<|im_end|>"
-# OpenAI fields this server does not implement: refused rather than silently ignored,
-# unless they carry their "off" value.
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
-               "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
-               "functions": (None, []), "logit_bias": (None, {})}
-
-
 @dataclass
 class ServerSettings:
     model_name: str = "specflash"
@@ -242,14 +231,21 @@ class OpenAIServer:
         cut = asyncio.get_running_loop().create_future()
         self._cuts.add(cut)
         self.stats.observe_queued(+1)
-        stream = self.engine.generate(GenerationRequest(request_id, prompt_ids, sampling, spec))
         try:
-            if inspect.isawaitable(stream):
-                stream = await stream
-            iterator = stream.__aiter__()
+            try:
+                stream = self.engine.generate(GenerationRequest(request_id, prompt_ids, sampling, spec))
+                if inspect.isawaitable(stream):
+                    stream = await stream
+                iterator = stream.__aiter__()
+            except InvalidRequest as e:     # what this engine cannot serve, refused before it starts
+                finished = True
+                raise APIError(400, str(e), code="invalid_value", param=e.param) from None
             while True:
                 try:
                     chunk = await self._next_chunk(iterator, deadline, cut)
+                except InvalidRequest as e:
+                    finished = True
+                    raise APIError(400, str(e), code="invalid_value", param=e.param) from None
                 except StopAsyncIteration:
                     raise EngineError("the engine ended the request without finishing it", False)
                 except asyncio.TimeoutError:
@@ -352,26 +348,7 @@ class OpenAIServer:
 
     # -- endpoints ---------------------------------------------------------------------
     def parse(self, raw: bytes, model: type[SamplingFields]) -> SamplingFields:
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from e
-        except RecursionError:
-            raise APIError(400, "malformed JSON body: nested too deeply",
-                           code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-        if _has_lone_surrogate(body):  # "\ud800" escapes: not text any tokenizer can take
-            raise APIError(400, "malformed JSON body: a string holds an unpaired UTF-16 surrogate",
-                           code="invalid_json")
-        for name, allowed in UNSUPPORTED.items():
-            if body.get(name) not in allowed:
-                raise APIError(400, f"{name}={body[name]!r} is not supported by this server",
-                               code="unsupported_parameter", param=name)
-        try:
-            req = model.model_validate(body, strict=True)
-        except ValidationError as e:
-            raise validation_error(e) from e
+        req = parse_body(raw, model)
         self._check_model(req)
         return req
 
@@ -404,7 +381,7 @@ class OpenAIServer:
             return _with_ids({"index": d.index, "text": d.text, "logprobs": None,
                               "finish_reason": d.finish_reason}, d, req.return_token_ids)
         if req.stream:
-            return await self._sse(prep, head, choice, req, None)
+            return await sse(self, prep, head, choice, req, None)
         deltas = await self.collect(prep, is_disconnected)
         return {**head, "choices": [choice(d) for d in deltas], "usage": self.usage(prep, deltas)}
 
@@ -422,51 +399,12 @@ class OpenAIServer:
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(len(prep.sampling))]
             head = {**head, "object": "chat.completion.chunk"}
-            return await self._sse(prep, head, choice, req, first)
+            return await sse(self, prep, head, choice, req, first)
         deltas = await self.collect(prep, is_disconnected)
         choices = [_with_ids({"index": d.index, "message": {"role": "assistant", "content": d.text},
                               "logprobs": None, "finish_reason": d.finish_reason}, d,
                              req.return_token_ids) for d in deltas]
         return {**head, "choices": choices, "usage": self.usage(prep, deltas)}
-
-    async def _sse(self, prep: Prepared, head: dict, choice, req: SamplingFields,
-                   first: list[dict] | None
-                   ) -> AsyncIterator[str]:
-        """Server-sent events: one event per delta, then usage if asked, then [DONE].
-
-        Admission happens before the first byte, so a full queue is still a 429."""
-        gen = self.run(prep)  # a dropped stream cancels the response task: no polling needed
-        finals: dict[int, Delta] = {}
-        try:
-            first_delta = await gen.__anext__()
-        except StopAsyncIteration:
-            first_delta = None
-        except EngineError as e:
-            raise engine_api_error(e, self.settings.retry_after_s) from e
-
-        async def events() -> AsyncIterator[str]:
-            try:
-                if first:
-                    yield _event({**head, "choices": first})
-                delta = first_delta
-                while delta is not None:
-                    if delta.text or delta.finish_reason or (req.return_token_ids and delta.token_ids):
-                        yield _event({**head, "choices": [choice(delta)]})
-                    if delta.finish_reason:
-                        finals[delta.index] = delta
-                    delta = await gen.__anext__()
-            except StopAsyncIteration:
-                pass
-            except (APIError, EngineError) as e:
-                err = e if isinstance(e, APIError) else engine_api_error(
-                    e, self.settings.retry_after_s)
-                yield _event(err.body())
-            finally:
-                await gen.aclose()
-            if req.include_usage:
-                yield _event({**head, "choices": [], "usage": self.usage(prep, list(finals.values()))})
-            yield "data: [DONE]\n\n"
-        return events()
 
     def models(self) -> dict:
         return {"object": "list", "data": [{
@@ -495,24 +433,43 @@ class OpenAIServer:
         return self.exporter.render(engine_stats)
 
 
-_SURROGATE = re.compile("[\ud800-\udfff]")
+async def sse(server: OpenAIServer, prep: Prepared, head: dict, choice, req: SamplingFields,
+              first: list[dict] | None) -> AsyncIterator[str]:
+    """Server-sent events: one event per delta, then usage if asked, then [DONE].
 
+    Admission happens before the first byte, so a full queue is still a 429."""
+    gen = server.run(prep)  # a dropped stream cancels the response task: no polling needed
+    finals: dict[int, Delta] = {}
+    try:
+        first_delta = await gen.__anext__()
+    except StopAsyncIteration:
+        first_delta = None
+    except EngineError as e:
+        raise engine_api_error(e, server.settings.retry_after_s) from e
 
-def _has_lone_surrogate(body) -> bool:
-    """Whether any string (key or value) in parsed JSON holds a surrogate code point; json.loads
-    joins escaped pairs, so any left is unpaired."""
-    stack = [body]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            if _SURROGATE.search(item):
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
+    async def events() -> AsyncIterator[str]:
+        try:
+            if first:
+                yield _event({**head, "choices": first})
+            delta = first_delta
+            while delta is not None:
+                if delta.text or delta.finish_reason or (req.return_token_ids and delta.token_ids):
+                    yield _event({**head, "choices": [choice(delta)]})
+                if delta.finish_reason:
+                    finals[delta.index] = delta
+                delta = await gen.__anext__()
+        except StopAsyncIteration:
+            pass
+        except (APIError, EngineError) as e:
+            err = e if isinstance(e, APIError) else engine_api_error(
+                e, server.settings.retry_after_s)
+            yield _event(err.body())
+        finally:
+            await gen.aclose()
+        if req.include_usage:
+            yield _event({**head, "choices": [], "usage": server.usage(prep, list(finals.values()))})
+        yield "data: [DONE]\n\n"
+    return events()
 
 
 class _Cut(Exception):

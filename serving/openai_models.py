@@ -7,6 +7,7 @@ length, vocabulary) happen in `serving.openai_api`, which knows the model.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Union
@@ -14,6 +15,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from speculation.requests import SpeculationOptions
+from speculation.settings import MAX_SPEC_LEN, MAX_TREE_WIDTH
 from models.sampling import SamplingParams
 
 
@@ -60,11 +62,13 @@ class SpeculationModel(BaseModel):
     """Per-request speculation: the `speculation` extension field (docs/serving.md)."""
 
     model_config = ConfigDict(extra="forbid")
-    mode: Literal["off", "chain", "tree", "auto"] = Field(
-        "auto", description="off: plain decoding; chain / tree: speculate that shape; auto: adaptive")
-    spec_len: int | None = Field(None, ge=1, le=16, description="chain length K / tree depth")
-    tree_width: int | None = Field(None, ge=1, le=8, description="children per tree node")
-    proposer: Literal["model", "ngram"] = Field("model", description="draft model or prompt lookup")
+    mode: Literal["off", "chain", "tree", "auto"] | None = Field(
+        None, description="off: plain decoding; chain / tree: speculate that shape; auto: adaptive; "
+                          "unset: the server's default (`speculation.mode` of its config)")
+    spec_len: int | None = Field(None, ge=1, le=MAX_SPEC_LEN, description="chain length K / tree depth")
+    tree_width: int | None = Field(None, ge=1, le=MAX_TREE_WIDTH, description="children per tree node")
+    proposer: Literal["model", "ngram"] | None = Field(
+        None, description="draft model or prompt lookup; unset: the server's default")
 
     def to_options(self) -> SpeculationOptions:
         return SpeculationOptions(mode=self.mode, spec_len=self.spec_len,
@@ -161,6 +165,57 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# OpenAI fields this server does not implement: refused rather than silently ignored,
+# unless they carry their "off" value.
+UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
+               "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
+               "functions": (None, []), "logit_bias": (None, {})}
+
+
+def parse_body(raw: bytes, model: type[SamplingFields]) -> SamplingFields:
+    """A request body as `model`, validated strictly; 400 for malformed JSON, unpaired UTF-16
+    surrogates, unsupported fields, and whatever the model refuses."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from e
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    if _has_lone_surrogate(body):  # "\ud800" escapes: not text any tokenizer can take
+        raise APIError(400, "malformed JSON body: a string holds an unpaired UTF-16 surrogate",
+                       code="invalid_json")
+    for name, allowed in UNSUPPORTED.items():
+        if body.get(name) not in allowed:
+            raise APIError(400, f"{name}={body[name]!r} is not supported by this server",
+                           code="unsupported_parameter", param=name)
+    try:
+        return model.model_validate(body, strict=True)
+    except ValidationError as e:
+        raise validation_error(e) from e
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(body) -> bool:
+    """Whether any string (key or value) in parsed JSON holds a surrogate code point; json.loads
+    joins escaped pairs, so any left is unpaired."""
+    stack = [body]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 # -- between request handling and response shaping ------------------------------------

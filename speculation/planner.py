@@ -292,7 +292,8 @@ class AdaptiveSpeculation:
         """Budgets for new streams joining a batch whose running streams hold the budgets
         `beside` ((k, W) each): planned with them (their rows, one token each), not as if
         alone, so a stream joining a large batch does not start a tree that the batch's
-        plan would never allow. No probe bookkeeping (new streams have none)."""
+        plan would never allow. No probe bookkeeping (a what-if: `started` records the
+        outcome)."""
         out, auto = self._fixed_budgets(streams)
         if auto:
             fixed = beside + list(out.values())
@@ -301,6 +302,13 @@ class AdaptiveSpeculation:
             ks = self._optimise(auto, rows, levels, plain_step_s=plain_step_s, alone=len(fixed))
             out.update({s: (k, self.seqs[s].width) if k else (0, 0) for s, k in zip(auto, ks)})
         return out
+
+    def started(self, stream: str, depth: int) -> None:
+        """The stream's first step ran at `depth` (`plan_joining`'s choice): at 0 it is its first
+        step off, which the probe clock counts like any other."""
+        st = self.seqs.get(stream)
+        if st is not None and st.mode == "auto" and depth == 0:
+            st.off_steps += 1
 
     def _per_step(self, gamma: float, k: int, width: int) -> tuple[float, float]:
         """(committed tokens, verified rows) per step of a sequence at depth k, on average."""
@@ -361,45 +369,3 @@ class AdaptiveSpeculation:
             tokens[best], rows_of[best] = t, r
             levels = max(levels, ks[best])
             rate = best_rate
-
-
-def plan_lookups(planner: AdaptiveSpeculation, candidates: list[tuple[str, list[int], int, bool]],
-                 alone: int, vocab_size: int, indexes: dict | None = None) -> dict:
-    """Prompt-lookup chains worth verifying, for the verifier's own speculation.
-
-    `candidates`: (stream, committed tokens, deepest useful node, greedy) of the streams in
-    `planner` (their γ of these chains) that would decode alone this step; `alone`: the
-    other sequences of the step, decoding alone. Each candidate's proposal is the tokens
-    that followed the latest earlier occurrence of its last 3 (else 2) tokens
-    (`drafter.ngram.lookup`), at most its `max_len`; the planner chooses how many of them
-    to verify where that beats decoding alone. `indexes`: a `drafter.ngram.NgramIndex` per
-    stream, kept across calls (16 sequences of 300 tokens, few repeats: 0.19 ms a step
-    against 2.07 ms scanning, `bench/lookup_plan.py`).
-    Returns {stream: TokenTree} for the chosen (a chain of point masses: exact under
-    sampling too)."""
-    from drafter.base import point_mass_rows
-    from drafter.ngram import lookup
-    from models.tree import TokenTree
-
-    proposals = {}
-    for stream, tokens, depth, greedy in candidates:
-        k = min(planner.seqs[stream].max_len, depth)
-        index = None if indexes is None else indexes.get(stream)
-        if k <= 0:
-            found = []
-        else:
-            found = lookup(tokens, k, 3, 2) if index is None else index.lookup(tokens, k)
-        if found:
-            proposals[stream] = (found, len(tokens), greedy)
-    if not proposals:
-        return {}
-    plan = planner.plan(list(proposals), alone=alone + len(candidates) - len(proposals),
-                        caps={s: len(found) for s, (found, _, _) in proposals.items()})
-    out = {}
-    for s, (found, prefix_len, greedy) in proposals.items():
-        k = plan[s][0]
-        if k:
-            probs = None if greedy else point_mass_rows(found[:k], vocab_size)
-            out[s] = TokenTree.chain(found[:k], probs, prefix_len)
-    return out
-

@@ -1,24 +1,31 @@
-"""Speculative-decoding metrics of the pipeline (DESIGN.md §8).
+"""Speculative-decoding metrics, the one stats class of every engine (DESIGN.md §8).
 
 A plain stats dataclass with `observe_*` methods, in the manner of vLLM's
 `SpecDecodingStats`; exporters (Prometheus, logs) read `as_dict()` and live in
-the serving layer. Conventions, written down once:
+the serving layer. One instance counts a scheduler's whole work, one each request's
+(`GenerationOutput.stats`), one each drafter's; `merge` adds them up. Conventions,
+written down once:
 
 - acceptance rate = accepted draft nodes / drafted nodes (trees of zero nodes
   excluded: they drafted nothing);
 - mean accepted length = committed tokens per *speculative* verification step,
-  **bonus / corrected token included** (so it is >= 1; Eq. 3.2's
+  **bonus / corrected token included** (so it is >= 1, and 1 before anything
+  was drafted; Eq. 3.2's
   E[tokens/step] = (1 - γ^(K+1)) / (1 - γ) is the model for it);
 - acceptance per depth d = P(path reaches depth d | it reached d - 1 and the
   tree had a node at depth d), the per-level γ of a chain;
 - verifier idle fraction = time the verifier loop waited with work pending
   but no tree ready, over its wall time (the async design drives it to 0);
 - drafter tokens wasted = draft nodes of trees dropped as stale (rollback)
-  or never verified.
+  or never verified;
+- tokens per second = generated tokens / elapsed seconds (a request's wall time,
+  its prefill included).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+_MAXIMA = ("ring_max", "exchange_s_max", "work_s_max")     # merged by max, not summed
 
 
 @dataclass
@@ -58,18 +65,33 @@ class SpecStats:
     restart_trees: int = 0            # restart trees verified (a restart waited out falls back alone)
     restart_drafted: int = 0          # their nodes (also counted in num_drafted)
     restart_accepted: int = 0         # of those, accepted (also counted in num_accepted)
+    # timings (a request's own, or a scheduler's sums)
+    num_generated: int = 0            # tokens handed to the caller
+    prefill_s: float = 0.0            # target prefill
+    draft_s: float = 0.0              # drafting (in process: the step's draft pass; a drafter: its passes)
+    verify_s: float = 0.0             # target verification forwards
+    elapsed_s: float = 0.0            # wall time of the request, prefill included
+    # a drafter's side
+    trees_drafted: int = 0            # trees sent to the verifier
+    nodes_drafted: int = 0            # their nodes
+    exchanges: int = 0                # calls to the verifier
+    exchange_s_max: float = 0.0       # the longest of them
+    work_s_max: float = 0.0           # longest stretch between two exchanges (the verifier hears nothing)
+    verifier_errors: int = 0          # calls that found the verifier dead or restarting
+    resets: int = 0                   # "reset" signals (a restarted verifier) obeyed
 
     # -- observers ---------------------------------------------------------------
     def observe_verification(self, num_nodes: int, num_accepted: int, max_depth: int,
-                             accepted_depth: int) -> None:
+                             accepted_depth: int, rejected: bool | None = None) -> None:
         """One sequence's tree verified. `max_depth`: deepest node of the tree;
-        `accepted_depth`: depth reached by the accepted path (= num_accepted)."""
+        `accepted_depth`: depth reached by the accepted path (= num_accepted); `rejected`:
+        the walk ended at a rejection, not at a leaf (default: it stopped short of the depth)."""
         self.num_steps += 1
         self.num_committed += num_accepted + 1
         if num_nodes == 0:
             return
         self.num_spec_steps += 1
-        self.num_rejected_steps += int(accepted_depth < max_depth)
+        self.num_rejected_steps += int(accepted_depth < max_depth if rejected is None else rejected)
         self.num_drafted += num_nodes
         self.num_accepted += num_accepted
         self._grow(max_depth)
@@ -139,6 +161,35 @@ class SpecStats:
     def observe_borrowed_step(self) -> None:
         self.borrowed_steps += 1
 
+    def observe_generated(self, n: int) -> None:
+        self.num_generated += n
+
+    def observe_time(self, kind: str, seconds: float) -> None:
+        """`kind`: "prefill" | "draft" | "verify" | "elapsed"."""
+        setattr(self, f"{kind}_s", getattr(self, f"{kind}_s") + seconds)
+
+    def observe_drafted(self, num_nodes: int) -> None:
+        """A drafter sent one tree of `num_nodes` nodes."""
+        self.trees_drafted += 1
+        self.nodes_drafted += num_nodes
+
+    def observe_exchange(self, seconds: float) -> None:
+        self.exchanges += 1
+        self.exchange_s_max = max(self.exchange_s_max, seconds)
+
+    def observe_work(self, seconds: float) -> None:
+        self.work_s_max = max(self.work_s_max, seconds)
+
+    def observe_wasted(self, num_nodes: int) -> None:
+        """Draft nodes thrown away without being verified (a drafter's trees in flight at a rollback)."""
+        self.drafter_tokens_wasted += num_nodes
+
+    def observe_verifier_error(self) -> None:
+        self.verifier_errors += 1
+
+    def observe_reset(self) -> None:
+        self.resets += 1
+
     def _grow(self, depth: int) -> None:
         while len(self.depth_attempts) < depth:
             self.depth_attempts.append(0)
@@ -151,14 +202,26 @@ class SpecStats:
 
     @property
     def mean_accepted_len(self) -> float:
-        """Committed tokens per speculative step, bonus included."""
+        """Committed tokens per speculative step, bonus included (1.0 while nothing was drafted:
+        each step commits the target's own token)."""
         if not self.num_spec_steps:
-            return 0.0
+            return 1.0
         return (self.num_accepted + self.num_spec_steps) / self.num_spec_steps
 
     @property
     def acceptance_per_depth(self) -> list[float]:
         return [a / n if n else 0.0 for a, n in zip(self.depth_accepts, self.depth_attempts)]
+
+    @property
+    def level_acceptance(self) -> float:
+        """Per-level acceptance, the gamma of Eq. 3.2 (Leviathan et al. 2023): of the levels the
+        walk tried, the share it passed (maximum likelihood under a constant gamma)."""
+        tried = self.num_accepted + self.num_rejected_steps
+        return self.num_accepted / tried if tried else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.num_generated / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
     @property
     def verifier_idle_fraction(self) -> float:
@@ -177,8 +240,8 @@ class SpecStats:
                 n = max(len(value), len(theirs))
                 pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
                 setattr(out, name, [a + b for a, b in zip(pad(value), pad(theirs))])
-            elif name == "ring_max":
-                out.ring_max = max(value, theirs)
+            elif name in _MAXIMA:
+                setattr(out, name, max(value, theirs))
             else:
                 setattr(out, name, value + theirs)
         return out
@@ -191,8 +254,16 @@ class SpecStats:
             acceptance_per_depth=self.acceptance_per_depth,
             verifier_idle_fraction=self.verifier_idle_fraction,
             mean_ring_occupancy=self.mean_ring_occupancy,
+            level_acceptance=self.level_acceptance,
+            tokens_per_s=self.tokens_per_s,
         )
         return out
+
+    def summary(self) -> dict:
+        """The few figures a person reads about one request (`specflash generate --json`)."""
+        return {"drafted": self.num_drafted, "accepted": self.num_accepted,
+                "acceptance_rate": self.acceptance_rate, "mean_accepted_len": self.mean_accepted_len,
+                "tokens_per_s": self.tokens_per_s}
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpecStats":

@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-WIRE_VERSION = 2                 # 2: the "reset" signal (a restarted verifier)
+WIRE_VERSION = 3                 # 2: the "reset" signal (a restarted verifier); 3: a stream's proposer
 SIGNAL_KINDS = ("step", "join", "leave", "resync", "reset")
 
 
@@ -190,11 +190,17 @@ class Signal:
     token_ids: list[int] = field(default_factory=list)
     budget: tuple[int, int] = (0, 0)
     params: dict | None = None          # join / resync: the request's sampling parameters
+    proposer: str | None = None         # join / resync: what drafts the stream ("model" | "ngram")
+    # the target's hidden states of committed positions start, start+1, ... ([n, hidden]), for
+    # a feature-conditioned draft (EAGLE): in process only, never encoded
+    features: tuple[int, Any] | None = None
 
 
 def encode_signals(signals: list[Signal]) -> bytes:
+    if any(s.features is not None for s in signals):
+        raise WireError("a signal carrying target features cannot leave the process")
     body = [[s.kind, s.stream, s.epoch, s.tree_id, s.prefix_len, s.token_ids, list(s.budget),
-             s.params] for s in signals]
+             s.params, s.proposer] for s in signals]
     return msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": body})
 
 
@@ -205,18 +211,19 @@ def decode_signals(data: bytes) -> list[Signal]:
         raise WireError("signal frame lacks its item list")
     out = []
     for item in items:
-        if not isinstance(item, list) or len(item) != 8:
-            raise WireError(f"signal item must have 8 fields, got {item!r}")
-        kind, stream, epoch, tree_id, prefix_len, tokens, budget, params = item
+        if not isinstance(item, list) or len(item) != 9:
+            raise WireError(f"signal item must have 9 fields, got {item!r}")
+        kind, stream, epoch, tree_id, prefix_len, tokens, budget, params, proposer = item
         if kind not in SIGNAL_KINDS:
             raise WireError(f"unknown signal kind {kind!r}")
         ints = (epoch, tree_id, prefix_len, *budget) if isinstance(budget, list) else None
         if (not isinstance(stream, str) or ints is None or len(budget) != 2
                 or not all(isinstance(v, int) for v in ints)
                 or not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens)
-                or not (params is None or isinstance(params, dict))):
+                or not (params is None or isinstance(params, dict))
+                or not (proposer is None or isinstance(proposer, str))):
             raise WireError(f"malformed signal item {item!r}")
-        out.append(Signal(kind, stream, epoch, tree_id, prefix_len, tokens, tuple(budget), params))
+        out.append(Signal(kind, stream, epoch, tree_id, prefix_len, tokens, tuple(budget), params, proposer))
     return out
 
 

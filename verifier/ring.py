@@ -2,23 +2,23 @@
 
 The drafter drafts ahead: tree T(n+1) is drafted on the *assumed* outcome of
 T(n) and filed here before T(n) is verified. Each entry is the tree's header
-(speculation/wire.py: epoch, prefix length, the assumed tokens) plus the ObjectRef
-of the tree in Ray's object store; the tensors never pass through the ring.
+(speculation/wire.py: epoch, prefix length, the assumed tokens) plus the tree as
+it travelled (in process the tree itself; between Ray actors the ObjectRef of it
+in the object store, which the verifier fetches while its target runs).
 
-Where the ring lives. The ring state sits inside the VerifierActor, which is
-an asyncio actor whose target forward runs in a worker thread
-(`asyncio.to_thread`). The event loop therefore keeps serving the drafter's
-`exchange` calls (puts) *while* the forward runs: a put never waits on the
-verifier's forward, and the verifier reads its ring without a remote call on
-its critical path. A separate ring actor would add one hop per verification
-step, and its death would be one more failure to handle; the cost of our
-choice is that the ring dies with the verifier, which is fine because the
-verifier's KV cache, the thing the ring feeds, dies with it too.
+Where the ring lives. The ring sits inside the verifier's scheduler
+(verifier/scheduler.py), whose target forward runs on a model thread while the
+event loop keeps serving the drafters' exchanges (puts): a put never waits on the
+verifier's forward, and the verifier reads its ring without a remote call on its
+critical path. A separate ring actor would add one hop per verification step, and
+its death would be one more failure to handle; the cost of our choice is that the
+ring dies with the verifier, which is fine because the verifier's KV cache, the
+thing the ring feeds, dies with it too.
 
 Backpressure. At most `slots` entries per stream: `put` refuses more. The
 drafter keeps its own count of trees in flight per stream (decremented by the
 verifier's signals) and never drafts for a stream whose ring is full; when all
-its streams are full it blocks in a long-poll for signals (cluster/actors.py).
+its streams are full it blocks in a long-poll for signals (drafter/runtime.py).
 
 Staleness. An entry is *valid* only when its claimed prefix equals the
 committed prefix: same length, and the tokens it assumed beyond the drafter's
@@ -34,14 +34,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from speculation.wire import TreeFrame, TreeHeader
+from speculation.wire import TreeHeader
 
 
 @dataclass
 class RingEntry:
     header: TreeHeader
-    ref: Any                          # ray.ObjectRef of the encoded tree
-    frame: TreeFrame | None = None    # set once the verifier fetched and decoded it
+    payload: Any                      # the tree as it travelled (speculation.transport.TreePut)
+    tree: Any = None                  # models.tree.TokenTree, once fetched and decoded
     error: str | None = None          # set when the fetch or the decode failed
     put_time: float = field(default_factory=time.monotonic)
 

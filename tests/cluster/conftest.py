@@ -57,7 +57,8 @@ def _start_cluster(attempts: int = 3):
 
 def pipeline_args(drafters: int = 1, strategy: str = "NONE", **speculation):
     """AppArgs pinning drafters and verifiers to their nodes (by resource or placement group)."""
-    from cluster.config import ActorPlacement, AppArgs, DrafterScaling, PlacementConfig, SpeculationDefaults
+    from cluster.config import ActorPlacement, AppArgs, DrafterScaling, PlacementConfig
+    from speculation.settings import SpeculationSettings
 
     placement = PlacementConfig(
         drafter=ActorPlacement(num_cpus=1, resources={DRAFTER_RESOURCE: 1}),
@@ -65,7 +66,7 @@ def pipeline_args(drafters: int = 1, strategy: str = "NONE", **speculation):
         strategy=strategy)
     return AppArgs(placement=placement, drafters_per_verifier=drafters,
                    drafter_scaling=DrafterScaling(max_per_verifier=drafters),
-                   speculation=SpeculationDefaults(**speculation))
+                   speculation=SpeculationSettings(**speculation))
 
 
 @pytest.fixture
@@ -79,7 +80,8 @@ def make_engine(ray_cluster):
              speculation=None, **settings):
         settings.setdefault("num_blocks", 512)
         engine = build_pipeline_engine(pipeline_args(drafters, strategy, **(speculation or {})),
-                                       target_dir=str(target_dir), draft_dir=str(draft_dir),
+                                       target_dir=str(target_dir),
+                                       draft_dir=None if draft_dir is None else str(draft_dir),
                                        num_pipelines=num_pipelines, **settings)
         engines.append(engine)
         return engine

@@ -93,7 +93,7 @@ def test_engine_load_drives_both_modes_through_the_engine(ray_cluster, tiny_targ
         assert 0 <= r["borrowed_steps"] <= r["num_batches"]
         assert r["busy_ms_per_forward"] == 1e3 * r["verifier_busy_s"] / r["num_batches"]
     off = rows[0]
-    assert off["num_spec_steps"] == 0 and off["drafter_trees"] == 0
+    assert off["num_spec_steps"] == 0 and off["drafter_trees_drafted"] == 0
 
 
 def test_engine_load_refuses_bad_arguments(bench_script, capsys):

@@ -1,65 +1,17 @@
 """Bridge chains (`bridge_depth`, drafter/streams.py): after a contradicted outcome the
 verifier verifies the draft's own greedy chain, drafted by its copy of the draft, and the
-drafter drafts its restart tree after the same path."""
+drafter drafts its restart tree after the same path, through the pipeline (the two sides'
+drafting is in tests/drafter/test_draft_side.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cluster.backends import BridgeDraft, DraftSide, PipelineSettings
-from models.sampling import SamplingParams
-
 from .pipeline_helpers import assert_greedy_exact_beside_sampled, collect, hf_greedy, prompts, request, run
 
 
-def test_the_verifiers_chain_is_the_path_the_drafter_assumes(tiny_target, close_draft, far_draft):
-    """Both sides draft the same greedy tokens after the same committed prefix, the drafter
-    with its restart tree hanging from them, the verifier as a chain cut to r plus the draft's
-    next token as the announced outcome; across successive prefixes (the caught-up cache)."""
-    threads = torch.get_num_threads()
-    try:
-        for draft in (close_draft, far_draft):
-            settings = PipelineSettings(num_blocks=64, bridge_depth=2)
-            drafter, verifier = DraftSide(str(draft), str(tiny_target), settings), \
-                BridgeDraft(str(draft), str(tiny_target), settings)
-            greedy, gen = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
-            prefix = [5, 9, 2, 7, 3, 8, 1, 4]
-            for step in range(4):
-                (d,), _ = drafter.propose([("s", prefix, greedy, gen, 3, 1, 0, 3)], assume=True)
-                ((chain, announced),) = verifier.chains([("s", prefix, greedy, gen, 2)])
-                assert chain.num_nodes == 2 and chain.depths.tolist() == [1, 2]
-                assert announced == d.bridge_tokens and len(announced) == 3
-                assert chain.token_ids.tolist() == announced[:2]
-                assert d.tree.prefix_len == len(prefix) + 3 and d.tree.num_nodes == 3
-                drafter.rollback("s", len(prefix) - 1)
-                prefix = prefix + [(7 * step + 3) % 50, (5 * step + 1) % 50]    # the prefix grows
-            verifier.release("s")
-            assert verifier.proposer.cache.num_free_blocks == verifier.proposer.cache.num_blocks
-            assert verifier.warm_up(2) == 0.0                       # nothing to compile on a CPU
-            assert verifier.warm_up(2, on_cpu=True) > 0.0
-            assert verifier.proposer.cache.num_free_blocks == verifier.proposer.cache.num_blocks
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_a_random_benchmark_draft_bridges_like_its_drafter():
-    """`random:` models (benchmark only, cluster/replay.py) have no head rows to read: the
-    verifier's copy is built as the drafter's is, and both draft the same path."""
-    threads = torch.get_num_threads()
-    try:
-        settings = PipelineSettings(num_blocks=32, bridge_depth=2)
-        greedy, gen = SamplingParams(temperature=0.0), torch.Generator()
-        drafter = DraftSide("random:tiny-draft", "random:tiny", settings)
-        verifier = BridgeDraft("random:tiny-draft", "random:tiny", settings)
-        (d,), _ = drafter.propose([("s", [1, 2, 3], greedy, gen, 2, 1, 0, 3)])
-        ((_, announced),) = verifier.chains([("s", [1, 2, 3], greedy, gen, 2)])
-        assert announced == d.bridge_tokens and len(announced) == 3
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_a_verifier_asked_to_bridge_with_chains_needs_the_draft(tiny_target):
-    from cluster.verifier_actor import VerifierActor
+    from cluster.actors import VerifierActor
 
     threads = torch.get_num_threads()
     try:

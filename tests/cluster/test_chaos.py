@@ -176,17 +176,18 @@ class CorruptingProxy:
 
 def test_actors_reject_bad_frames_log_and_keep_serving_exactly(ray_cluster, tiny_target, close_draft,
                                                                 hf_target):
-    from cluster.actors import PipelineSettings, remote_classes
+    from cluster.actors import remote_classes
+    from speculation.settings import EngineSettings
     from cluster.pipeline import Pipeline, PipelineEngine
     from speculation.wire import WIRE_VERSION, TreeHeader, pack_header
 
-    settings = PipelineSettings(num_blocks=256, drafter_timeout_s=1.0)
+    settings = EngineSettings(num_blocks=256, drafter_timeout_s=1.0)
     drafter_cls, verifier_cls = remote_classes()
     verifier = verifier_cls.options(num_cpus=1, resources={VERIFIER_RESOURCE: 1}).remote(
-        str(tiny_target), asdict(settings))
+        str(tiny_target), settings.model_dump())
     proxy = CorruptingProxy.options(resources={VERIFIER_RESOURCE: 0.01}).remote(verifier)
     drafter = drafter_cls.options(num_cpus=1, resources={DRAFTER_RESOURCE: 1}).remote(
-        0, proxy, str(close_draft), str(tiny_target), asdict(settings))
+        0, proxy, str(close_draft), str(tiny_target), settings.model_dump())
     engine = PipelineEngine([Pipeline(verifier, [drafter])], settings, chunk_timeout_s=60)
     try:
         assert ray.get(drafter.ready.remote(60), timeout=90)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from speculation.planner import CostModel
-from cluster.engine import build_engine
+from cluster.local import build_engine
 from speculation.requests import GenerationRequest, SpeculationOptions
 from models import SamplingParams
 
@@ -22,7 +22,7 @@ def fixed_costs(engine, a=1.0, b=0.1, d=0.2) -> None:
     costs = CostModel(a=a, b=b, d=d, overlap=False)
     costs.observe_verify = lambda rows, seconds: None
     costs.observe_draft = lambda levels, seconds: None
-    engine.adaptive.costs = costs
+    engine.scheduler.costs.lockstep = costs     # in process the drafter and the target take turns
 
 
 def run_auto(engine, prompts, K=4, W=1, max_tokens=MAX_TOKENS):
@@ -53,7 +53,7 @@ def test_auto_switches_a_far_draft_off_and_stays_exact(tiny_target, far_draft, r
         # a few steps while the prior gamma (0.6) decays, then only probes every 16 steps
         assert o.stats.num_steps > 40, o.stats
         assert steps_with_tree <= 16, o.stats
-    assert engine.adaptive.seqs == {}, "finished sequences must leave the planner"
+    assert engine.scheduler.adaptive.seqs == {}, "finished sequences must leave the planner"
 
 
 @pytest.mark.parametrize("W", [1, 2])
@@ -71,5 +71,5 @@ def test_auto_costs_are_measured_when_not_fixed(tiny_target, close_draft, refere
     engine = build_engine(tiny_target, close_draft).engine
     outs = run_auto(engine, PROMPTS)
     assert [o.token_ids for o in outs] == references
-    a, b = engine.adaptive.costs.coefficients
+    a, b = engine.scheduler.costs.lockstep.coefficients
     assert (a, b) != CostModel().prior, "the step costs must be learned from the steps run"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine import build_engine, speculation_for
+from cluster.local import build_engine, speculation_for
 from speculation.requests import GenerationRequest
 from models import SamplingParams
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from speculation.planner import CostModel, VerifyCosts
-from cluster.engine import Engine
+from speculation.planner import CostModel
+from cluster.local import InProcessEngine
 from speculation.requests import GenerationRequest, SpeculationOptions
 from models import SamplingParams, load_model
 
@@ -21,18 +21,20 @@ def models(copying_target, far_draft):
     return load_model(copying_target), load_model(far_draft)
 
 
-def _engine(target, draft, **kw) -> Engine:
+def _engine(target, draft, **kw) -> InProcessEngine:
     """An engine whose planners see fixed step costs: 50 ms + 1 ms a row (about the embedded
     target's shape on this CPU) and 5 ms a draft level, not this tiny model's noisy timings."""
-    engine = Engine(target, draft, **kw)
-    engine.adaptive.costs = CostModel(a=0.05, b=0.001, d=0.005, overlap=False)
-    engine.adaptive.costs.observe_verify = lambda *a: None
-    engine.adaptive.costs.observe_draft = lambda *a: None
-    engine.lookup.costs = VerifyCosts(engine.adaptive.costs)
+    engine = InProcessEngine(target, draft, **kw)
+    costs = CostModel(a=0.05, b=0.001, d=0.005, overlap=False)
+    costs.observe_verify = lambda *a: None
+    costs.observe_draft = lambda *a: None
+    # in process the drafter and the target take turns (lockstep); lookup chains are priced on
+    # the steps without a drafter's tree (the verify half of that model)
+    engine.scheduler.costs.lockstep = engine.scheduler.costs.overlap = costs
     return engine
 
 
-def _run(engine: Engine, mode: str = "auto", **sampling) -> list:
+def _run(engine: InProcessEngine, mode: str = "auto", **sampling) -> list:
     sampling = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True, **sampling}
     return engine.generate([GenerationRequest(f"r{i}", p, SamplingParams(**sampling),
                                               SpeculationOptions(mode=mode, spec_len=4))
@@ -62,16 +64,21 @@ def test_lookup_state_is_released_and_sampling_runs(models):
     engine = _engine(target, draft)
     outs = _run(engine, temperature=0.8, seed=3)
     assert all(len(o.token_ids) == MAX_TOKENS for o in outs)
-    assert not engine.lookup.seqs and not engine.adaptive.seqs and not engine._looked_up
+    sch = engine.scheduler
+    assert not sch.lookup.planner.seqs and not sch.adaptive.seqs and not sch.lookup.indexes
     # "off" and the fixed modes never look up
     for mode in ("off", "chain"):
         engine = _engine(target, draft)
         outs = _run(engine, mode=mode)
         assert (sum(o.stats.num_drafted for o in outs) > 0) == (mode == "chain")
-        assert not engine.lookup.seqs
+        assert not engine.scheduler.lookup.planner.seqs
     engine = _engine(target, draft)
     looked = []
-    real = engine._lookup_trees
-    engine._lookup_trees = lambda seqs, trees: (real(seqs, trees), looked.append(len(engine._looked_up)))
+    real = engine.scheduler._lookup_trees
+
+    def spy(batch, alone):           # how many of the step's trees are lookup chains
+        real(batch, alone)
+        looked.append(sum(it.header is None and it.tree.num_nodes > 0 for it in batch))
+    engine.scheduler._lookup_trees = spy
     _run(engine, mode="chain")
     assert looked and not any(looked)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine import Engine, build_engine, speculation_for
+from cluster.local import InProcessEngine, build_engine, speculation_for
 from speculation.requests import GenerationRequest
 from models import SamplingParams, load_model
 from models.sampling import logits_to_probs
@@ -20,7 +20,7 @@ P_VALUE_FLOOR = 1e-4          # seeds are fixed: a pass or a failure is reproduc
 @pytest.fixture(scope="module")
 def engine(small_vocab_pair):
     target, draft = small_vocab_pair      # no tokenizer: the engine itself, not build_engine
-    return Engine(load_model(target), load_model(draft))
+    return InProcessEngine(load_model(target), load_model(draft))
 
 
 def exact_joint(model_dir, params: SamplingParams) -> torch.Tensor:   # [V, V]

@@ -51,8 +51,8 @@ def test_a_drafter_killed_while_the_verifier_waits_for_restarts_leaves_the_outpu
 
 
 def test_restart_and_bridge_chains_are_one_choice():
-    from cluster.config import SpeculationDefaults
+    from speculation.settings import SpeculationSettings
 
     with pytest.raises(ValueError, match="set one of them to 0"):
-        SpeculationDefaults(bridge_depth=2, restart_depth=1)
-    assert SpeculationDefaults(bridge_depth=2, restart_depth=0).bridge_depth == 2
+        SpeculationSettings(bridge_depth=2, restart_depth=1)
+    assert SpeculationSettings(bridge_depth=2, restart_depth=0).bridge_depth == 2

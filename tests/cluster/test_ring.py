@@ -14,7 +14,7 @@ from models.tree import TokenTree
 
 def entry(prefix: list[int], anchor: int, epoch: int = 0, tree_id: int = 0, stream: str = "s") -> RingEntry:
     h = TreeHeader(stream, epoch, tree_id, len(prefix), anchor, prefix[anchor:], 2, 0)
-    return RingEntry(h, ref=None)
+    return RingEntry(h, payload=None)
 
 
 def test_ring_is_bounded_per_stream():
@@ -156,17 +156,18 @@ def test_a_contradicted_bridge_chain_is_followed_by_another_bridge():
 
 
 def test_bridge_chain_depth_is_decided_alike_from_settings_params_and_budget():
-    from cluster.backends import MAX_BRIDGE_DEPTH, PipelineSettings, bridge_chain_depth
+    from speculation.policy import bridge_chain_depth
+    from speculation.settings import MAX_BRIDGE_DEPTH, EngineSettings
 
     greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8)
-    on = PipelineSettings(bridge_depth=2)
+    on = EngineSettings(bridge_depth=2)
     assert bridge_chain_depth(on, greedy, 5) == 2
     assert bridge_chain_depth(on, greedy, 1) == 1           # within the budget the verifier sent
     assert bridge_chain_depth(on, greedy, 0) == 0           # speculation off: decode alone
     assert bridge_chain_depth(on, sampled, 5) == 0          # sampling: the drafter cannot know the chain
-    assert bridge_chain_depth(PipelineSettings(bridge_depth=2, proposer="ngram"), greedy, 5) == 0
-    assert bridge_chain_depth(PipelineSettings(bridge_depth=0), greedy, 5) == 0
-    assert bridge_chain_depth(PipelineSettings(bridge_depth=9), greedy, 16) == MAX_BRIDGE_DEPTH
+    assert bridge_chain_depth(on, greedy, 5, proposer="ngram") == 0   # prompt lookup drafts no chain
+    assert bridge_chain_depth(EngineSettings(bridge_depth=0), greedy, 5) == 0
+    assert bridge_chain_depth(EngineSettings.model_construct(bridge_depth=9), greedy, 16) == MAX_BRIDGE_DEPTH
 
 
 def test_after_a_contradiction_both_sides_choose_a_restart_tree_or_a_bridge_alike():
@@ -174,11 +175,12 @@ def test_after_a_contradiction_both_sides_choose_a_restart_tree_or_a_bridge_alik
     chain of min(s, budget) with no bridge before it exactly where the verifier does not
     bridge (`restart_tree_depth`); a budget of 0 bridges; with s = 0 the drafter bridges
     (plainly, or after a bridge chain); without a contradiction nothing changes."""
-    from cluster.backends import PipelineSettings, next_tree_shape, restart_tree_depth
+    from speculation.policy import next_tree_shape, restart_tree_depth
+    from speculation.settings import EngineSettings
 
     greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8)
-    for settings in (PipelineSettings(restart_depth=1), PipelineSettings(restart_depth=3),
-                     PipelineSettings(), PipelineSettings(bridge_depth=2)):
+    for settings in (EngineSettings(restart_depth=1), EngineSettings(restart_depth=3),
+                     EngineSettings(), EngineSettings(bridge_depth=2)):
         for params in (greedy, sampled):
             for budget in ((0, 0), (1, 1), (2, 2), (6, 1)):
                 verifier_bridges = restart_tree_depth(settings, budget[0]) == 0
@@ -189,9 +191,9 @@ def test_after_a_contradiction_both_sides_choose_a_restart_tree_or_a_bridge_alik
                 else:
                     assert (depth, width) == budget
                 assert next_tree_shape(settings, params, budget, False) == (*budget, 0)
-    assert next_tree_shape(PipelineSettings(restart_depth=3), greedy, (6, 2), True) == (3, 1, 0)
-    assert next_tree_shape(PipelineSettings(bridge_depth=2), greedy, (6, 1), True) == (6, 1, 3)
-    assert next_tree_shape(PipelineSettings(bridge_depth=2), sampled, (6, 1), True) == (6, 1, 1)
+    assert next_tree_shape(EngineSettings(restart_depth=3), greedy, (6, 2), True) == (3, 1, 0)
+    assert next_tree_shape(EngineSettings(bridge_depth=2), greedy, (6, 1), True) == (6, 1, 3)
+    assert next_tree_shape(EngineSettings(bridge_depth=2), sampled, (6, 1), True) == (6, 1, 1)
 
 
 def test_a_contradicted_restart_tree_is_followed_by_another_restart():

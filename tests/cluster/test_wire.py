@@ -91,27 +91,33 @@ def test_header_rejects_bad_fields_and_inconsistent_assumption():
 
 def test_signals_round_trip_and_validation():
     sigs = [Signal("step", "a", 2, 5, 40, [3, 4, 5], (4, 2)),
-            Signal("resync", "b", 7, -1, 3, [1, 2, 3], (0, 0), {"temperature": 0.0, "seed": 3}),
+            Signal("resync", "b", 7, -1, 3, [1, 2, 3], (0, 0), {"temperature": 0.0, "seed": 3}, "ngram"),
             Signal("leave", "c")]
     assert decode_signals(encode_signals(sigs)) == sigs
-    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["nope", "a", 0, 0, 0, [], [0, 0], None]]})
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["nope", "a", 0, 0, 0, [], [0, 0], None, None]]})
     with pytest.raises(WireError, match="unknown signal kind"):
         decode_signals(bad)
-    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["step", "a", 0, 0, 0, ["x"], [0, 0], None]]})
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["step", "a", 0, 0, 0, ["x"], [0, 0], None, None]]})
+    with pytest.raises(WireError, match="malformed"):
+        decode_signals(bad)
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["join", "a", 0, 0, 0, [], [0, 0], None, 7]]})
     with pytest.raises(WireError, match="malformed"):
         decode_signals(bad)
     with pytest.raises(WireError, match="wire version"):
         decode_signals(msgpack.packb({"v": 0, "kind": "signals", "items": []}))
+    # target features travel in process only (verifier/inprocess.py): never encoded
+    with pytest.raises(WireError, match="cannot leave the process"):
+        encode_signals([Signal("step", "a", features=(0, [[0.5]]))])
 
 
 def test_reset_signal_round_trips_and_a_frame_of_the_previous_version_is_rejected():
     sigs = [Signal("reset", ""), Signal("resync", "a", 1, -1, 2, [7, 8], (3, 1), {"seed": 4})]
     assert decode_signals(encode_signals(sigs)) == sigs
     old = msgpack.packb({"v": WIRE_VERSION - 1, "kind": "signals", "items": [["reset", "", 0, -1, 0, [], [0, 0],
-                                                                                None]]})
+                                                                                None, None]]})
     with pytest.raises(WireError, match="wire version"):
         decode_signals(old)
     with pytest.raises(WireError, match="must be bytes"):
         decode_signals(["step"])
-    with pytest.raises(WireError, match="8 fields"):
+    with pytest.raises(WireError, match="9 fields"):
         decode_signals(msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["reset", ""]]}))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cluster.engine import Engine, build_engine, speculation_for
+from cluster.local import InProcessEngine, build_engine, speculation_for
 from speculation.requests import GenerationRequest, SpeculationOptions
 from drafter import EagleProposer
 from drafter.eagle_proposer import MissingFeaturesError
@@ -73,7 +73,7 @@ def test_auto_mode_and_mixed_batches_stay_exact(eagle_engine, references):
 def test_committed_tokens_read_the_targets_previous_feature(tiny_target, eagle_draft, monkeypatch):
     """Every catch-up row j reads f_{j-1}, the target's final hidden state at position j-1."""
     target, draft = load_model(tiny_target), load_model(eagle_draft)
-    engine = Engine(target, draft)
+    engine = InProcessEngine(target, draft)
     seen = []            # (positions, ids, features) of every draft forward
     real = EagleDraft.forward
 
@@ -103,7 +103,7 @@ def test_committed_tokens_read_the_targets_previous_feature(tiny_target, eagle_d
 
 
 def test_missing_features_are_a_clear_error(tiny_target, eagle_draft):
-    from drafter import DraftRequest
+    from speculation.proposal import DraftRequest
 
     draft = load_model(eagle_draft)
     proposer = EagleProposer(draft, draft.new_cache(8), 4)
@@ -126,7 +126,7 @@ def test_sampled_tokens_follow_the_target(tmp_path, small_vocab_pair):
 
     target = small_vocab_pair[0]
     save_eagle(tmp_path / "eagle", target, seed=7, fc_scale=1.0)
-    engine = Engine(load_model(target), load_model(tmp_path / "eagle"))
+    engine = InProcessEngine(load_model(target), load_model(tmp_path / "eagle"))
     params = SamplingParams(temperature=1.0, top_p=0.9)
     samples, acceptance = sample_pairs(engine, params, speculation_for("sync", 2, 2), range(NUM_SAMPLES))
     p = chi_square_p_value(samples, exact_joint(target, params))

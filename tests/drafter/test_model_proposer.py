@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter import DraftRequest, ModelProposer, NgramProposer
+from drafter import ModelProposer, NgramProposer
+from speculation.proposal import DraftRequest
 from models import SamplingParams, load_model
 
 SAMPLING = SamplingParams(temperature=1.0)

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from drafter.ngram import NgramIndex, lookup
+from speculation.proposal import NgramIndex, lookup
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter.ngram import lookup
+from speculation.proposal import lookup
 from drafter.tree_search import ROOT, TreeBuilder
 from models import SamplingParams
 from models.tree import TokenTree

@@ -108,7 +108,7 @@ def test_assembled_eagle_head_drafts_for_the_target(target):
     and its first draft token agrees with the target's greedy choice on a real prompt."""
     from safetensors import safe_open
 
-    from cluster.engine import build_engine, speculation_for
+    from cluster.local import build_engine, speculation_for
     from speculation.requests import GenerationRequest
     from drafter import EagleProposer
     from models import SamplingParams, load_tokenizer

@@ -1,4 +1,7 @@
-"""The verifier's signals to its drafter while a sequence's speculation is off (no Ray).
+"""The scheduler (verifier/scheduler.py, no Ray): its signals to a drafter, the cores its steps
+run on, lockstep and the step costs it plans with.
+
+The verifier's signals to its drafter while a sequence's speculation is off:
 
 A sequence held at budget 0 must not wake its drafter on every step; the
 tokens committed meanwhile travel with the next signal the drafter needs, so
@@ -7,35 +10,35 @@ its confirmed prefix stays exact (DraftStream checks the length).
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
 
 import torch
 
 from drafter.streams import DraftStream
-from cluster.verifier_actor import VerifierActor
-from speculation.wire import decode_signals
 from models.sampling import SamplingParams
+
+from .harness import Harness
 
 
 def test_a_sequence_held_off_is_signalled_only_when_its_drafter_is_needed(tiny_target):
     async def scenario():
-        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False})
+        va = Harness(tiny_target, num_blocks=64, block_size=16, lookup=False)
         await va.exchange(0, "d0", [], 0.0)                              # a drafter attaches
-        va.adaptive.plan = va.adaptive.plan_joining = lambda streams, *_, **__: {s: (0, 0) for s in streams}
+        ad = va.scheduler.adaptive
+        ad.plan = ad.plan_joining = lambda streams, *_, **__: {s: (0, 0) for s in streams}
         prompt = list(range(3, 12))
-        params = asdict(SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         gen = va.generate("r", prompt, params, {"mode": "auto"})
         tokens = []
         signals = []
         for _ in range(6):                                               # six plain steps
             tokens += (await asyncio.wait_for(gen.__anext__(), 10)).token_ids
-            signals += decode_signals(await va.exchange(0, "d0", [], 0.0))
+            signals += await va.exchange(0, "d0", [], 0.0)
         assert [s.kind for s in signals] == ["resync"]                  # told once: budget 0, no steps
         assert signals[0].budget == (0, 0) and len(tokens) == 6
         # now the planner wants a tree: one signal carries every token committed meanwhile
-        va.adaptive.plan = lambda streams, *_, **__: {s: (2, 1) for s in streams}
+        ad.plan = lambda streams, *_, **__: {s: (2, 1) for s in streams}
         tokens += (await asyncio.wait_for(gen.__anext__(), 10)).token_ids
-        late = [s for s in decode_signals(await va.exchange(0, "d0", [], 0.0)) if s.kind == "step"]
+        late = [s for s in await va.exchange(0, "d0", [], 0.0) if s.kind == "step"]
         assert len(late) == 1 and late[0].budget == (2, 1)
         stream = DraftStream("r", signals[0].token_ids, signals[0].epoch, SamplingParams(), 0)
         for sig in [s for s in signals if s.kind == "step"] + late:
@@ -52,7 +55,7 @@ def test_a_sequence_held_off_is_signalled_only_when_its_drafter_is_needed(tiny_t
 
 
 def test_plain_step_threads_rule():
-    from cluster.backends import plain_step_threads
+    from speculation.policy import plain_step_threads
 
     here = [{"node": "n1", "cpus": 1.0}]
     assert plain_step_threads(-1, 1, "cpu", "n1", here) == 2                       # borrows the drafter's core
@@ -67,10 +70,10 @@ def test_plain_step_threads_rule():
 def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(tiny_target):
     from models.tree import TokenTree
 
-    async def run_request(plan: tuple[int, int]) -> tuple[list, int, VerifierActor, list]:
-        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False,
+    async def run_request(plan: tuple[int, int]) -> tuple[list, int, Harness, list]:
+        va = Harness(tiny_target, **{"num_blocks": 64, "block_size": 16, "lookup": False,
                                               "lockstep_alone": False})
-        va.node_id = "n1"
+        va.scheduler.registry.node_id = "n1"
         await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)         # a drafter on our node
         used = []
         verify = va.side.verify
@@ -78,28 +81,28 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
         prefills = []
         prefill = va.side.prefill
         va.side.prefill = lambda sid, prompt: (prefills.append(torch.get_num_threads()), prefill(sid, prompt))[1]
-        va.adaptive.plan = va.adaptive.plan_joining = lambda streams, *_, **__: {s: plan for s in streams}
-        params = asdict(SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        va.scheduler.adaptive.plan = va.scheduler.adaptive.plan_joining = lambda streams, *_, **__: {s: plan for s in streams}
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         tokens = []
         async for chunk in va.generate("r", list(range(3, 12)), params, {"mode": "auto"}):
             tokens += chunk.token_ids
             await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)     # stays live, puts no tree
         assert len(tokens) == 6
-        return used, va.stats.borrowed_steps, va, prefills
+        return used, va.scheduler.stats.borrowed_steps, va, prefills
 
     async def scenario():
         used, borrowed, va0, prefills = await run_request((0, 0))   # held off: the drafter idles
         assert used == [2] * 6 and borrowed == 6 and prefills == [2]   # the prompt's prefill too
         # those steps fit the borrowed-cores model the planner must beat, not the verifier's own
-        assert va0.plain_costs.observed and not va0.adaptive.costs.observed
-        assert 0 < va0._plain_step_s(1) < 5
+        assert va0.scheduler.costs.plain.observed and not va0.scheduler.adaptive.costs.observed
+        assert 0 < va0.plain_step_s(1) < 5
         # until a step on its own thread is measured, a speculating step (which gives the
         # drafter's core back) is priced as that plain step on one thread of two
-        va0._plan_overlap()
-        a, b = va0.plain_costs.coefficients
-        assert va0.overlap_costs.prior == (2 * a, 2 * b)
-        va0.drafters[0]["last_seen"] -= 60                      # no drafter to lend cores: no baseline
-        assert va0._plain_step_s(1) is None
+        va0.scheduler.plan_overlap()
+        a, b = va0.scheduler.costs.plain.coefficients
+        assert va0.scheduler.costs.overlap.prior == (2 * a, 2 * b)
+        va0.scheduler.registry.drafters[0].last_seen -= 60                      # no drafter to lend cores: no baseline
+        assert va0.plain_step_s(1) is None
         used, borrowed, va, prefills = await run_request((2, 1))    # trees wanted: the drafter is busy
         assert prefills == [1]
         # no tree came, so each step fell back to decoding alone on one thread; the last (one
@@ -107,39 +110,37 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
         # step before, has not yet said it is idle again
         assert used == [1] * 6 and borrowed == 0
         # the rule, state by state, on a live stream of that actor
-        s = va._new_stream("q", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), {"mode": "auto"})
-        s.admitted, s.drafter = True, 0
-        va.streams["q"] = s
+        s = va.stream("q", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), budget=(0, 0))
         plain = [(s, TokenTree.empty(3), None)]
-        assert va._step_threads(plain) == 2
+        assert va.step_threads(plain) == 2
         for field, value in (("budget", (2, 1)), ("sent_budget", (2, 1)), ("bridge", True)):
             setattr(s, field, value)                            # drafting, told to, or bridging
-            assert va._step_threads(plain) == 1
+            assert va.step_threads(plain) == 1
             setattr(s, field, (0, 0) if field != "bridge" else False)
         from speculation.wire import TreeHeader
 
         tree = TokenTree(torch.tensor([9]), torch.tensor([-1]), torch.tensor([1]), None, 3, 0)
         header = TreeHeader("q", 0, 0, 3, 3, [], 1, 0)
-        assert va._step_threads([(s, tree, header)]) == 1       # a drafter's tree in the batch
-        assert va._step_threads([(s, tree, None)]) == 2         # the verifier's own lookup chain
+        assert va.step_threads([(s, tree, header)]) == 1       # a drafter's tree in the batch
+        assert va.step_threads([(s, tree, None)]) == 2         # the verifier's own lookup chain
         # a drafter lends its cores only while idle by its own word, until told to draft again
         from speculation.wire import Signal
 
         await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0, idle=False)   # still drafting
-        assert va._step_threads(plain) == 1
+        assert va.step_threads(plain) == 1
         await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0, idle=True)
-        assert va._step_threads(plain) == 2
-        va._send(0, Signal("step", "q", budget=(0, 0)))         # nothing to draft: still idle
-        assert va._step_threads(plain) == 2
-        va._send(0, Signal("step", "q", budget=(2, 1)))         # a tree to draft: busy again
-        assert va._step_threads(plain) == 1
+        assert va.step_threads(plain) == 2
+        va.scheduler.registry.send(0, Signal("step", "q", budget=(0, 0)))         # nothing to draft: still idle
+        assert va.step_threads(plain) == 2
+        va.scheduler.registry.send(0, Signal("step", "q", budget=(2, 1)))         # a tree to draft: busy again
+        assert va.step_threads(plain) == 1
         await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0, idle=True)   # that reply carries it
-        assert va._step_threads(plain) == 1
+        assert va.step_threads(plain) == 1
         await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0, idle=True)   # drafted, idle again
-        assert va._step_threads(plain) == 2
-        va.drafters[0]["last_seen"] -= 60                       # a silent drafter lends nothing
-        assert va._step_threads(plain) == 1
-        del va.streams["q"]
+        assert va.step_threads(plain) == 2
+        va.scheduler.registry.drafters[0].last_seen -= 60                       # a silent drafter lends nothing
+        assert va.step_threads(plain) == 1
+        va.scheduler.streams.pop("q")
 
     threads = torch.get_num_threads()
     try:
@@ -155,26 +156,24 @@ def test_lockstep_verification_borrows_only_while_every_drafter_waits_for_it(tin
     threads = torch.get_num_threads()
     try:
         for slots in (1, 2):
-            va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False,
+            va = Harness(tiny_target, **{"num_blocks": 64, "block_size": 16, "lookup": False,
                                                   "ring_slots": slots, "lockstep_alone": False})
-            assert va.adaptive.bridges == (slots > 1)
-            va.node_id = "n1"
+            assert va.scheduler.adaptive.bridges == (slots > 1)
+            va.scheduler.registry.node_id = "n1"
             asyncio.run(va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0))
             streams = {}
             for rid in ("q", "r"):
-                s = va._new_stream(rid, [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), {"mode": "auto"})
-                s.admitted, s.drafter, s.budget = True, 0, (2, 1)
-                va.streams[rid] = streams[rid] = s
+                streams[rid] = va.stream(rid, [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4))
             tree = TokenTree(torch.tensor([9, 4]), torch.tensor([-1, 0]), torch.tensor([1, 2]), None, 3, 0)
             both = [(streams[rid], tree, TreeHeader(rid, 0, 0, 3, 3, [], 2, 0)) for rid in ("q", "r")]
             # both sequences' one tree in flight is in the step: the drafter waits for its signals
-            assert va._step_threads(both) == (2 if slots == 1 else 1)
+            assert va.step_threads(both) == (2 if slots == 1 else 1)
             # r's drafter may be drafting (its tree is not in this step): no borrowing
-            assert va._step_threads(both[:1]) == 1
+            assert va.step_threads(both[:1]) == 1
             streams["r"].budget = streams["r"].sent_budget = (0, 0)       # r held off, drafter told
-            assert va._step_threads(both[:1]) == (2 if slots == 1 else 1)
+            assert va.step_threads(both[:1]) == (2 if slots == 1 else 1)
             streams["r"].bridge = True                                     # r bridging: drafter busy
-            assert va._step_threads(both[:1]) == 1
+            assert va.step_threads(both[:1]) == 1
     finally:
         torch.set_num_threads(threads)
 
@@ -188,30 +187,29 @@ def test_a_lone_stream_runs_in_lockstep_beside_a_cpu_drafter_with_as_many_cores(
 
     threads = torch.get_num_threads()
     try:
-        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False})
-        va.node_id = "n1"
+        va = Harness(tiny_target, **{"num_blocks": 64, "block_size": 16, "lookup": False})
+        va.scheduler.registry.node_id = "n1"
         asyncio.run(va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0))
 
         def add(rid):
-            s = va._new_stream(rid, [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), {"mode": "auto"})
-            s.admitted, s.drafter, s.budget = True, 0, (2, 1)
-            va.streams[rid] = s
-            return s
+            return va.stream(rid, [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4))
 
         q = add("q")
         tree = TokenTree(torch.tensor([9, 4]), torch.tensor([-1, 0]), torch.tensor([1, 2]), None, 3, 0)
         step = [(q, tree, TreeHeader("q", 0, 0, 3, 3, [], 2, 0))]
-        assert va._lockstep(0) and va._step_threads(step) == 2 and not va._plan_bridges()
+        assert va.scheduler.members.lockstep(0) and va.step_threads(step) == 2 and not va.scheduler.members.plan_bridges()
         r = add("r")                                     # a second stream: overlap again
-        assert not va._lockstep(0) and va._plan_bridges()
-        assert va._step_threads(step + [(r, tree, TreeHeader("r", 0, 0, 3, 3, [], 2, 0))]) == 1
-        del va.streams["r"]
+        assert not va.scheduler.members.lockstep(0) and va.scheduler.members.plan_bridges()
+        assert va.step_threads(step + [(r, tree, TreeHeader("r", 0, 0, 3, 3, [], 2, 0))]) == 1
+        va.scheduler.streams.pop("r")
         for key, value in (("node", "n2"), ("cpus", 0.5)):   # elsewhere, or fewer CPUs than ours
-            old, va.drafters[0][key] = va.drafters[0][key], value
-            assert not va._lockstep(0) and va._step_threads(step) == 1
-            va.drafters[0][key] = old
-        va.settings.lockstep_alone = False
-        assert not va._lockstep(0) and va._step_threads(step) == 1
+            d = va.scheduler.registry.drafters[0]
+            old = getattr(d, key)
+            setattr(d, key, value)
+            assert not va.scheduler.members.lockstep(0) and va.step_threads(step) == 1
+            setattr(d, key, old)
+        va.scheduler.settings.lockstep_alone = False
+        assert not va.scheduler.members.lockstep(0) and va.step_threads(step) == 1
     finally:
         torch.set_num_threads(threads)
 
@@ -221,11 +219,11 @@ def test_a_silent_drafters_sequences_decode_alone_counted_as_absent(tiny_target)
     steps decode alone at once and count as drafter_absent_steps (not as fallbacks, which
     waited first)."""
     async def scenario():
-        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False,
+        va = Harness(tiny_target, **{"num_blocks": 64, "block_size": 16, "lookup": False,
                                               "drafter_timeout_s": 0.2, "max_tree_wait_s": 5.0})
         await va.exchange(0, "d0", [], 0.0)                              # a drafter attaches
-        va.adaptive.plan = va.adaptive.plan_joining = lambda streams, *_, **__: {s: (2, 1) for s in streams}
-        params = asdict(SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        va.scheduler.adaptive.plan = va.scheduler.adaptive.plan_joining = lambda streams, *_, **__: {s: (2, 1) for s in streams}
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         # live and silent for less than its timeout: the first step waits for its tree (no
         # absence yet); once it has been silent past the timeout, steps run without it
         gen = va.generate("r", list(range(3, 12)), params, {"mode": "chain", "spec_len": 2})
@@ -235,8 +233,8 @@ def test_a_silent_drafters_sequences_decode_alone_counted_as_absent(tiny_target)
             tokens += chunk.token_ids
         waited = asyncio.get_running_loop().time() - start
         assert len(tokens) == 4
-        assert va.stats.drafter_absent_steps >= 3, va.stats
-        assert va.stats.fallback_steps == 0 and va.stats.num_spec_steps == 0
+        assert va.scheduler.stats.drafter_absent_steps >= 3, va.scheduler.stats
+        assert va.scheduler.stats.fallback_steps == 0 and va.scheduler.stats.num_spec_steps == 0
         assert waited < 2.0, f"a silent drafter must not hold the verifier back ({waited:.2f} s)"
 
     threads = torch.get_num_threads()
@@ -247,7 +245,7 @@ def test_a_silent_drafters_sequences_decode_alone_counted_as_absent(tiny_target)
 
 
 def test_shares_gpu_rule():
-    from cluster.backends import shares_gpu
+    from speculation.policy import shares_gpu
 
     assert shares_gpu("n1", ["0"], "n1", ["0"])                  # half a GPU each, the same one
     assert shares_gpu("n1", ["0", "1"], "n1", ["1"])
@@ -266,47 +264,47 @@ def test_a_drafter_on_our_gpu_runs_in_lockstep_and_the_planner_prices_turns(tiny
     drafter decides the same from its side."""
     from types import SimpleNamespace
 
-    from cluster.actors import DrafterActor
-    from cluster.backends import PipelineSettings
+    from drafter.runtime import Drafter
+    from speculation.settings import EngineSettings
+    from speculation.transport import VerifierInfo
 
     threads = torch.get_num_threads()
     try:
-        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False})
-        va.node_id, va.gpu_ids = "n1", ["0"]          # as on a GPU node (the model stays on the CPU)
+        va = Harness(tiny_target, **{"num_blocks": 64, "block_size": 16, "lookup": False})
+        va.scheduler.registry.node_id, va.scheduler.registry.gpu_ids = "n1", ["0"]          # as on a GPU node (the model stays on the CPU)
         asyncio.run(va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0, gpus=["0"]))
         for rid in ("q", "r", "s"):
-            s = va._new_stream(rid, [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), {"mode": "auto"})
-            s.admitted, s.drafter, s.budget = True, 0, (2, 1)
-            va.streams[rid] = s
-        va._plan_overlap()
-        assert va._lockstep(0) and not va.adaptive.bridges and not va.adaptive.costs.overlap
-        assert va.adaptive.costs is va.lockstep_costs          # its own fit: turns, not overlap
+            va.stream(rid, [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4))
+        va.scheduler.plan_overlap()
+        assert va.scheduler.members.lockstep(0) and not va.scheduler.adaptive.bridges and not va.scheduler.adaptive.costs.overlap
+        assert va.scheduler.adaptive.costs is va.scheduler.costs.lockstep          # its own fit: turns, not overlap
         for key, value in (("gpus", ["1"]), ("node", "n2"), ("gpus", None)):
-            old, va.drafters[0][key] = va.drafters[0][key], value
-            va._plan_overlap()
-            assert not va._lockstep(0) and va.adaptive.bridges and va.adaptive.costs.overlap
-            assert va.adaptive.costs is va.overlap_costs
-            va.drafters[0][key] = old
-        va.settings.lockstep_shared_gpu = False
-        assert not va._lockstep(0)
+            d = va.scheduler.registry.drafters[0]
+            old = getattr(d, key)
+            setattr(d, key, value)
+            va.scheduler.plan_overlap()
+            assert not va.scheduler.members.lockstep(0) and va.scheduler.adaptive.bridges and va.scheduler.adaptive.costs.overlap
+            assert va.scheduler.adaptive.costs is va.scheduler.costs.overlap
+            setattr(d, key, old)
+        va.scheduler.settings.lockstep_shared_gpu = False
+        assert not va.scheduler.members.lockstep(0)
     finally:
         torch.set_num_threads(threads)
 
-    def drafter(**kw):
-        d = dict(settings=PipelineSettings(device="cuda"), streams={"q": 0, "r": 0}, _node="n1", _gpus=["0"],
-                 _verifier_node="n1", _verifier_cpus=1.0, _verifier_gpus=["0"])
-        d.update(kw)
-        return SimpleNamespace(**d)
+    def drafter(verifier_node="n1", verifier_gpus=("0",), settings=EngineSettings(device="cuda")):
+        gpus = None if verifier_gpus is None else list(verifier_gpus)
+        return SimpleNamespace(settings=settings, streams={"q": 0, "r": 0}, node="n1", gpus=["0"],
+                               verifier=VerifierInfo(verifier_node, 1.0, gpus))
 
-    assert DrafterActor._lockstep(drafter())
-    assert not DrafterActor._lockstep(drafter(_verifier_gpus=["1"]))
-    assert not DrafterActor._lockstep(drafter(_verifier_node="n2"))
-    assert not DrafterActor._lockstep(drafter(_verifier_gpus=None))      # a CPU verifier
-    assert not DrafterActor._lockstep(drafter(settings=PipelineSettings(device="cuda", lockstep_shared_gpu=False)))
+    assert Drafter.lockstep(drafter())
+    assert not Drafter.lockstep(drafter(verifier_gpus=["1"]))
+    assert not Drafter.lockstep(drafter(verifier_node="n2"))
+    assert not Drafter.lockstep(drafter(verifier_gpus=None))      # a CPU verifier
+    assert not Drafter.lockstep(drafter(settings=EngineSettings(device="cuda", lockstep_shared_gpu=False)))
 
 
 def test_lockstep_pricing_switches_speculation_off_where_taking_turns_does_not_pay():
-    """Costs measured on an H200 in lockstep (bench/results/gpu-20261130c): a one-row forward
+    """Costs measured on an H200 in lockstep (2026-11-30, docs/bench-history.md): a one-row forward
     12.4 ms, five rows 18.5 ms, the wait for a 4-level tree 20 ms. Priced as turns (forward
     plus wait), a sequence at γ 0.5 decodes alone and one at γ 0.95 speculates; had the waits
     been folded into the forward's a + b·rows, a run of five-row steps alone would read as a
@@ -340,10 +338,10 @@ def test_on_a_gpu_plain_steps_are_the_baseline_a_plan_must_beat(tiny_target):
     """A GPU verifier prices decoding alone from its measured plain steps (a one-row forward
     runs another kernel than a few-row one there); a CPU one without borrowed cores keeps the
     planner's own model."""
-    async def plain_tokens(device: str) -> VerifierActor:
-        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False})
-        va.settings.device = device                   # the model stays on the CPU either way
-        params = asdict(SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    async def plain_tokens(device: str) -> Harness:
+        va = Harness(tiny_target, **{"num_blocks": 64, "block_size": 16, "lookup": False})
+        va.scheduler.settings.device = device                   # the model stays on the CPU either way
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
         async for _ in va.generate("p", list(range(3, 12)), params, {"mode": "off"}):
             pass
         return va
@@ -351,11 +349,11 @@ def test_on_a_gpu_plain_steps_are_the_baseline_a_plan_must_beat(tiny_target):
     threads = torch.get_num_threads()
     try:
         gpu = asyncio.run(asyncio.wait_for(plain_tokens("cuda"), 120))
-        n, seconds = gpu._forward_by_rows[1]
-        assert gpu.plain_costs.observed and gpu._plain_step_s(1) is not None
-        assert gpu._plain_step_s(1) < 3 * seconds / n + 0.01
+        n, seconds = gpu.scheduler.costs.forward_by_rows[1]
+        assert gpu.scheduler.costs.plain.observed and gpu.plain_step_s(1) is not None
+        assert gpu.plain_step_s(1) < 3 * seconds / n + 0.01
         cpu = asyncio.run(asyncio.wait_for(plain_tokens("cpu"), 120))
-        assert not cpu.plain_costs.observed and cpu._plain_step_s(1) is None
+        assert not cpu.scheduler.costs.plain.observed and cpu.plain_step_s(1) is None
     finally:
         torch.set_num_threads(threads)
 
@@ -364,12 +362,15 @@ def test_the_verifier_reports_its_processes_garbage_collector_pauses(tiny_target
     import gc
 
     async def scenario():
-        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False})
-        before = await va.get_stats()
+        from verifier.loop import gc_report
+
+        Harness(tiny_target, num_blocks=64, block_size=16, lookup=False)     # its loop times the collector
+
+        before = gc_report()
         garbage = [[i] for i in range(200_000)]
         del garbage
         gc.collect()
-        after = await va.get_stats()
+        after = gc_report()
         assert after["gc_full_collections"] >= before["gc_full_collections"] + 1
         assert after["gc_s"] > before["gc_s"]
 
@@ -385,38 +386,38 @@ def test_plans_assume_the_batch_refills_while_plain_steps_borrow(tiny_target, mo
     lost within the last REFILL_MEMORY_S as still there (decoding alone): a tree given in a
     dip between waves of requests would keep every step on the verifier's own threads while
     they join. Without borrowing, or once the memory has passed, plans see the batch as is."""
-    import cluster.verifier_actor as va_mod
+    import verifier.costs as va_mod
 
     threads = torch.get_num_threads()
     try:
-        va = VerifierActor(str(tiny_target), {"num_blocks": 64, "block_size": 16, "lookup": False})
-        va.node_id = "n1"
+        va = Harness(tiny_target, **{"num_blocks": 64, "block_size": 16, "lookup": False})
+        va.scheduler.registry.node_id = "n1"
         asyncio.run(va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0))
-        assert va._refilling(16) == 0 and va._refilling(2) == 0        # borrowing not measured yet
+        assert va.scheduler.costs.refilling(16, va.lendable_later()) == 0 and va.scheduler.costs.refilling(2, va.lendable_later()) == 0        # borrowing not measured yet
         for rows in (1, 1, 1, 4, 4, 4, 16, 16, 16):
-            va.plain_costs.observe_verify(rows, 0.03 + 0.005 * rows)     # both cores
-        assert va._borrowing_measured()
-        va._recent_rows.clear()
-        assert va._refilling(16) == 0
-        assert va._refilling(2) == 14                  # a dip: plan as if 16 were running
+            va.scheduler.costs.plain.observe_verify(rows, 0.03 + 0.005 * rows)     # both cores
+        assert va.scheduler.costs.borrowing_measured(va.lendable_later())
+        va.scheduler.costs._recent_rows.clear()
+        assert va.scheduler.costs.refilling(16, va.lendable_later()) == 0
+        assert va.scheduler.costs.refilling(2, va.lendable_later()) == 14                  # a dip: plan as if 16 were running
         # the planner, given those 14 as sequences decoding alone, keeps the two from speculating
         # where it would speculate for two alone (the verifier's own-thread cost is the model's)
-        va.adaptive.costs, va.adaptive.bridges = va.overlap_costs, False    # one tree in flight
+        va.scheduler.adaptive.costs, va.scheduler.adaptive.bridges = va.scheduler.costs.overlap, False    # one tree in flight
         for rows in (2, 2, 2, 8, 8, 8, 17, 17, 17):
-            va.overlap_costs.observe_verify(rows, 0.04 + 0.011 * rows)   # our own thread
+            va.scheduler.costs.overlap.observe_verify(rows, 0.04 + 0.011 * rows)   # our own thread
         for rid in ("a", "b"):
-            va.adaptive.add(rid, "auto", 3, 1)
-            va.adaptive.seqs[rid].attempts, va.adaptive.seqs[rid].accepts = 10.0, 9.0   # γ 0.9
-        alone = va.adaptive.plan(["a", "b"], plain_step_s=va._plain_step_s(2))
+            va.scheduler.adaptive.add(rid, "auto", 3, 1)
+            va.scheduler.adaptive.seqs[rid].attempts, va.scheduler.adaptive.seqs[rid].accepts = 10.0, 9.0   # γ 0.9
+        alone = va.scheduler.adaptive.plan(["a", "b"], plain_step_s=va.plain_step_s(2))
         assert any(k for k, _ in alone.values())
-        refilled = va.adaptive.plan(["a", "b"], alone=14, plain_step_s=va._plain_step_s(16))
+        refilled = va.scheduler.adaptive.plan(["a", "b"], alone=14, plain_step_s=va.plain_step_s(16))
         assert not any(k for k, _ in refilled.values())
         monkeypatch.setattr(va_mod, "REFILL_MEMORY_S", 0.0)   # the memory has passed
-        assert va._refilling(2) == 0
+        assert va.scheduler.costs.refilling(2, va.lendable_later()) == 0
         monkeypatch.setattr(va_mod, "REFILL_MEMORY_S", 1.0)
-        va.drafters[0]["node"] = "n2"                  # no core to borrow: plans see the batch as is
-        va._recent_rows.clear()
-        va._refilling(16)
-        assert va._refilling(2) == 0
+        va.scheduler.registry.drafters[0].node = "n2"   # no core to borrow: plans see the batch as is
+        va.scheduler.costs._recent_rows.clear()
+        va.scheduler.costs.refilling(16, va.lendable_later())
+        assert va.scheduler.costs.refilling(2, va.lendable_later()) == 0
     finally:
         torch.set_num_threads(threads)

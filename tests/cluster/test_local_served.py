@@ -1,4 +1,5 @@
-"""LocalEngine (the sync engine on a worker thread) behind the HTTP layer, in-process, no Ray."""
+"""The in-process engine behind the HTTP layer (`cluster.local.LocalEngine`: continuous batching on
+the server's event loop, forwards on a model thread), no Ray."""
 from __future__ import annotations
 
 import asyncio
@@ -8,16 +9,17 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from cluster.local_engine import build_local_engine
+from cluster.local import build_local_engine
 from serving.openai_api import OpenAIServer, ServerSettings
 from serving.openai_routes import build_fastapi_app
 from speculation.requests import GenerationRequest, SpeculationOptions
 from models.sampling import SamplingParams
+from speculation.settings import EngineSettings
 
 
 @pytest.fixture(scope="module")
 def local(tiny_target, close_draft):
-    engine, tok = build_local_engine(str(tiny_target), str(close_draft), max_batch=8)
+    engine, tok = build_local_engine(str(tiny_target), str(close_draft), EngineSettings(max_batch_size=8, num_blocks=256))
     server = OpenAIServer(engine, tok, ServerSettings(max_context=engine.engine.max_context))
     yield engine, tok, TestClient(build_fastapi_app(server))
     engine.shutdown()
@@ -50,7 +52,7 @@ def test_greedy_equals_transformers_and_stream_equals_whole(local, hf_target, mo
     assert "".join(e["choices"][0]["text"] for e in events) == choice["text"]
 
 
-def test_concurrent_requests_share_a_wave_and_stay_exact(local, hf_target):
+def test_concurrent_requests_are_batched_and_stay_exact(local, hf_target):
     engine, tok, _ = local
     prompts = [f"prompt number {i}" for i in range(6)]
 
@@ -108,8 +110,8 @@ def test_bad_request_is_an_error_chunk_not_a_dead_engine(local):
 
 def test_an_eagle_draft_serves_exact_greedy_output(tiny_target, eagle_draft, hf_target):
     """The local engine behind HTTP with a feature-conditioned draft head: the features
-    flow from each wave's prefill and steps to the head; output is the target's own."""
-    engine, tok = build_local_engine(str(tiny_target), str(eagle_draft), max_batch=4)
+    flow from each prefill and step to the head; output is the target's own."""
+    engine, tok = build_local_engine(str(tiny_target), str(eagle_draft), EngineSettings(max_batch_size=4, num_blocks=256))
     try:
         client = TestClient(build_fastapi_app(OpenAIServer(engine, tok, ServerSettings(
             max_context=engine.engine.max_context))))

@@ -1,20 +1,19 @@
-"""The verifier's own prompt-lookup chains (no Ray, no drafter tree): where the draft
+"""The verifier's own prompt-lookup chains (verifier/lookup.py; no Ray, no drafter tree): where the draft
 model is off for a sequence, n-grams of its prompt and output are verified instead, greedy
 output stays the target's, sampled output keeps the target's distribution, and the steps
 still run on the cores a plain step would."""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import asdict
 
 import torch
 
-from speculation.planner import CostModel
-from cluster.verifier_actor import VerifierActor
 from models.sampling import SamplingParams
+from speculation.planner import CostModel
+from tests.cluster.pipeline_helpers import hf_greedy
+from tests.cluster.test_pipeline_sampling import chi2, chi2_critical
 
-from .pipeline_helpers import hf_greedy
-from .test_pipeline_sampling import chi2, chi2_critical
+from .harness import Harness
 
 CYCLE = list(b"abcdefghijkl")            # the copying target walks this cycle (tests/conftest.py)
 REPEATING = CYCLE * 2 + CYCLE[:5]
@@ -28,22 +27,22 @@ def _run(coro, seconds: float = 240):
         torch.set_num_threads(threads)
 
 
-def _actor(target, **settings) -> VerifierActor:
+def _actor(target, **settings) -> Harness:
     """A verifier whose planners see fixed step costs, 50 ms + 1 ms a row (about the embedded
     target's shape on this CPU), not this tiny model's noisy timings."""
-    va = VerifierActor(str(target), {"num_blocks": 64, "block_size": 16, **settings})
-    va.plain_costs = CostModel(a=0.05, b=0.001)
-    va.adaptive.costs = CostModel(a=0.05, b=0.001)
-    for model in (va.plain_costs, va.adaptive.costs):
+    va = Harness(target, **{"num_blocks": 64, "block_size": 16, **settings})
+    costs = va.scheduler.costs
+    costs.plain, costs.overlap = CostModel(a=0.05, b=0.001), CostModel(a=0.05, b=0.001)
+    for model in (costs.plain, costs.overlap):
         model.observe_verify = lambda *a: None
     return va
 
 
-async def _generate(va: VerifierActor, rid: str, prompt: list[int], params: SamplingParams,
+async def _generate(va: Harness, rid: str, prompt: list[int], params: SamplingParams,
                     mode: str = "auto") -> tuple[list[int], list[int]]:
     """(tokens, tokens per chunk) of one request."""
     tokens, sizes = [], []
-    async for chunk in va.generate(rid, prompt, asdict(params), {"mode": mode}):
+    async for chunk in va.generate(rid, prompt, params, {"mode": mode}):
         tokens += chunk.token_ids
         sizes.append(len(chunk.token_ids))
     return tokens, sizes
@@ -67,13 +66,13 @@ def test_lookup_chains_keep_greedy_output_exact(copying_target):
 
     on, tokens, sizes, off, tokens_off, sizes_off, fixed, tokens_fixed = _run(scenario())
     assert tokens == tokens_off == tokens_fixed == expected
-    st = on.stats
+    st = on.scheduler.stats
     assert st.lookup_trees > 0 and st.lookup_accepted > 0, "the prompt repeats itself: lookup must find it"
     assert st.lookup_drafted == st.num_drafted and st.lookup_accepted == st.num_accepted
     assert max(sizes) > 1 and len(sizes) < len(sizes_off) == 40      # fewer steps than tokens
-    assert off.stats.lookup_trees == 0 and off.stats.num_drafted == 0
-    assert fixed.stats.lookup_trees == 0                              # mode "off" means off
-    assert not on.lookup.seqs and not on.streams                     # per-request state released
+    assert off.scheduler.stats.lookup_trees == 0 and off.scheduler.stats.num_drafted == 0
+    assert fixed.scheduler.stats.lookup_trees == 0                              # mode "off" means off
+    assert not on.scheduler.lookup.planner.seqs and not on.scheduler.streams   # per-request state released
     assert on.side.cache.num_free_blocks == on.side.cache.num_blocks
 
 
@@ -84,7 +83,7 @@ def test_lookup_is_not_used_where_it_does_not_pay(tiny_target):
     async def scenario():
         va = _actor(tiny_target)
         # every lookup proposes a token the target never picks here (no byte of the prompt is 255)
-        from drafter import ngram
+        from speculation import proposal as ngram
         real = ngram.lookup
         ngram.lookup = lambda tokens, k, *a: [255] * k
         try:
@@ -95,7 +94,7 @@ def test_lookup_is_not_used_where_it_does_not_pay(tiny_target):
 
     va, tokens = _run(scenario())
     assert len(tokens) == 48
-    st = va.stats
+    st = va.scheduler.stats
     assert st.lookup_trees > 0 and st.lookup_accepted == 0
     assert st.lookup_trees <= 12, f"{st.lookup_trees} rejected chains in 48 steps: never switched off"
 
@@ -104,14 +103,15 @@ def test_lookup_steps_run_on_the_idle_drafters_core(copying_target):
     tiny_target = copying_target
     async def scenario():
         va = _actor(tiny_target)
-        va.node_id = "n1"
+        va.scheduler.registry.node_id = "n1"
         await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)       # a drafter on our node
-        va.adaptive.plan = va.adaptive.plan_joining = lambda streams, *_, **__: {s: (0, 0) for s in streams}
+        va.scheduler.adaptive.plan = va.scheduler.adaptive.plan_joining = \
+            lambda streams, *_, **__: {s: (0, 0) for s in streams}
         used = []
         verify = va.side.verify
         va.side.verify = lambda requests, threads=None: (used.append((threads, max(
             r.tree.num_nodes for r in requests))), verify(requests, threads))[1]
-        params = asdict(SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         async for _ in va.generate("r", REPEATING, params, {"mode": "auto"}):
             await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)   # stays live, puts no tree
         return used, va
@@ -119,7 +119,7 @@ def test_lookup_steps_run_on_the_idle_drafters_core(copying_target):
     used, va = _run(scenario())
     assert any(nodes for _, nodes in used), "no lookup chain was verified"
     assert all(threads == 2 for threads, _ in used)
-    assert va.stats.borrowed_steps == len(used)
+    assert va.scheduler.stats.borrowed_steps == len(used)
 
 
 def _joint(model_dir, prompt: list[int], params: SamplingParams) -> torch.Tensor:
@@ -145,8 +145,8 @@ def test_sampled_pairs_through_lookup_chains_follow_the_target(small_vocab_pair)
     params = SamplingParams(temperature=0.9, top_p=0.95)
 
     async def scenario():
-        va = VerifierActor(str(target), {"num_blocks": 512, "block_size": 16})
-        va.lookup.plan = lambda streams, **_: {s: (16, 1) for s in streams}   # always verify a chain
+        va = Harness(target, num_blocks=512, block_size=16)
+        va.scheduler.lookup.planner.plan = lambda streams, **_: {s: (16, 1) for s in streams}   # always a chain
 
         async def one(i):
             p = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=2, ignore_eos=True, seed=i)
@@ -154,7 +154,7 @@ def test_sampled_pairs_through_lookup_chains_follow_the_target(small_vocab_pair)
         return va, await asyncio.gather(*(one(i) for i in range(N)))
 
     va, results = _run(scenario(), 300)
-    assert va.stats.lookup_trees >= N                 # every request's first step verified [1]
+    assert va.scheduler.stats.lookup_trees >= N                 # every request's first step verified [1]
     V = 16
     counts = torch.zeros(V * V)
     for tokens in results:

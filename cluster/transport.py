@@ -1,0 +1,104 @@
+"""The drafter-verifier exchange between Ray actors (`speculation.transport` over actor calls).
+
+`RayLink` is a drafter's `VerifierLink` to a `VerifierActor`: one actor call per exchange,
+each tree `ray.put` by the drafter as a `speculation.wire` tree frame (msgpack header + numpy
+tensors, so the tensors stay in the object store and only the ObjectRef and a header copy
+cross), the reply one msgpack frame of signals. Ray's faults become the link's: a dead or
+restarting verifier is `VerifierUnavailable`, a refused frame `FramesRefused`.
+
+On the verifier's side, `unpack_puts` checks a call's puts before any state changes (one
+bad header refuses the whole call with `WireError`) and `fetch_tree` pulls a filed tree's
+tensors from the object store while the target runs.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+
+import ray
+
+from speculation.transport import Exchange, FramesRefused, TreePut, VerifierInfo, VerifierUnavailable
+from speculation.wire import Signal, TreeHeader, WireError, decode_signals, decode_tree, encode_tree, \
+    pack_header, unpack_header
+
+log = logging.getLogger("specflash.cluster")
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+class RayLink:
+    """A drafter's link to its verifier actor (a handle, or the (name, namespace) it was created
+    under: Ray keeps a handle among a restartable actor's constructor arguments in the object
+    store, where a restart may not find it, ray-project/ray#53727)."""
+
+    def __init__(self, verifier) -> None:
+        if isinstance(verifier, (tuple, list)):
+            verifier = ray.get_actor(verifier[0], namespace=verifier[1])
+        self.verifier = verifier
+
+    def exchange(self, call: Exchange) -> list[Signal]:
+        puts = [(pack_header(p.header), [p.payload]) for p in call.puts]
+        try:
+            reply = ray.get(self.verifier.exchange.remote(
+                call.drafter, call.incarnation, puts, call.wait_s, call.draft_s, call.draft_levels,
+                list(call.resync), call.node, call.cpus, call.gpus, call.idle))
+        except ray.exceptions.RayActorError as e:
+            raise VerifierUnavailable(first_line(e)) from e
+        except ray.exceptions.RayTaskError as e:
+            cause = e.as_instanceof_cause()
+            if isinstance(cause, WireError):
+                raise FramesRefused(str(cause)) from e
+            raise
+        return decode_signals(reply)        # WireError: the call went through, its signals are lost
+
+    def put_tree(self, header: TreeHeader, tree) -> TreePut:
+        return TreePut(header, ray.put(encode_tree(header, tree.token_ids, tree.parent_ids, tree.depths,
+                                                   tree.draft_probs)))
+
+    def verifier_info(self) -> VerifierInfo:
+        """The verifier's node, CPUs and GPUs (from its health); empty where it does not answer."""
+        try:
+            h = ray.get(self.verifier.health.remote(), timeout=10)
+        except Exception:
+            h = {}
+        return VerifierInfo(h.get("node_id") or "", float(h.get("cpus") or 0.0), h.get("gpus"))
+
+
+def unpack_puts(puts) -> list[TreePut]:
+    """A drafter's puts as the verifier receives them: (header bytes, [ObjectRef]) each. A
+    malformed one refuses the whole call (WireError) before anything is filed."""
+    if not isinstance(puts, (list, tuple)):
+        raise WireError(f"puts must be a list, got {type(puts).__name__}")
+    out = []
+    for put in puts:
+        if not (isinstance(put, (list, tuple)) and len(put) == 2 and isinstance(put[1], (list, tuple))
+                and len(put[1]) == 1 and isinstance(put[1][0], ray.ObjectRef)):
+            raise WireError("a put is (header bytes, [ObjectRef])")
+        out.append(TreePut(unpack_header(put[0]), put[1][0]))
+    return out
+
+
+async def fetch_tree(entry) -> None:
+    """Pull a ring entry's tree from the object store and decode it (or note why not)."""
+    import torch
+
+    from models.tree import TokenTree
+
+    try:
+        frame = decode_tree(await entry.payload)
+        if frame.header != entry.header:
+            raise WireError("tree frame header differs from its ring entry")
+        with warnings.catch_warnings():   # object-store buffers are read-only; nothing writes them
+            warnings.simplefilter("ignore", UserWarning)
+            probs = None if frame.draft_probs is None else torch.from_numpy(frame.draft_probs)
+            entry.tree = TokenTree(torch.from_numpy(frame.token_ids), torch.from_numpy(frame.parent_ids),
+                                   torch.from_numpy(frame.depths), probs, frame.header.prefix_len,
+                                   frame.header.epoch)
+    except WireError as e:
+        entry.error = f"WireError: {e}"
+    except Exception as e:          # owner died, object lost
+        entry.error = f"{type(e).__name__}: {e}"
+    entry.payload = None

@@ -1,0 +1,93 @@
+"""Models named by shape instead of a checkpoint: `random:<preset>[:<seed>]`.
+
+Large checkpoints are not at hand where a GPU benchmark runs, and a benchmark of an
+8B-shaped target needs only its shapes: `random_model` builds a Transformer of a named
+shape (a table of presets, as gpt-fast keeps) with random weights, on a device. `load` and
+`config_of` take either such a name or a checkpoint directory, which is how the engines
+load their models (verifier/target.py, drafter/draft_side.py).
+"""
+from __future__ import annotations
+
+import torch
+
+RANDOM_PRESETS = {
+    # Llama-3-8B and Llama-3.2-1B shapes (vocabulary 128256, GQA 4:1)
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                      num_kv_heads=8, vocab_size=128256),
+    "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                      num_kv_heads=8, vocab_size=128256),
+    # CPU smoke shapes
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                 vocab_size=512),
+    "tiny-draft": dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
+                       vocab_size=512),
+}
+
+
+def is_random(spec: str | None) -> bool:
+    return isinstance(spec, str) and spec.startswith("random:")
+
+
+def random_config(spec: str):
+    from models.config import ModelConfig
+
+    _, preset, *_ = spec.split(":")
+    if preset not in RANDOM_PRESETS:
+        raise ValueError(f"unknown random preset {preset!r}; known: {', '.join(RANDOM_PRESETS)}")
+    shape = RANDOM_PRESETS[preset]
+    return ModelConfig(arch="llama", head_dim=shape["hidden_size"] // shape["num_heads"],
+                       max_position_embeddings=4096, rope_theta=500000.0, **shape)
+
+
+def random_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
+    """`random:<preset>[:<seed>]` -> a models.Transformer with N(0, 0.02) weights, eval mode."""
+    from models.config import rope_inv_freq
+    from models.transformer import Transformer
+
+    parts = spec.split(":")
+    seed = int(parts[2]) if len(parts) > 2 else 0
+    config = random_config(spec)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.device(device):
+        model = Transformer(config).to(dtype)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.02, generator=gen)
+    model.inv_freq = rope_inv_freq(config)[0].to(device)
+    return model.requires_grad_(False).eval()
+
+
+
+
+def load(spec: str, device: str = "cpu", dtype: str = "float32"):
+    """A checkpoint directory or `random:<preset>`, as a Transformer on `device`; on a GPU its
+    small forwards run as CUDA graphs (`models.cuda_graphs`; SPECFLASH_CUDA_GRAPHS=0: eager)."""
+    from models import cuda_graphs
+
+    if is_random(spec):
+        model = random_model(spec, device, getattr(torch, dtype))
+    else:
+        from models.loader import load_model
+
+        model = load_model(spec, device=device, dtype=getattr(torch, dtype))
+    cuda_graphs.enable(model)
+    return model
+
+
+def config_of(spec: str):
+    """The ModelConfig of a checkpoint directory or `random:<preset>`."""
+    if is_random(spec):
+        return random_config(spec)
+    from models.loader import load_config
+
+    return load_config(spec)
+
+
+def eos_of(spec: str) -> list[int]:
+    """EOS ids of a checkpoint (`models.pair.eos_token_ids`); none for a random model."""
+    if is_random(spec):
+        return []
+    from models.pair import eos_token_ids
+
+    return eos_token_ids(spec)

@@ -1,0 +1,102 @@
+"""The knobs of speculation and their limits, each defined once.
+
+`SpeculationSettings` is the `speculation:` block of the cluster config (cluster/config.py
+uses it as it is) and the server's defaults for requests that do not say; `EngineSettings`
+adds what one engine (a scheduler and its drafters) runs with: memory, threads, device,
+timeouts. The limits below bound the per-request options (`speculation.requests`), the
+HTTP and gRPC request models, the planner and the CLI alike.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MAX_SPEC_LEN = 16        # deepest tree (chain length K) any request or default may ask for
+MAX_TREE_WIDTH = 8       # most children of one tree node
+MAX_BRIDGE_DEPTH = 4     # longest bridge chain (`bridge_depth`)
+MODES = ("off", "chain", "tree", "auto")
+PROPOSERS = ("model", "ngram")
+
+Mode = Literal["off", "chain", "tree", "auto"]
+ProposerName = Literal["model", "ngram"]
+
+
+class SpeculationSettings(BaseModel):
+    """Server defaults of speculation; a request may override mode, depth, width and proposer."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    mode: Mode = Field("auto", description="Server default; a request may override it. auto = adaptive per sequence.")
+    spec_len: int = Field(4, ge=1, le=MAX_SPEC_LEN, description="Chain length K / maximum tree depth.")
+    tree_width: int = Field(1, ge=1, le=MAX_TREE_WIDTH, description="Children per tree node (1 = chain).")
+    proposer: ProposerName = Field("model", description="Draft model or prompt-lookup n-grams.")
+    ring_slots: int = Field(2, ge=1, le=64, description=(
+        "Trees in flight per sequence (ring buffer depth). 1 = lockstep: the drafter drafts only "
+        "from the committed prefix (nothing assumed, no rollbacks) and, on a CPU node it shares "
+        "with the verifier, lends its cores to each verification; it pays where drafter and "
+        "verifier split a few cores."))
+    lockstep_alone: bool = Field(True, description=(
+        "Run in lockstep (as ring_slots 1) while a CPU drafter on its verifier's node, with at "
+        "least the verifier's CPUs, serves one sequence: a lone stream then gets every "
+        "verification on both actors' cores and no bridges; with more streams the pipeline "
+        "overlaps drafting and verification again."))
+    lockstep_shared_gpu: bool = Field(True, description=(
+        "Run in lockstep (as ring_slots 1) while the drafter runs on the verifier's GPU: two "
+        "processes' forwards on one GPU are time-sliced, so overlapping them gains nothing and "
+        "slows each verification (3-7x on an H200, measured 2026-11-30: docs/bench-history.md)."))
+    max_batch_size: int = Field(32, ge=1, le=4096, description="Sequences per verifier forward.")
+    bridge_depth: int = Field(0, ge=0, le=MAX_BRIDGE_DEPTH, description=(
+        "After a tree whose outcome contradicts what the drafter assumed, the verifier's next "
+        "step (the bridge) verifies the draft's own greedy chain of this many tokens, drafted by "
+        "a copy of the draft the verifier holds, instead of decoding one token alone (greedy "
+        "requests with a draft model; 0 = decode alone). Used only with restart_depth 0."))
+    restart_depth: int = Field(0, ge=0, le=MAX_SPEC_LEN, description=(
+        "After a tree whose outcome contradicts what the drafter assumed, the drafter drafts a "
+        "restart tree this deep (within the sequence's budget) after the committed prefix and "
+        "the verifier waits for it, instead of decoding one token alone (a bridge) while the "
+        "drafter drafts a full tree after its guess of that token. 0 = bridge."))
+    lookup: bool = Field(
+        True, description="In auto mode, where the draft model does not pay, the verifier speculates "
+                          "with prompt lookup (n-grams of the prompt and output) when that pays.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpeculationSettings:
+        if self.mode == "chain" and self.tree_width != 1:
+            raise ValueError(f"mode 'chain' means tree_width 1, got {self.tree_width}; use mode 'tree'")
+        if self.bridge_depth > 0 and self.restart_depth > 0:
+            raise ValueError(f"bridge_depth {self.bridge_depth} applies to bridges, which restart_depth "
+                             f"{self.restart_depth} replaces; set one of them to 0")
+        return self
+
+
+class EngineSettings(SpeculationSettings):
+    """What one engine (a scheduler, its target and its drafters) runs with, beside the defaults.
+
+    Built from the cluster config (`cluster.pipeline.settings_from_config`) and handed to every
+    actor of a pipeline as `model_dump()`; the in-process engine builds one directly."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+    num_blocks: int = Field(1024, ge=1, description="Target KV blocks (each drafter gets as many).")
+    block_size: int = Field(16, ge=1, description="Tokens per KV block.")
+    num_cpus: float = Field(1.0, ge=0, description="Torch threads of each actor (its reserved CPUs).")
+    device: str = Field("cpu", description="Device of the models: cpu or cuda.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weight dtype.")
+    drafter_timeout_s: float = Field(2.0, gt=0, description="A drafter silent this long is treated as dead.")
+    max_tree_wait_s: float = Field(0.5, ge=0, description="Longest a sequence is held back for a late tree.")
+    poll_s: float = Field(0.05, gt=0, description=(
+        "Verifier idle poll; a drafter with nothing to draft long-polls max(this, drafter_timeout_s / 4)."))
+    plain_threads: int = Field(-1, ge=-1, description=(
+        "Torch threads of a CPU verifier's step while its drafters have nothing to draft: -1 = its "
+        "own plus the CPUs of the live drafters on its node (theirs sit idle then); 0 = its own "
+        "only; n > 0 = n (`speculation.policy.plain_step_threads`)."))
+    proposers: tuple[str, ...] = Field(PROPOSERS, description=(
+        "The proposers this engine's drafters hold ('model' needs a draft model); a request "
+        "naming another is refused."))
+
+
+def check_speculation(spec_len: int, tree_width: int) -> None:
+    """A depth and a width within the limits, as a CLI flag or a setting gives them."""
+    if not isinstance(spec_len, int) or not 1 <= spec_len <= MAX_SPEC_LEN:
+        raise ValueError(f"spec-len (K) must be an integer in [1, {MAX_SPEC_LEN}], got {spec_len!r}")
+    if not isinstance(tree_width, int) or not 1 <= tree_width <= MAX_TREE_WIDTH:
+        raise ValueError(f"tree-width must be an integer in [1, {MAX_TREE_WIDTH}], got {tree_width!r}")

@@ -1,0 +1,86 @@
+"""The drafter's proposers driven on assumed prefixes (drafter/draft_side.py), and the verifier's
+copy of the draft for bridge chains: both sides draft the same path; warm-up leaves no trace."""
+from __future__ import annotations
+
+import torch
+
+from drafter.draft_side import BridgeDraft, DraftItem, DraftSide
+from models.presets import config_of
+from models.sampling import SamplingParams
+from speculation.proposal import DraftRequest
+from speculation.settings import EngineSettings
+
+
+def _side(draft, target, settings) -> DraftSide:
+    return DraftSide.build(str(draft), config_of(str(target)).vocab_size, settings)
+
+
+def test_the_verifiers_chain_is_the_path_the_drafter_assumes(tiny_target, close_draft, far_draft):
+    """Both sides draft the same greedy tokens after the same committed prefix, the drafter
+    with its restart tree hanging from them, the verifier as a chain cut to r plus the draft's
+    next token as the announced outcome; across successive prefixes (the caught-up cache)."""
+    threads = torch.get_num_threads()
+    try:
+        for draft in (close_draft, far_draft):
+            settings = EngineSettings(num_blocks=64, bridge_depth=2)
+            drafter, verifier = _side(draft, tiny_target, settings), \
+                BridgeDraft(str(draft), str(tiny_target), settings)
+            greedy, gen = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
+            prefix = [5, 9, 2, 7, 3, 8, 1, 4]
+            for step in range(4):
+                (d,), _ = drafter.propose([DraftItem("s", prefix, greedy, gen, 3, 1, 0, 3)], assume=True)
+                (bridge,) = verifier.chains([DraftRequest("s", prefix, greedy, gen, 2)])
+                chain, announced = bridge.tree, bridge.outcome
+                assert chain.num_nodes == 2 and chain.depths.tolist() == [1, 2]
+                assert announced == d.bridge_tokens and len(announced) == 3
+                assert chain.token_ids.tolist() == announced[:2]
+                assert d.tree.prefix_len == len(prefix) + 3 and d.tree.num_nodes == 3
+                drafter.rollback("s", len(prefix) - 1)
+                prefix = prefix + [(7 * step + 3) % 50, (5 * step + 1) % 50]    # the prefix grows
+            verifier.release("s")
+            assert verifier.proposer.cache.num_free_blocks == verifier.proposer.cache.num_blocks
+            assert verifier.warm_up(2) == 0.0                       # nothing to compile on a CPU
+            assert verifier.warm_up(2, on_cpu=True) > 0.0
+            assert verifier.proposer.cache.num_free_blocks == verifier.proposer.cache.num_blocks
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_random_benchmark_draft_bridges_like_its_drafter():
+    """`random:` models (models/presets.py) have no head rows to read: the
+    verifier's copy is built as the drafter's is, and both draft the same path."""
+    threads = torch.get_num_threads()
+    try:
+        settings = EngineSettings(num_blocks=32, bridge_depth=2)
+        greedy, gen = SamplingParams(temperature=0.0), torch.Generator()
+        drafter = _side("random:tiny-draft", "random:tiny", settings)
+        verifier = BridgeDraft("random:tiny-draft", "random:tiny", settings)
+        (d,), _ = drafter.propose([DraftItem("s", [1, 2, 3], greedy, gen, 2, 1, 0, 3)])
+        (bridge,) = verifier.chains([DraftRequest("s", [1, 2, 3], greedy, gen, 2)])
+        announced = bridge.outcome
+        assert announced == d.bridge_tokens and len(announced) == 3
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_draft_warm_up_leaves_no_trace(tiny_target, close_draft):
+    threads = torch.get_num_threads()
+    try:
+        settings = EngineSettings(num_blocks=32)
+        fresh = _side(close_draft, tiny_target, settings)
+        warmed = _side(close_draft, tiny_target, settings)
+        assert warmed.warm_up(3) == 0.0
+        assert warmed.warm_up(3, on_cpu=True) > 0.0
+        assert warmed.cache.num_free_blocks == warmed.cache.num_blocks
+        prefix = [5, 9, 2, 7, 3, 8, 1, 4]
+
+        def draft(side):
+            item = DraftItem("y", prefix, SamplingParams(temperature=0.0), torch.Generator().manual_seed(0), 3, 1, 0)
+            d = side.propose([item])[0][0]
+            side.release("y")
+            return d.tree.token_ids.tolist(), d.outcome
+
+        assert draft(warmed) == draft(fresh)
+        assert warmed.cache.num_free_blocks == warmed.cache.num_blocks
+    finally:
+        torch.set_num_threads(threads)

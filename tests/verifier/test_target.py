@@ -1,0 +1,38 @@
+"""The target's warm-up (verifier/target.py): on a GPU it runs a dummy sequence through the
+shapes requests meet before serving (the drafter's is in tests/drafter/test_draft_side.py).
+Forced here on the CPU: it must leave nothing behind — every KV block free, no sequence
+state — and change no later result."""
+from __future__ import annotations
+
+import torch
+
+from models.sampling import SamplingParams
+from verifier.target import TargetSide
+
+
+def _greedy(side: TargetSide, prompt: list[int], steps: int) -> list[int]:
+    from models.tree import TokenTree
+    from verifier import VerifyRequest
+
+    committed, gen = list(prompt), torch.Generator().manual_seed(0)
+    side.prefill("x", committed)
+    for _ in range(steps):
+        tree = TokenTree.chain([committed[-1]] * 2, None, len(committed))
+        res = side.verify([VerifyRequest("x", committed[-1], tree, SamplingParams(temperature=0.0), gen)])[0][0]
+        committed += res.token_ids
+    side.release("x")
+    return committed[len(prompt):]
+
+
+def test_target_warm_up_leaves_no_trace(tiny_target):
+    threads = torch.get_num_threads()
+    try:
+        fresh = TargetSide(str(tiny_target), num_blocks=32)
+        warmed = TargetSide(str(tiny_target), num_blocks=32)
+        assert warmed.warm_up(4) == 0.0                       # nothing to compile on a CPU
+        assert warmed.warm_up(4, on_cpu=True) > 0.0
+        assert warmed.cache.num_free_blocks == warmed.cache.num_blocks
+        prompt = [5, 9, 2, 7, 3, 8]
+        assert _greedy(warmed, prompt, 6) == _greedy(fresh, prompt, 6)
+    finally:
+        torch.set_num_threads(threads)

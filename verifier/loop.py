@@ -1,0 +1,172 @@
+"""The scheduler's loop on an asyncio event loop, forwards on one model thread.
+
+`EngineLoop` is what every engine runs: the Ray verifier actor (cluster/actors.py) and the
+in-process engine (cluster/local.py) differ only in where their drafters live. Requests come
+in through `generate` (an async generator of chunks); each `step` admits and prefills new
+requests, lets in-process drafters draft (`pump`), collects the batch, runs the speculative
+step (`speculation.step.speculative_step`) and publishes. Every forward and prefill runs on
+one model thread, so one OpenMP thread team serves them all (asyncio's default pool would
+spread them over threads, each with a team of its own), and the event loop keeps serving
+drafters' exchanges and aborts while the target runs. `inline=True` runs them on the
+caller's thread instead (the blocking `generate` of the in-process engine).
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from speculation.requests import GenerationChunk, SpeculationOptions
+from speculation.step import speculative_step
+from verifier.scheduler import Scheduler
+
+log = logging.getLogger("specflash.verifier")
+
+# Python's garbage collector in this process: seconds paused and full collections (a pause on
+# the model thread lengthens a forward, one on the event loop delays a step)
+_GC = {"s": 0.0, "full": 0, "since": None}
+
+
+def _gc_timer(phase: str, info: dict) -> None:
+    if phase == "start":
+        _GC["since"] = time.perf_counter()
+    elif _GC["since"] is not None:
+        _GC["s"] += time.perf_counter() - _GC["since"]
+        _GC["full"] += int(info.get("generation") == 2)
+        _GC["since"] = None
+
+
+def gc_report() -> dict:
+    if _gc_timer not in gc.callbacks:
+        gc.callbacks.append(_gc_timer)
+    return {"gc_s": _GC["s"], "gc_full_collections": _GC["full"]}
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler, pump: Callable[..., Awaitable] | None = None,
+                 inline: bool = False) -> None:
+        """`pump(scheduler, run)`: in-process drafters, drafting before each collect
+        (verifier/inprocess.py); None where drafters live elsewhere. `inline`: run the model's
+        work on the calling thread, not the model thread."""
+        self.scheduler = scheduler
+        self.pump = pump
+        self.inline = inline
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-model")
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        scheduler.on_work = self._poke
+        gc_report()
+
+    # -- requests ------------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: list[int], params, spec: SpeculationOptions | None
+                       ) -> AsyncIterator[GenerationChunk]:
+        """The request's chunks as the steps commit them; leaving early aborts it."""
+        self.ensure_running()
+        queue: asyncio.Queue = asyncio.Queue()
+        self.scheduler.add(request_id, prompt, params, spec, queue.put_nowait)
+        try:
+            while True:
+                chunk = await queue.get()
+                yield chunk
+                if chunk.finished:
+                    return
+        finally:
+            s = self.scheduler.streams.get(request_id)
+            if s is not None:
+                self.scheduler.finish(s, "abort", notify=False)
+
+    def ensure_running(self) -> None:
+        """Start the loop's task on the running event loop (once per event loop)."""
+        loop = asyncio.get_running_loop()
+        if self._task is None or self._task.get_loop() is not loop or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self.run())
+
+    def close(self) -> None:
+        """Stop the loop's task and the model thread."""
+        if self._task is not None and not self._task.done():
+            self._task.get_loop().call_soon_threadsafe(self._task.cancel)
+        if self._model_thread is not None:
+            self._model_thread.shutdown(wait=False)
+
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.step()
+                if self.inline:            # the model's work did not yield: let requests and aborts in
+                    await asyncio.sleep(0)
+            except Exception as e:     # a bug: fail the running requests, keep serving
+                log.exception("verifier step failed")
+                self.scheduler.fail_all(f"{type(e).__name__}: {e}")
+                await asyncio.sleep(0.01)
+
+    # -- a step --------------------------------------------------------------------------
+    async def step(self) -> bool:
+        """One pass: admit, draft (in process), collect, verify, publish. Returns whether a
+        forward ran (False: idle, or waiting for trees)."""
+        sch = self.scheduler
+        start = time.monotonic()
+        await self.admit()
+        active = sch.active()
+        if not active:
+            await self._sleep(sch.settings.poll_s)
+            return False
+        sch.members.rebalance()
+        draft_s = 0.0
+        if self.pump is not None:          # in-process drafters draft now, on the model thread
+            begin = time.monotonic()
+            await self.pump(sch, self.run_model)
+            draft_s = time.monotonic() - begin
+            sch.stats.observe_idle(draft_s)        # the target waits while the drafter drafts
+            sch.costs.idle_carry += draft_s
+            active = sch.active()          # requests may have ended meanwhile
+        admitted = time.monotonic()        # prefills and drafting are not a verification step's cost
+        batch, deadline = sch.collect(active, start)
+        if not batch:                      # every sequence waits for its tree: verifier idle
+            await self._sleep(max(0.0, deadline - time.monotonic()))
+            waited = time.monotonic() - start
+            sch.stats.observe_idle(waited)
+            sch.stats.observe_wall(waited)
+            sch.costs.idle_carry += waited
+            return False
+        threads = sch.step_threads(batch)
+        if sch.announced:           # bridge chains, drafted on the model thread before the forward
+            await self.run_model(sch.bridge_chains, batch, threads)
+        outcomes, seconds = await speculative_step(batch, sch.target, self.run_model, threads)
+        sch.publish(outcomes, draft_s, seconds)
+        end = time.monotonic()
+        sch.stats.observe_wall(end - start)
+        # the planner pays what a step really costs: its wall time plus the idle waits before it
+        sch.observe_step(batch, seconds, threads, end - admitted)
+        return True
+
+    async def admit(self) -> None:
+        """Free finished sequences' KV and prefill new ones (between forwards, never during)."""
+        sch = self.scheduler
+        to_free, joins, threads = sch.plan_admission()
+        if not to_free and not joins:
+            return
+        features = await self.run_model(sch.prefill, to_free, joins, threads)
+        sch.prefilled(joins, features)
+
+    async def run_model(self, fn: Callable, *args):
+        if self.inline:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
+
+    async def _sleep(self, seconds: float) -> None:
+        if self._wake is None:
+            await asyncio.sleep(seconds)
+            return
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass

@@ -1,0 +1,159 @@
+"""Which drafter feeds which stream, and what each drafter is told (DESIGN.md §3).
+
+A drafter that attaches with a new incarnation id (new, or restarted by Ray) is told to drop
+whatever it held ("reset"), then resynchronised from the committed prefixes of the streams it
+feeds, adopting streams whose drafter is gone; streams of a dead drafter move to a live one.
+Part of the scheduler (verifier/scheduler.py), kept apart so that each reads on its own.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+from speculation.transport import Exchange
+from speculation.wire import Signal
+from verifier.ring import RingEntry
+from verifier.stream import VerifyStream
+
+if TYPE_CHECKING:
+    from speculation.step import StepItem
+    from verifier.scheduler import Scheduler
+
+log = logging.getLogger("specflash.verifier")
+
+
+class Membership:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.sch = scheduler
+        self.registry = scheduler.registry
+
+    # -- exchanges -----------------------------------------------------------------------
+    def receive(self, call: Exchange) -> None:
+        """File a drafter's trees in the ring, attach it if it is new, resync what it lost."""
+        sch = self.sch
+        if self.registry.heard(call):
+            self._attach(call.drafter, call.incarnation)
+        if call.draft_levels:
+            if not self.lockstep(call.drafter):   # in lockstep a step prices the wait for its trees
+                sch.costs.overlap.observe_draft(call.draft_levels, call.draft_s)
+            self.registry.observe_tree_time(call.drafter, call.draft_s)
+        for put in call.puts:
+            self._put(call.drafter, put.header, put.payload)
+        for stream in call.resync:            # the drafter lost its state for these streams
+            s = sch.streams.get(stream)
+            if s is not None and s.admitted and s.drafter == call.drafter:
+                self.resync(s)
+        sch.on_work()
+
+    def _put(self, drafter: int, header, payload) -> None:
+        sch = self.sch
+        s = sch.streams.get(header.stream)
+        entry = RingEntry(header, payload)
+        if s is None or s.drafter != drafter:
+            sch.drop([entry])
+            return
+        ok, dropped = sch.ring.put(entry)
+        sch.drop([e for e in dropped if e is not entry])
+        if ok:
+            sch.fetch(entry)
+        elif entry.header.epoch >= sch.ring.stream(s.request_id).epoch:
+            sch.stats.observe_dropped(1, header.num_nodes)
+            self.resync(s)        # the drafter's count of slots disagrees with the ring
+
+    # -- assignment ----------------------------------------------------------------------
+    def _attach(self, drafter: int, incarnation: str) -> None:
+        """A new or restarted drafter (or we restarted): it drops whatever it held ("reset"),
+        then is resynchronised on the streams it feeds and adopts orphans."""
+        if any(s.drafter == drafter for s in self.sch.streams.values()):
+            log.warning("drafter %d restarted (incarnation %s)", drafter, incarnation[:8])
+        self.registry.send(drafter, Signal("reset", ""))
+        for s in self.sch.streams.values():
+            if s.admitted and self._wants_drafter(s) and \
+                    (s.drafter == drafter or s.drafter is None or not self.registry.live(s.drafter)):
+                self.assign(s, drafter)
+
+    def _wants_drafter(self, s: VerifyStream) -> bool:
+        """Speculating streams get a drafter; a feature-conditioned one only once the prompt's
+        features exist (after its prefill)."""
+        return s.mode != "off" and (not self.sch.features or s.prefilled)
+
+    def assign_new(self, s: VerifyStream) -> None:
+        """A stream just admitted: the least loaded live drafter, if it speculates."""
+        live = self.registry.live_ids()
+        if self._wants_drafter(s) and live:
+            self.assign(s, self._least_loaded(live))
+
+    def _least_loaded(self, live: list[int]) -> int:
+        load = {i: sum(t.drafter == i for t in self.sch.streams.values()) for i in live}
+        return min(live, key=load.get)
+
+    def assign(self, s: VerifyStream, drafter: int) -> None:
+        if s.drafter is not None and s.drafter != drafter:
+            self.registry.send(s.drafter, Signal("leave", s.request_id))
+        s.drafter = drafter
+        self.resync(s)
+
+    def resync(self, s: VerifyStream) -> None:
+        """The drafter restarts the stream from its whole committed prefix."""
+        s.first_tree = True
+        ring = self.sch.ring.stream(s.request_id)
+        self.sch.drop(ring.bump(ring.epoch + 1))
+        params = asdict(s.params)
+        params["seed"] = s.seed + 1   # the drafter's own stream of randomness
+        s.unsent, s.sent_budget = [], s.budget
+        features = None
+        if self.sch.features:
+            s.features_sent = 0
+            features = s.unsent_features()
+        self.registry.send(s.drafter, Signal("resync", s.request_id, ring.epoch, -1, len(s.committed),
+                                             list(s.committed), s.budget, params, s.proposer, features))
+
+    def rebalance(self) -> None:
+        """Streams of a dead drafter move to a live one, if any (else they decode alone)."""
+        live = self.registry.live_ids()
+        if not live:
+            return
+        for s in self.sch.streams.values():
+            if s.admitted and self._wants_drafter(s) and not self.registry.live(s.drafter):
+                self.assign(s, self._least_loaded(live))
+
+    # -- what the drafters are doing -----------------------------------------------------
+    def lockstep(self, drafter: int | None) -> bool:
+        streams = sum(1 for t in self.sch.streams.values() if t.drafter == drafter)
+        return self.registry.lockstep(drafter, streams)
+
+    def plan_bridges(self) -> bool:
+        """Whether the planner counts bridge steps: not while every drafter runs in lockstep."""
+        if self.sch.settings.ring_slots == 1:
+            return False
+        drafters = {s.drafter for s in self.sch.streams.values() if s.drafter is not None}
+        return not drafters or not all(self.lockstep(i) for i in drafters)
+
+    def drafters_idle(self) -> bool:
+        """No stream has work for a drafter: every budget 0, the drafter told so, no bridge."""
+        return not any(s.budget[0] or s.sent_budget[0] or s.bridge for s in self.sch.streams.values()
+                       if s.admitted and s.drafter is not None)
+
+    def drafters_blocked(self, batch: list[StepItem]) -> bool:
+        """Every stream a drafter serves either has its tree in `batch` and that drafter in
+        lockstep (one tree in flight), or no work for it: the drafters wait for this step's
+        signals."""
+        verifying = {it.seq.request_id for it in batch if it.header is not None}
+        for s in self.sch.streams.values():
+            if not s.admitted or s.drafter is None:
+                continue
+            if s.request_id in verifying:
+                if not self.lockstep(s.drafter):
+                    return False
+            elif s.budget[0] or s.sent_budget[0] or s.bridge:
+                return False
+        return True
+
+    def patience(self, s: VerifyStream) -> float:
+        """How long a sequence may wait for its drafter's tree: a few of its tree times, or
+        `max_tree_wait_s` for the first tree after a (re)sync (the drafter prefills first)."""
+        if s.first_tree:
+            return self.sch.settings.max_tree_wait_s
+        tree_s = self.registry.drafters[s.drafter].tree_s
+        return min(self.sch.settings.max_tree_wait_s, 3.0 * tree_s + 0.02)

@@ -1,0 +1,450 @@
+"""The scheduler: the verifier's half of the asynchronous protocol, for every engine (DESIGN.md §3).
+
+One plain class, free of Ray and of asyncio, owns every request's stream, the ring of
+drafted trees, the planner and the step costs; `verifier.loop.EngineLoop` drives it
+(admit, collect, verify, publish) on an event loop with the forwards on a model thread. The
+Ray verifier actor (cluster/actors.py) is that loop plus remote drafters calling `receive`;
+the in-process engine is the same loop with a drafter in its own process, pumped before each
+collect (verifier/inprocess.py). Drafter membership (attach, resync, rebalance) is
+`verifier.membership.Membership`.
+
+Each step takes, for every active sequence, the first valid tree in its ring (or a tree of
+zero nodes when speculation is off, its drafter is dead, or its tree is late), verifies them
+all in **one** target forward (continuous batching: sequences join and leave between steps),
+commits, streams the tokens out at once, plans the next budgets and queues an accept /
+rollback signal for each sequence's drafter. Exactness never rests on the drafter: only a
+tree whose claimed prefix equals the committed one is verified (verifier/ring.py).
+
+On a CPU node, a plain step or a prompt prefill taken while no drafter has work runs on the
+idle drafters' cores too (`step_threads`, `speculation.policy.plain_step_threads`): with
+speculation switched off the pipeline then decodes as fast as the target alone.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from models.sampling import SamplingParams
+from models.transformer import few_row_limit
+from models.tree import TokenTree
+from speculation.planner import AdaptiveSpeculation
+from speculation.policy import bridge_chain_depth, restart_tree_depth, threads_of
+from speculation.proposal import DraftRequest
+from speculation.requests import GenerationChunk, InvalidRequest, SpeculationOptions, resolve_speculation
+from speculation.settings import MAX_SPEC_LEN, EngineSettings
+from speculation.stats import SpecStats
+from speculation.step import StepItem, StepOutcome
+from speculation.transport import Exchange
+from speculation.wire import Signal
+from verifier.costs import StepCosts
+from verifier.lookup import VerifierLookup
+from verifier.membership import Membership
+from verifier.registry import DrafterRegistry
+from verifier.ring import Ring, RingEntry
+from verifier.stream import VerifyStream
+
+log = logging.getLogger("specflash.verifier")
+
+
+class Scheduler:
+    def __init__(self, target, settings: EngineSettings, *, eos_ids=(), bridge_draft=None,
+                 node_id: str = "", gpu_ids: list[str] | None = None) -> None:
+        """`target`: a `verifier.target.TargetSide`; `bridge_draft`: the verifier's copy of the
+        draft (`drafter.draft_side.BridgeDraft`) for bridge chains; `node_id` / `gpu_ids`: where
+        this runs (Ray's names; "" / None where unknown or off a GPU)."""
+        self.target, self.settings = target, settings
+        self.threads = threads_of(settings.num_cpus)
+        self.eos_ids = set(eos_ids)
+        self.bridge_draft = bridge_draft
+        self.features = target.verifier.features     # a feature-conditioned drafter reads them
+        self.ring = Ring(settings.ring_slots)
+        self.adaptive = AdaptiveSpeculation(max_spec_len=MAX_SPEC_LEN)
+        self.adaptive.restart_depth = settings.restart_depth
+        self.costs = StepCosts(self.adaptive, target.model, settings, self.threads)
+        self.costs.choose(settings.ring_slots > 1, self.threads)
+        self.lookup = VerifierLookup(settings.lookup, few_row_limit(target.model))
+        self.adaptive.row_limit = self.lookup.planner.row_limit
+        self.registry = DrafterRegistry(settings, node_id, gpu_ids, self.threads)
+        self.members = Membership(self)
+        self.stats = SpecStats()
+        self.streams: dict[str, VerifyStream] = {}
+        self.joins: deque[str] = deque()
+        self.to_free: list[str] = []
+        self.reserved_blocks: dict[str, int] = {}
+        self.announced: dict[str, list[int] | None] = {}   # this step's bridge chains: their outcomes
+        self.error: str | None = None
+        # how a filed tree's payload becomes a TokenTree (the Ray actor fetches it from the object
+        # store instead), and how the loop is woken when work arrives
+        self.fetch: Callable[[RingEntry], None] = self._take_tree
+        self.on_work: Callable[[], None] = lambda: None
+
+    # -- requests ------------------------------------------------------------------------
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams,
+            spec: SpeculationOptions | None, emit: Callable[[GenerationChunk], None]) -> VerifyStream:
+        """A new request; its chunks go to `emit`. Raises `InvalidRequest` for what it cannot serve."""
+        if request_id in self.streams:
+            raise InvalidRequest(f"request id {request_id!r} is already running")
+        if not prompt:
+            raise InvalidRequest("the prompt is empty: it must hold at least one token", "prompt")
+        ctx, vocab = self.target.max_context, self.target.vocab_size
+        if len(prompt) >= ctx:
+            raise InvalidRequest(f"the prompt is {len(prompt)} tokens long; the target's context is {ctx} "
+                                 f"tokens (room is needed for at least one more)", "prompt")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
+        r = resolve_speculation(spec, self.settings, self.settings.proposers)
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        s = VerifyStream(request_id, list(prompt), params, torch.Generator().manual_seed(seed), stop, r.mode,
+                         r.spec_len, r.tree_width, ctx, proposer=r.proposer, seed=seed, emit=emit,
+                         committed=list(prompt))
+        s.started = time.perf_counter()
+        self.streams[request_id] = s
+        self.joins.append(request_id)
+        self.on_work()
+        return s
+
+    def abort(self, request_id: str) -> bool:
+        s = self.streams.get(request_id)
+        if s is None:
+            return False
+        self.finish(s, "abort")
+        return True
+
+    def finish(self, s: VerifyStream, reason: str, notify: bool = True, error: str | None = None) -> None:
+        """Take the stream out: ring slots now, KV blocks at the loop's next reap. With `notify`,
+        an abort or an error is told to the request as a last chunk."""
+        if s.request_id not in self.streams:
+            return
+        s.finish_reason = s.finish_reason or reason
+        s.stats.observe_time("elapsed", time.perf_counter() - s.started)
+        del self.streams[s.request_id]
+        if s.request_id in self.joins:
+            self.joins.remove(s.request_id)
+        self.drop(self.ring.remove_stream(s.request_id))
+        self.adaptive.remove(s.request_id)
+        self.lookup.remove(s.request_id)
+        self.reserved_blocks.pop(s.request_id, None)
+        if s.prefilled:
+            self.to_free.append(s.request_id)
+        if s.drafter is not None:
+            self.registry.send(s.drafter, Signal("leave", s.request_id))
+        if notify and reason in ("abort", "error") and s.emit is not None:
+            s.emit(s.chunk([], error=error))
+        self.on_work()
+
+    def fail_all(self, error: str) -> None:
+        """A bug in a step: fail the running requests, keep serving."""
+        self.error = error
+        for s in list(self.streams.values()):
+            self.finish(s, "error", error=f"verifier step failed: {error}")
+
+    # -- drafters ------------------------------------------------------------------------
+    def receive(self, call: Exchange) -> None:
+        """A drafter's exchange (its trees already checked against the wire format)."""
+        self.members.receive(call)
+
+    def signals_for(self, drafter: int) -> list[Signal]:
+        return self.registry.take(drafter)
+
+    def _take_tree(self, entry: RingEntry) -> None:
+        """In process a tree's payload is the tree."""
+        entry.tree = entry.payload
+
+    def drop(self, entries: list[RingEntry]) -> None:
+        if entries:
+            self.stats.observe_dropped(len(entries), sum(e.header.num_nodes for e in entries))
+
+    # -- admission -----------------------------------------------------------------------
+    def plan_admission(self) -> tuple[list[str], list[str], int]:
+        """Finished sequences to free and waiting ones to admit (within the batch size and the KV
+        budget), each admitted one given its ring, first budget and drafter, so that the drafter
+        drafts its first tree while the target prefills. Returns (to free, joins, the threads of
+        their prefill)."""
+        to_free, self.to_free = self.to_free, []
+        joins = []
+        budget = self.target.cache.num_blocks - sum(self.reserved_blocks.values())
+        running = sum(1 for s in self.streams.values() if s.prefilled)
+        while self.joins and running + len(joins) < self.settings.max_batch_size:
+            s = self.streams[self.joins[0]]
+            need = -(-(len(s.prompt) + s.params.max_tokens + MAX_SPEC_LEN * s.tree_width + 2)
+                     // self.settings.block_size)
+            if need > self.target.cache.num_blocks:
+                self.joins.popleft()
+                self.finish(s, "error", error=f"request needs {need} KV blocks; the verifier has "
+                            f"{self.target.cache.num_blocks}")
+                continue
+            if need > budget:
+                break                        # wait for running sequences to finish
+            budget -= need
+            self.reserved_blocks[s.request_id] = need
+            joins.append(self.joins.popleft())
+        if joins:
+            self._admit(joins)
+        # a prefill, like a plain step, may run on the idle drafters' cores
+        threads = self.registry.lendable_threads() if self.members.drafters_idle() else self.threads
+        return to_free, joins, threads
+
+    def _admit(self, joins: list[str]) -> None:
+        beside = [t.budget for t in self.streams.values() if t.prefilled]
+        for rid in joins:
+            s = self.streams[rid]
+            self.adaptive.add(rid, s.mode, s.spec_len, s.tree_width)
+            if s.proposer == "model":
+                self.lookup.add(rid, s.mode, s.spec_len)
+        # first budgets planned with the running batch (a tree that a large batch's plan would
+        # never allow would also take its steps off the borrowed cores)
+        self.plan_overlap()
+        lendable = self.registry.lendable_threads(now=False)
+        extra = self.costs.refilling(len(beside) + len(joins), lendable)
+        first = self.adaptive.plan_joining(joins, beside + [(0, 0)] * extra,
+                                           self.costs.plain_step_s(len(beside) + len(joins) + extra, lendable))
+        for rid in joins:
+            s = self.streams[rid]
+            s.admitted = True
+            self.ring.add_stream(rid)
+            s.budget = self._budget_of(s, first[rid])
+            self.adaptive.started(rid, s.budget[0])
+            self.stats.observe_join(s.budget[0] > 0)
+            if not self.features:        # a feature-conditioned drafter waits for the prefill's features
+                self.members.assign_new(s)
+
+    def prefill(self, to_free: list[str], joins: list[str], threads: int) -> dict:
+        """Free and prefill, on the model thread. Returns the prefills' target features (if any)."""
+        start = time.perf_counter()
+        torch.set_num_threads(threads)           # per call: the step before may have run on lent cores
+        for rid in to_free:
+            self.target.release(rid)
+            if self.bridge_draft is not None:
+                self.bridge_draft.release(rid)
+        features = {}
+        for rid in joins:
+            s = self.streams.get(rid)
+            features[rid] = self.target.prefill(rid, s.prompt if s is not None else [0])
+        seconds = (time.perf_counter() - start) / max(1, len(joins))
+        for rid in joins:
+            if rid in self.streams:
+                self.streams[rid].stats.observe_time("prefill", seconds)
+        return features
+
+    def prefilled(self, joins: list[str], features: dict) -> None:
+        for rid in joins:
+            s = self.streams.get(rid)
+            if s is None:                    # aborted during its prefill
+                self.to_free.append(rid)
+                continue
+            s.prefilled = True
+            if self.features:
+                s.features.append(features[rid])
+                self.members.assign_new(s)
+
+    def active(self) -> list[VerifyStream]:
+        return [s for s in self.streams.values() if s.prefilled]
+
+    # -- a step --------------------------------------------------------------------------
+    def collect(self, active: list[VerifyStream], now: float) -> tuple[list[StepItem], float]:
+        """The batch to verify now, and when to look again if it is empty."""
+        batch, deadline, alone = [], now + self.settings.poll_s, []
+        for s in active[: self.settings.max_batch_size]:
+            ring = self.ring.stream(s.request_id)
+            entry, dropped = ring.head_valid(s.committed)
+            self.drop(dropped)
+            if entry is not None and entry.tree is not None:
+                ring.pop()
+                batch.append(StepItem(s, entry.tree, entry.header))
+                s.waiting_since, s.first_tree = None, False
+                continue
+            planned = s.budget[0] > 0 and not s.bridge
+            wants = planned and self.registry.live(s.drafter)
+            if planned and not wants:      # its drafter is dead, restarting or stuck: decode alone
+                self.stats.observe_drafter_absent()
+            if wants:
+                s.waiting_since = s.waiting_since or now
+                late = s.waiting_since + self.members.patience(s)
+                if now < late:
+                    deadline = min(deadline, late)
+                    continue
+                self.stats.observe_fallback()
+            s.waiting_since = None
+            if not (wants or s.bridge):
+                alone.append(len(batch))
+            elif s.bridge and self.bridge_draft is not None and \
+                    bridge_chain_depth(self.settings, s.params, s.budget[0], s.proposer) > 0:
+                self.announced[s.request_id] = None     # a bridge chain: drafted before the forward
+            s.bridge = False
+            batch.append(StepItem(s, TokenTree.empty(len(s.committed))))
+        if alone:
+            self._lookup_trees(batch, alone)
+        return batch, deadline
+
+    def bridge_chains(self, batch: list[StepItem], threads: int) -> None:
+        """Replace the empty trees of the batch's bridging sequences (`announced`) by the draft's
+        greedy chains, drafted in one pass; note the outcome each announces. Runs on the model
+        thread, on the step's `threads`."""
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        at = {it.seq.request_id: i for i, it in enumerate(batch) if it.seq.request_id in self.announced}
+        requests = [DraftRequest(rid, batch[i].seq.committed, batch[i].seq.params, batch[i].seq.generator,
+                                 bridge_chain_depth(self.settings, batch[i].seq.params, batch[i].seq.budget[0],
+                                                    batch[i].seq.proposer)) for rid, i in at.items()]
+        for r, chain in zip(requests, self.bridge_draft.chains(requests)):
+            batch[at[r.seq_id]] = StepItem(batch[at[r.seq_id]].seq, chain.tree)
+            self.announced[r.seq_id] = chain.outcome
+
+    def _lookup_trees(self, batch: list[StepItem], alone: list[int]) -> None:
+        """Prompt-lookup chains of the verifier's own (verifier/lookup.py) for the sequences of
+        `batch` (indices `alone`) that decode alone by plan (not bridging, no tree late). Only in
+        steps without a drafter's tree, which run on the cores a plain step would (a mixed
+        batch is priced by the drafter's plan instead)."""
+        if len(alone) < len(batch) or not self.members.drafters_idle():
+            return
+        candidates = [(s.request_id, s.committed, min(s.spec_len, s.max_depth()), s.params.greedy)
+                      for s in (batch[i].seq for i in alone) if self.lookup.wants(s.request_id)]
+        if not candidates:
+            return
+        costs = self.costs.plain if self.costs.borrowing_measured(self.registry.lendable_threads(now=False)) \
+            else self.costs.overlap
+        chains = self.lookup.chains(candidates, len(batch) - len(candidates), self.target.vocab_size, costs)
+        for i in alone:
+            s = batch[i].seq
+            if s.request_id in chains:
+                batch[i] = StepItem(s, chains[s.request_id])
+
+    def step_threads(self, batch: list[StepItem]) -> int:
+        """The verifier's own threads, or more for a step while no drafter has work: no drafter's
+        tree in the batch (prompt-lookup ones may be) and every sequence at budget 0, its drafter
+        told so; or, in lockstep, every drafted sequence's one tree in this batch (its drafter
+        waits for the step's signal)."""
+        if self.drafted(batch):
+            return self.registry.lendable_threads() if self.members.drafters_blocked(batch) else self.threads
+        return self.registry.lendable_threads() if self.members.drafters_idle() else self.threads
+
+    @staticmethod
+    def drafted(batch: list[StepItem]) -> list[StepItem]:
+        """The batch's trees drafted by a drafter (not prompt-lookup ones)."""
+        return [it for it in batch if it.header is not None and it.tree.num_nodes]
+
+    def publish(self, outcomes: list[StepOutcome], draft_s: float, verify_s: float) -> None:
+        """After the forward: stream the committed tokens out, plan the next budgets, signal the
+        drafters. `draft_s` / `verify_s`: the step's drafting and forward seconds, shared out
+        among its sequences' own stats."""
+        steps = []
+        share = 1.0 / max(1, len(outcomes))
+        for o in outcomes:
+            s, tree, header, res = o.item.seq, o.item.tree, o.item.header, o.result
+            if s.request_id not in self.streams:     # aborted while the target ran
+                continue
+            tree_id = -1 if header is None else header.tree_id
+            # the drafter announced what it assumed; a contradiction makes it bridge, so do we
+            # (after a bridge chain, which announced the draft's path: drafter/streams.py)
+            chained = s.request_id in self.announced
+            announced = self.announced.pop(s.request_id, None) if chained else \
+                (None if header is None else header.outcome)
+            s.bridge = announced is not None and announced != res.token_ids
+            self._observe(s, tree, header, res, chained)
+            s.stats.observe_generated(len(o.kept))
+            s.stats.observe_time("draft", draft_s * share)
+            s.stats.observe_time("verify", verify_s * share)
+            if res.features is not None:
+                s.features.append(res.features)
+            s.emit(s.chunk(o.kept))
+            if s.finish_reason:
+                self.finish(s, s.finish_reason, notify=False)
+            else:
+                steps.append((s, tree_id, o.kept))
+        self._plan_and_signal(steps)
+        self.stats.observe_ring(self.ring.total(), self.ring.capacity())
+        self.announced.clear()       # a chain's outcome counts for its own step only
+
+    def _observe(self, s: VerifyStream, tree: TokenTree, header, res, chained: bool) -> None:
+        depth = int(tree.depths.max()) if tree.num_nodes else 0
+        last = res.accepted_nodes[-1] if res.accepted_nodes else -1
+        rejected = bool((tree.parent_ids == last).any())     # the walk stopped at a rejection
+        for stats in (self.stats, s.stats):
+            stats.observe_verification(tree.num_nodes, res.num_accepted, depth, res.num_accepted, rejected)
+        if s.restarting and header is not None:
+            self.stats.observe_restart_tree(tree.num_nodes, res.num_accepted)
+        s.restarting = False
+        if chained:
+            self.stats.observe_bridge_chain(tree.num_nodes, res.num_accepted)
+            self.adaptive.observe(s.request_id, depth, res.num_accepted)   # the draft's own γ
+        elif header is None and tree.num_nodes:       # the verifier's own prompt-lookup chain
+            self.lookup.observe(s.request_id, depth, res.num_accepted)
+            self.stats.observe_lookup(tree.num_nodes, res.num_accepted)
+        else:
+            self.adaptive.observe(s.request_id, depth, res.num_accepted)
+
+    def _plan_and_signal(self, steps: list[tuple[VerifyStream, int, list[int]]]) -> None:
+        live = [s for s, _, _ in steps]
+        self.plan_overlap()
+        lendable = self.registry.lendable_threads(now=False)
+        extra = self.costs.refilling(len(live), lendable)
+        plan = self.adaptive.plan([s.request_id for s in live], alone=extra,
+                                  plain_step_s=self.costs.plain_step_s(len(live) + extra, lendable)) if live else {}
+        for s, tree_id, kept in steps:
+            s.budget = self._budget_of(s, plan[s.request_id])
+            self.stats.observe_speculation(s.budget[0] > 0)
+            if s.bridge and restart_tree_depth(self.settings, s.budget[0]):
+                # no bridge: the drafter drafts a short restart tree after the committed prefix
+                # (this step's signal tells it) and the sequence waits for it
+                s.bridge, s.restarting = False, True
+                self.stats.observe_restart()
+            if s.drafter is None:
+                continue
+            if s.budget == s.sent_budget == (0, 0) and tree_id == -1:
+                # the drafter has nothing to draft and knows it: it hears of these tokens with
+                # the next signal it needs instead of once per step (no wake-ups, no calls)
+                s.unsent.extend(kept)
+                continue
+            ring = self.ring.stream(s.request_id)
+            self.registry.send(s.drafter, Signal("step", s.request_id, ring.epoch, tree_id, len(s.committed),
+                                                 s.unsent + kept, s.budget,
+                                                 features=s.unsent_features() if self.features else None))
+            s.unsent, s.sent_budget = [], s.budget
+
+    def plan_overlap(self) -> None:
+        """Before a plan: the step-cost model of how the drafters run now (`StepCosts.choose`):
+        lockstep while every drafter runs in lockstep, else overlapped, with bridges."""
+        self.costs.choose(self.members.plan_bridges(), self.registry.lendable_threads(now=False))
+
+    def observe_step(self, batch: list[StepItem], seconds: float, threads: int, step_s: float) -> None:
+        """The step's forward (`seconds`, on `threads`) and its cost after admission (`step_s`)."""
+        borrowed = threads != self.threads
+        self.stats.observe_batch(seconds)
+        if borrowed:
+            self.stats.observe_borrowed_step()
+        rows = sum(1 + it.tree.num_nodes for it in batch)
+        self.costs.observe_forward(rows, seconds, borrowed)
+        drafted = self.drafted(batch)
+        lockstep = drafted and all(self.members.lockstep(it.seq.drafter) for it in drafted)
+        levels = max(int(it.tree.depths.max()) for it in drafted) if lockstep else None
+        self.costs.observe_step(rows, step_s, levels, borrowed, bool(drafted))
+
+    @staticmethod
+    def _budget_of(s: VerifyStream, planned: tuple[int, int]) -> tuple[int, int]:
+        k, w = planned
+        k = min(k, s.max_depth())
+        return (k, w) if k > 0 else (0, 0)
+
+    # -- reports -------------------------------------------------------------------------
+    def health(self) -> dict:
+        return {"ok": self.error is None, "error": self.error, "active": len(self.streams),
+                **self.registry.report(), "cpus": self.settings.num_cpus, "gpus": self.registry.gpu_ids}
+
+    def report(self) -> dict:
+        return {**self.stats.as_dict(), **self.costs.report(), "drafters_live": self.registry.live_ids(),
+                # CUDA graphs of the target's small forwards (None off a GPU): captures, replays, eager
+                "cuda_graphs": None if self.target.graphs is None else self.target.graphs.stats()}
+
+    def kv_usage(self) -> dict:
+        """KV blocks, ring slots and the other per-request state (all 0 / free when idle)."""
+        cache = self.target.cache
+        return {"free": cache.num_free_blocks, "total": cache.num_blocks, "ring": self.ring.total(),
+                "streams": len(self.streams), "joins": len(self.joins),
+                "reserved_blocks": sum(self.reserved_blocks.values()), "to_free": len(self.to_free)}

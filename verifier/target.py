@@ -1,0 +1,88 @@
+"""The target's side of every engine: the model, its paged KV cache and the `Verifier`.
+
+Built inside the process that serves (an actor, or the in-process engine) from a checkpoint
+directory or a `random:` preset (`models.presets`), so weights never travel through Ray.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from verifier.verifier import Verifier, VerifyRequest
+
+
+class TargetSide:
+    """Target model + paged KV cache + Verifier; one forward per verification step."""
+
+    def __init__(self, target: str, num_blocks: int, block_size: int = 16, device: str = "cpu",
+                 dtype: str = "float32", features: bool = False, model=None) -> None:
+        """`target`: a checkpoint directory or `random:<preset>`; `model`: an already loaded
+        `models.Transformer` instead. `features`: return the target's hidden states with each
+        verification and prefill (a feature-conditioned draft reads them)."""
+        from models.presets import load
+
+        model = model if model is not None else load(target, device, dtype)
+        self.config = model.config
+        self.vocab_size = model.config.vocab_size
+        self.max_context = model.config.max_position_embeddings
+        self.verifier = Verifier(model, model.new_cache(num_blocks, block_size), features=features)
+        self.graphs = getattr(model, "graphs", None)     # models.cuda_graphs.GraphedLayers on a GPU
+
+    @property
+    def cache(self):
+        return self.verifier.cache
+
+    @property
+    def model(self):
+        return self.verifier.model
+
+    def prefill(self, seq_id: str, prompt: list[int]):
+        """Cache the prompt but its last token; with features, their hidden states [n - 1, hidden]."""
+        out = self.verifier.prefill_batch([seq_id], [prompt])
+        return None if out is None else out[seq_id]
+
+    def verify(self, requests: list, threads: int | None = None) -> tuple[list, float]:
+        """`requests`: verifier.VerifyRequest list. Returns (VerifyResult list, seconds).
+
+        `threads`: torch threads for this forward, set in the calling thread (OpenMP's
+        thread count is a per-thread setting).
+        """
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        start = time.perf_counter()
+        results = self.verifier.verify(requests)
+        return results, time.perf_counter() - start
+
+    def verify_items(self, items: list, threads: int | None = None) -> tuple[list, float]:
+        """`verify` for a step's `speculation.step.StepItem`s: each sequence's root and tree."""
+        return self.verify([VerifyRequest(it.seq.request_id, it.seq.committed[-1], it.tree, it.seq.params,
+                                          it.seq.generator) for it in items], threads)
+
+    def release(self, seq_id: str) -> None:
+        self.verifier.release(seq_id)
+
+    def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False) -> float:
+        """On a GPU (or with `on_cpu`, for tests), before serving: one dummy sequence through a
+        prefill, plain steps and chain verifications of 1..`spec_len` nodes, each shape twice,
+        so that Triton compiles those kernels and the CUDA graphs of one sequence are captured
+        now rather than inside the first requests (on an H200 a cold first draft took 5 s, long
+        enough for the verifier to count its drafter as gone). Returns the seconds it took (0 on
+        a CPU: nothing is compiled or captured there)."""
+        if self.cache.device.type != "cuda" and not on_cpu:
+            return 0.0
+        from models.sampling import SamplingParams
+        from models.tree import TokenTree
+
+        start, sid = time.perf_counter(), "__warm_up__"
+        committed = [1] * prompt_len
+        params, gen = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
+        self.prefill(sid, committed)
+        try:
+            for k in [0, 0] + [k for k in range(1, spec_len + 1) for _ in (0, 1)]:
+                tree = TokenTree.empty(len(committed)) if k == 0 else TokenTree.chain([1] * k, None, len(committed))
+                res = self.verifier.verify([VerifyRequest(sid, committed[-1], tree, params, gen)])[0]
+                committed += res.token_ids
+        finally:
+            self.release(sid)
+        return time.perf_counter() - start
