@@ -17,6 +17,8 @@ import os
 import sys
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -215,3 +217,44 @@ def eagle_draft(tmp_path_factory, tiny_target):
     path = tmp_path_factory.mktemp("eagle_draft")
     save_eagle(path, tiny_target, seed=6, tokenizer=byte_tokenizer())
     return path
+
+
+# -- Ray: one local two-node cluster per session (tests/ray_cluster.py) ----------------------
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    from tests.ray_cluster import start_cluster
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    cluster, drafter_node = start_cluster()
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        yield SimpleNamespace(cluster=cluster, drafter_node=drafter_node.node_id,
+                              verifier_node=cluster.head_node.node_id)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.fixture
+def make_engine(ray_cluster):
+    """Build PipelineEngines on the shared cluster; their actors are killed after the test."""
+    from cluster.pipeline import build_pipeline_engine
+    from tests.ray_cluster import pipeline_args
+
+    engines = []
+
+    def make(target_dir, draft_dir, *, num_pipelines=1, drafters=1, strategy="NONE",
+             speculation=None, **settings):
+        settings.setdefault("num_blocks", 512)
+        engine = build_pipeline_engine(pipeline_args(drafters, strategy, **(speculation or {})),
+                                       target_dir=str(target_dir),
+                                       draft_dir=None if draft_dir is None else str(draft_dir),
+                                       num_pipelines=num_pipelines, **settings)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.kill_pipeline_actors()

@@ -24,7 +24,7 @@ def node_ids(engine) -> tuple[str, list[str]]:
 @pytest.fixture(scope="module")
 def close_engine(ray_cluster, tiny_target, close_draft):
     from cluster.pipeline import build_pipeline_engine
-    from .conftest import pipeline_args
+    from tests.ray_cluster import pipeline_args
 
     engine = build_pipeline_engine(pipeline_args(), target_dir=str(tiny_target), draft_dir=str(close_draft),
                                    num_blocks=512)
@@ -149,7 +149,7 @@ def test_plain_steps_borrow_the_cores_of_an_idle_drafter_on_the_same_node(ray_cl
     drafter's cores too; a speculating request never does; a drafter on another node lends nothing."""
     from cluster.config import ActorPlacement, AppArgs, PlacementConfig
     from cluster.pipeline import build_pipeline_engine
-    from .conftest import VERIFIER_RESOURCE
+    from tests.ray_cluster import VERIFIER_RESOURCE
 
     same_node = ActorPlacement(num_cpus=1, resources={VERIFIER_RESOURCE: 1})
     # lockstep_alone off: a lone stream would otherwise run in lockstep, borrowing each step
@@ -190,7 +190,7 @@ def test_lockstep_one_tree_in_flight_borrows_the_idle_drafters_cores(ray_cluster
     and with a far one."""
     from cluster.config import ActorPlacement, AppArgs, PlacementConfig
     from cluster.pipeline import build_pipeline_engine
-    from .conftest import VERIFIER_RESOURCE
+    from tests.ray_cluster import VERIFIER_RESOURCE
 
     same_node = ActorPlacement(num_cpus=1, resources={VERIFIER_RESOURCE: 1})
     args = AppArgs(placement=PlacementConfig(drafter=same_node, verifier=same_node))
