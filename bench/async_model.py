@@ -1,8 +1,11 @@
 """What the asynchronous pipeline could reach on these prompts: a trace model.
 
-    python bench/draft_runs.py --max-tokens 48 --out bench/results/draft_runs.json
-    python bench/async_model.py --ranks bench/results/draft_runs.json \
-        --costs bench/results/e2e_async_cpu.json --spec-len 6 --round-trip-ms 4,16,30 [--hedges 1,4]
+    python bench/draft_runs.py --max-tokens 48 --out RANKS.json
+    python bench/async_model.py --ranks RANKS.json --costs RESULTS.json --spec-len 6 \
+        --round-trip-ms 4,16,30 [--hedges 1,4]
+
+(RANKS.json: what bench/draft_runs.py wrote; RESULTS.json: a bench/e2e_async.py result, a run
+with a `sync` row and the pipeline's fitted costs.)
 
 Greedy speculation is a function of where the draft agrees with the target: a chain
 drafted after position p is accepted up to the first position whose target token is
@@ -43,6 +46,10 @@ import json
 import random
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
+from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
 
 RANKS = 16      # bench/draft_runs.py keeps ranks below this; RANKS itself: not among the draft's first RANKS
 
@@ -190,9 +197,7 @@ def better_draft(prompts: list[dict], fix: float, seed: int) -> list[dict]:
 
 def quality_table(ranked: list[dict], n: int, k: int, c: Costs, fixes: list[float], seeds: int) -> None:
     print(f"draft made right at a share of its misses, {seeds} seeds each (mean):")
-    print("| prompts | misses fixed | top-1 agreement | sync | bridge | bridge ÷ sync | "
-          "never contradicted ÷ sync |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    table = []
     for cat in sorted({r["category"] for r in ranked}):
         for fix in fixes:
             rows = []
@@ -203,30 +208,32 @@ def quality_table(ranked: list[dict], n: int, k: int, c: Costs, fixes: list[floa
                 rows.append((top1, m["sync"], m["bridge"], m["bridge"] / m["sync"],
                              m["never contradicted"] / m["sync"]))
             mean = [sum(r[i] for r in rows) / len(rows) for i in range(5)]
-            print(f"| {cat} | {fix:g} | {mean[0]:.2f} | {mean[1]:.2f}× | {mean[2]:.2f}× | {mean[3]:.2f} | "
-                  f"{mean[4]:.2f} |")
+            table.append([cat, f"{fix:g}", f"{mean[0]:.2f}", f"{mean[1]:.2f}×", f"{mean[2]:.2f}×", f"{mean[3]:.2f}",
+                          f"{mean[4]:.2f}"])
+    print(common.markdown_table(["prompts", "misses fixed", "top-1 agreement", "sync", "bridge", "bridge ÷ sync",
+                                 "never contradicted ÷ sync"], table))
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=Path, required=True, help="bench/draft_runs.py's JSON (with `ranks`)")
     p.add_argument("--costs", type=Path, required=True, help="a bench/e2e_async.py result JSON")
-    p.add_argument("--spec-len", type=int, default=6)
-    p.add_argument("--max-tokens", type=int, default=48, help="tokens per prompt (at most what was ranked)")
-    p.add_argument("--round-trip-ms", default="4,16,30",
+    p.add_argument("--spec-len", type=common.positive_int, default=6)
+    p.add_argument("--max-tokens", type=common.positive_int, default=48,
+                   help="tokens per prompt (at most what was ranked)")
+    p.add_argument("--round-trip-ms", type=common.comma_list(float), default="4,16,30",
                    help="signal to drafter and tree back, beyond the draft levels (comma list)")
-    p.add_argument("--hedges", default="",
+    p.add_argument("--hedges", type=common.comma_list(common.positive_int), default="",
                    help="also the bound on hedged drafting with the draft's next h choices (comma list)")
-    p.add_argument("--fix-misses", default="",
+    p.add_argument("--fix-misses", type=common.comma_list(float), default="",
                    help="also a table for drafts right at these shares of the misses (comma list, 0-1), "
                         "at the first --round-trip-ms")
-    p.add_argument("--seeds", type=int, default=5, help="random draws per --fix-misses share")
+    p.add_argument("--seeds", type=common.positive_int, default=5, help="random draws per --fix-misses share")
     args = p.parse_args(argv)
-    fixes = [float(x) for x in args.fix_misses.split(",") if x.strip()]
-    if any(not 0.0 <= f <= 1.0 for f in fixes) or args.seeds < 1:
-        p.error("--fix-misses: shares from 0 to 1; --seeds: at least 1")
-    hedges = tuple(int(x) for x in args.hedges.split(",") if x.strip())
-    if any(not 0 < h < RANKS for h in hedges):
+    fixes, hedges = args.fix_misses, tuple(args.hedges)
+    if any(not 0.0 <= f <= 1.0 for f in fixes) or not args.round_trip_ms:
+        p.error("--fix-misses: shares from 0 to 1; --round-trip-ms: at least one")
+    if any(not h < RANKS for h in hedges):
         p.error(f"--hedges: each h must be from 1 to {RANKS - 1} (the ranks kept)")
     ranked = json.loads(args.ranks.read_text()).get("ranks")
     if not ranked:
@@ -235,21 +242,21 @@ def main(argv: list[str] | None = None) -> int:
     result = json.loads(args.costs.read_text())
     cats = sorted({r["category"] for r in ranked}) + ["all"]
     print(f"K = {args.spec_len}, {n} tokens per prompt; costs from {args.costs.name}")
-    print("| prompts | round trip ms | sync | bridge (idle) | restart 1 (idle) | restart 2 (idle) | "
-          + "".join(f"hedged {h} (÷ sync) | " for h in hedges) + "never contradicted (÷ sync) |")
-    print("|---|---:|---:|---:|---:|---:|" + "---:|" * (len(hedges) + 1))
-    for rt in (float(x) for x in args.round_trip_ms.split(",")):
+    table = []
+    for rt in args.round_trip_ms:
         c = Costs.from_run(result, rt)
         for cat in cats:
             m = model([r for r in ranked if cat == "all" or r["category"] == cat], n, args.spec_len, c,
                       hedges=hedges)
-            cell = lambda name: f"{m[name]:.2f}× ({100 * m[name + ' idle']:.0f} %)"   # noqa: E731
-            ratio = lambda name: f"{m[name]:.2f}× ({m[name] / m['sync']:.2f}) | "     # noqa: E731
-            print(f"| {cat} | {rt:g} | {m['sync']:.2f}× | {cell('bridge')} | {cell('restart 1')} | "
-                  f"{cell('restart 2')} | " + "".join(ratio(f"hedged {h}") for h in hedges)
-                  + ratio("never contradicted").rstrip(" |") + " |")
+            idle = lambda name: f"{m[name]:.2f}× ({100 * m[name + ' idle']:.0f} %)"   # noqa: E731
+            ratio = lambda name: f"{m[name]:.2f}× ({m[name] / m['sync']:.2f})"         # noqa: E731
+            table.append([cat, f"{rt:g}", f"{m['sync']:.2f}×", idle("bridge"), idle("restart 1"), idle("restart 2"),
+                          *(ratio(f"hedged {h}") for h in hedges), ratio("never contradicted")])
+    print(common.markdown_table(["prompts", "round trip ms", "sync", "bridge (idle)", "restart 1 (idle)",
+                                 "restart 2 (idle)", *(f"hedged {h} (÷ sync)" for h in hedges),
+                                 "never contradicted (÷ sync)"], table))
     if fixes:
-        rt = float(args.round_trip_ms.split(",")[0])
+        rt = args.round_trip_ms[0]
         quality_table(ranked, n, args.spec_len, Costs.from_run(result, rt), fixes, args.seeds)
     return 0
 

@@ -45,6 +45,10 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent
+sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
+from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
+
 FAULTS = ("drafter", "verifier", "raylet")
 VERIFIER_RESOURCE = "specflash_verifier"
 DRAFTER_RESOURCE = "specflash_drafter"
@@ -513,31 +517,32 @@ def print_report(report: SoakReport, problems: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     d = SoakConfig()
-    ap.add_argument("--duration", type=float, default=d.duration_s, help="load phase, seconds")
-    ap.add_argument("--max-requests", type=int, default=d.max_requests)
-    ap.add_argument("--concurrency", type=int, default=d.concurrency)
-    ap.add_argument("--request-timeout", type=float, default=d.request_timeout_s)
-    ap.add_argument("--fault-every", type=float, default=d.fault_every_s, help="mean seconds between faults")
+    ap.add_argument("--duration", type=common.positive_float, default=d.duration_s, help="load phase, seconds")
+    ap.add_argument("--max-requests", type=common.positive_int, default=d.max_requests)
+    ap.add_argument("--concurrency", type=common.positive_int, default=d.concurrency)
+    ap.add_argument("--request-timeout", type=common.positive_float, default=d.request_timeout_s)
+    ap.add_argument("--fault-every", type=common.positive_float, default=d.fault_every_s,
+                    help="mean seconds between faults")
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of {FAULTS}")
     ap.add_argument("--node-down", type=float, default=d.node_down_s)
     ap.add_argument("--max-extra", type=float, default=d.max_extra_s,
                     help="seconds the load may run past its bounds until every fault kind happened once")
-    ap.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    ap.add_argument("--max-tokens", type=common.positive_int, default=d.max_tokens)
     ap.add_argument("--sampled-share", type=float, default=d.sampled_share)
     ap.add_argument("--rss-margin-mb", type=float, default=d.rss_margin_mb)
     ap.add_argument("--seed", type=int, default=d.seed)
-    ap.add_argument("--target", help="target checkpoint directory (default: a tiny random Llama)")
-    ap.add_argument("--draft", help="draft checkpoint directory (with --target)")
+    common.add_model_pair(ap, default="a tiny random Llama and a close draft")
     ap.add_argument("--restart-depth", type=int, default=None,
                     help="EngineSettings.restart_depth: restart trees instead of bridges (default: its own)")
     ap.add_argument("--bridge-depth", type=int, default=None,
                     help="EngineSettings.bridge_depth: bridge chains of this depth (default: its own)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results"), help="where the JSON goes")
+    ap.add_argument("--out", default=str(common.RESULTS), help="the folder for chaos-<time>.json")
     args = ap.parse_args(argv)
     faults = tuple(f for f in args.faults.split(",") if f)
-    if not set(faults) <= set(FAULTS) or (args.target is None) != (args.draft is None):
-        ap.error(f"--faults must name some of {FAULTS}; --target and --draft go together")
+    if not set(faults) <= set(FAULTS):
+        ap.error(f"--faults must name some of {FAULTS}")
+    common.model_pair(ap, args, embedded=False)         # neither: the tiny random pair, made below
     policy = {k: v for k, v in (("restart_depth", args.restart_depth), ("bridge_depth", args.bridge_depth))
               if v is not None}
     from pydantic import ValidationError
@@ -577,10 +582,8 @@ def main(argv: list[str] | None = None) -> int:
             cluster.shutdown()
     problems = report.problems(cfg.rss_margin_mb)
     out = {**asdict(report), "problems": problems, "target": args.target or "tiny random Llama", "settings": policy,
-           "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    path = Path(args.out) / f"chaos-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.json"
-    path.write_text(json.dumps(out, indent=2))
+           "when": common.utc(common.ISO)}
+    path = common.write_json(Path(args.out) / f"chaos-{common.utc(common.STAMP)}.json", out, indent=2)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

@@ -38,7 +38,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent
+sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
+from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
 
 
 def worker(role: str, model_dir: str, rows: int, threads: int, seconds: float, start_at: float,
@@ -46,7 +48,6 @@ def worker(role: str, model_dir: str, rows: int, threads: int, seconds: float, s
     """One side's loop; returns {"iters", "ms"} over [start_at, start_at + seconds]."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from models import load_model
     from models.embedded import draft_logit_rows
     from models.transformer import causal_mask, use_half_weights
@@ -113,22 +114,18 @@ def main(argv: list[str] | None = None) -> int:
                                 sched)))
         return 0
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target"), p.add_argument("--draft")
-    p.add_argument("--seconds", type=float, default=10.0)
-    p.add_argument("--target-rows", type=int, default=4)
-    p.add_argument("--target-threads", type=int, default=os.cpu_count() or 2)
+    common.add_model_pair(p)
+    p.add_argument("--seconds", type=common.positive_float, default=10.0)
+    p.add_argument("--target-rows", type=common.positive_int, default=4)
+    p.add_argument("--target-threads", type=common.positive_int, default=os.cpu_count() or 2)
     p.add_argument("--cases", nargs="+", default=["alone", "normal", "idle", "nice19", "spin1000", "spin100000"])
-    p.add_argument("--rows", type=int, nargs="*", default=[], help="one-thread target forwards of these rows")
+    p.add_argument("--rows", type=common.positive_int, nargs="*", default=[],
+                   help="one-thread target forwards of these rows")
     p.add_argument("--load-s", type=float, default=15.0,
                    help="seconds given to both processes to load their model before the window opens")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args(argv)
-    target, draft = args.target, args.draft
-    if target is None:
-        sys.path.insert(0, str(ROOT))
-        from models import embedded
-
-        target, draft = map(str, embedded.default_pair())
+    target, draft = common.model_pair(p, args)
     load_s = args.load_s
     cases = {}
     for case in args.cases:
@@ -154,9 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         one_thread[rows] = result(spawn("target", target, rows, 1, args.seconds, time.time() + load_s))["ms"]
         print(f"target forward, {rows:>2} rows on one thread: {one_thread[rows]:.1f} ms", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "cases": cases, "one_thread_rows_ms": one_thread,
-                                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
-                                             indent=1))
+        common.write_json(args.out, {"args": vars(args), "cases": cases, "one_thread_rows_ms": one_thread,
+                                     "date": common.utc()})
     return 0
 
 

@@ -19,18 +19,19 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]   # bench/kernels.py shadows `kernels`
+sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
+from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
+
+import torch  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", help="target checkpoint (default: the embedded SmolLM2-135M)")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--threads", type=common.positive_int, default=1)
+    p.add_argument("--reps", type=common.positive_int, default=10)
+    p.add_argument("--rows", type=common.positive_int, nargs="+", default=[1, 2, 4, 8])
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 

@@ -2,7 +2,7 @@
 misses cluster.
 
     python bench/draft_runs.py                      # embedded pair, the e2e prompts, 48 tokens
-    python bench/draft_runs.py --max-tokens 64 --out bench/results/draft_runs.json
+    python bench/draft_runs.py --max-tokens 64 --out RANKS.json   # the ranks bench/async_model.py reads
 
 For each prompt (bench/e2e.py's set, in the chat template) the target decodes greedily
 alone; the draft then reads prompt + that continuation in one causal forward (its
@@ -23,22 +23,21 @@ greedy speculation is a function of these ranks, which bench/async_model.py repl
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent
+sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
+from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
+
+import torch  # noqa: E402
+
 RANKS = 16         # ranks kept per position; a token further down counts as RANKS
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]   # bench/kernels.py shadows `kernels`
 
 
 def _prompts(tokenizer, per_category: int) -> list[tuple[str, list[int]]]:
-    spec = importlib.util.spec_from_file_location("e2e_prompts", ROOT / "e2e.py")
-    e2e = sys.modules[spec.name] = importlib.util.module_from_spec(spec)   # its dataclasses look it up
-    spec.loader.exec_module(e2e)
+    from bench import e2e
+
     return [(c, e2e.prompt_ids(tokenizer, t)) for c, texts in e2e.PROMPTS.items() for t in texts[:per_category]]
 
 
@@ -99,37 +98,31 @@ def measure(target, draft, logit_rows, work: list[tuple[str, list[int]]],
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target"), p.add_argument("--draft")
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--prompts", type=int, default=3, help="prompts per category (at most 3)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", type=Path, default=None)
+    common.add_model_pair(p)
+    p.add_argument("--max-tokens", type=common.positive_int, default=48)
+    p.add_argument("--prompts", type=common.positive_int, default=3, help="prompts per category (at most 3)")
+    p.add_argument("--threads", type=common.positive_int, default=2)
+    p.add_argument("--out", type=Path, default=None, help="write the result and the ranks here as JSON")
     args = p.parse_args(argv)
+    args.target, args.draft = common.model_pair(p, args)
     torch.set_num_threads(args.threads)
     from models.pair import read_logit_rows
     from models import load_model, load_tokenizer
 
-    if args.target is None:
-        from models import embedded
-
-        args.target, args.draft = (str(d) for d in embedded.default_pair())
     target, draft = load_model(args.target), load_model(args.draft)
     rows = read_logit_rows(args.draft, target.config.vocab_size)
     rows = None if rows is None else torch.tensor(list(rows))
     ranks, result = measure(target, draft, rows, _prompts(load_tokenizer(args.target), args.prompts),
                             args.max_tokens)
-    fmt = lambda x: "–" if x is None else f"{x:.2f}"   # noqa: E731
-    print("| category | tokens | top-1 right | 2nd choice right, given a miss | right after right | "
-          "right after a miss |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for cat, r in result.items():
-        print(f"| {cat} | {r['tokens']} | {fmt(r['top1'])} | {fmt(r['top2_given_miss'])} | "
-              f"{fmt(r['right_after_right'])} | {fmt(r['right_after_miss'])} ({r['positions_after_miss']}) |")
+    f = common.cell
+    print(common.markdown_table(
+        ["category", "tokens", "top-1 right", "2nd choice right, given a miss", "right after right",
+         "right after a miss"],
+        [[cat, r["tokens"], f(r["top1"], ".2f"), f(r["top2_given_miss"], ".2f"), f(r["right_after_right"], ".2f"),
+          f"{f(r['right_after_miss'], '.2f')} ({r['positions_after_miss']})"] for cat, r in result.items()]))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "result": result,
-                                        "ranks": ranks},
-                                       indent=1))
+        common.write_json(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "result": result,
+                                     "ranks": ranks})
         print(f"wrote {args.out}")
     return 0
 

@@ -20,25 +20,23 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]   # bench/kernels.py shadows `kernels`
+sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
+from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
+
+import torch  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target"), p.add_argument("--draft")
-    p.add_argument("--spec-len", type=int, default=3)
-    p.add_argument("--reps", type=int, default=40, help="proposals timed in each series")
-    p.add_argument("--draft-threads", type=int, default=1, help="the drafter actor's threads (its CPUs)")
-    p.add_argument("--target-threads", type=int, default=2, help="the verification's threads")
+    common.add_model_pair(p)
+    p.add_argument("--spec-len", type=common.positive_int, default=3)
+    p.add_argument("--reps", type=common.positive_int, default=40, help="proposals timed in each series")
+    p.add_argument("--draft-threads", type=common.positive_int, default=1,
+                   help="the drafter actor's threads (its CPUs)")
+    p.add_argument("--target-threads", type=common.positive_int, default=2, help="the verification's threads")
     args = p.parse_args(argv)
-    target_dir, draft_dir = args.target, args.draft
-    if target_dir is None:
-        from models import embedded
-
-        target_dir, draft_dir = map(str, embedded.default_pair())
+    target_dir, draft_dir = common.model_pair(p, args)
     from drafter.draft_side import DraftItem, DraftSide
     from models.presets import config_of
     from speculation.settings import EngineSettings

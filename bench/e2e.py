@@ -36,20 +36,18 @@ closed form).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent
-# `python bench/e2e.py` puts bench/ first on sys.path: drop it, so that the project is always
-# imported as installed and no script here can shadow one of its packages.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
+from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
+
+import torch  # noqa: E402
+
 PROMPTS = {
     "code": [
         "Write a Python function that returns the n-th Fibonacci number iteratively.",
@@ -204,7 +202,9 @@ def predicted_speedup(method: str, gamma: float, mean_len: float, costs: dict, K
 
     Not for ngram: it drafts only where a match exists, which Eq. 3.2 does not model.
     """
-    expected = (1 - gamma ** (K + 1)) / (1 - gamma) if gamma < 1 else K + 1.0
+    from speculation.planner import expected_tokens
+
+    expected = expected_tokens(gamma, K)
     draft = "eagle" if method.startswith("eagle") else "draft"
     if method.endswith("-chain") and f"{draft}_1" in costs:
         step = K * costs[f"{draft}_1"] + costs["verify_chain"]
@@ -267,32 +267,15 @@ def _tps(runs: list[Run]) -> float:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    def f(x, fmt):
-        return "–" if x is None else format(x, fmt)
-
-    lines = ["| method | tokens/s | speedup | code | math | chat | acceptance | mean accepted len | γ | "
-             "Eq. 3.2 predicted speedup (microbench / in-run costs) | verifier idle | exact vs off |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        c = r["by_category"]
-        lines.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | {c['code']:.2f}× | "
-                     f"{c['math']:.2f}× | {c['chat']:.2f}× | {f(r['acceptance_rate'], '.2f')} | "
-                     f"{f(r['mean_accepted_len'], '.2f')} | {f(r['gamma'], '.2f')} | "
-                     f"{f(r['predicted_speedup'], '.2f')} / {f(r.get('predicted_speedup_inrun'), '.2f')} | "
-                     f"{f(r.get('verifier_idle_fraction'), '.1%')} | {r['exact_vs_off']:.0%} |")
-    return "\n".join(lines)
-
-
-def machine() -> dict:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line)
-    except (OSError, StopIteration):
-        pass
-    import transformers
-    return {"cpu": cpu, "logical_cpus": __import__("os").cpu_count(), "threads": torch.get_num_threads(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "platform": platform.platform()}
+    f = common.cell
+    header = ["method", "tokens/s", "speedup", "code", "math", "chat", "acceptance", "mean accepted len", "γ",
+              "Eq. 3.2 predicted speedup (microbench / in-run costs)", "verifier idle", "exact vs off"]
+    return common.markdown_table(header, [
+        [r["method"], f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}×",
+         *(f"{r['by_category'][c]:.2f}×" for c in ("code", "math", "chat")),
+         f(r["acceptance_rate"], ".2f"), f(r["mean_accepted_len"], ".2f"), f(r["gamma"], ".2f"),
+         f"{f(r['predicted_speedup'], '.2f')} / {f(r.get('predicted_speedup_inrun'), '.2f')}",
+         f(r.get("verifier_idle_fraction"), ".1%"), f"{r['exact_vs_off']:.0%}"] for r in rows])
 
 
 # -- the run -----------------------------------------------------------------------------------
@@ -315,12 +298,8 @@ def build_methods(args, pair, hf_target, hf_draft, eagle_engine=None) -> dict:
             methods["hf-assisted"] = hf(hf_target, hf_draft, args.spec_len, eos_token_ids=eos)
     wanted = lambda m: not args.methods or m in args.methods   # noqa: E731
     if engine.draft is not None and not args.no_async and wanted("async"):
-        import importlib.util
+        from bench import e2e_async     # starts a local Ray, two CPUs
 
-        # bench/e2e_async.py, loaded by path (bench/ stays off sys.path); starts a local Ray, two CPUs
-        spec = importlib.util.spec_from_file_location("e2e_async", ROOT / "e2e_async.py")
-        e2e_async = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(e2e_async)
         settings = e2e_async.pipeline_settings(args.one_core_each, args.bridge_depth,
                                                   getattr(args, 'restart_depth', None))
         methods["async"] = e2e_async.measure_async(args.target, args.draft, args.spec_len, 1, "auto", **settings)
@@ -373,12 +352,12 @@ def update_readme(table: str, info: dict, args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target"), p.add_argument("--draft")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--spec-len", type=int, default=4)
-    p.add_argument("--tree-width", type=int, default=2)
-    p.add_argument("--prompts", type=int, default=3, help="prompts per category (at most 3)")
-    p.add_argument("--threads", type=int, default=2)
+    common.add_model_pair(p)
+    p.add_argument("--max-tokens", type=common.positive_int, default=64)
+    p.add_argument("--spec-len", type=common.positive_int, default=4)
+    p.add_argument("--tree-width", type=common.positive_int, default=2)
+    p.add_argument("--prompts", type=common.positive_int, default=3, help="prompts per category (at most 3)")
+    p.add_argument("--threads", type=common.positive_int, default=2)
     p.add_argument("--methods", nargs="*", help="a subset of the methods (default: all)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face baselines")
     p.add_argument("--no-async", action="store_true", help="skip the async pipeline (no Ray started)")
@@ -392,21 +371,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart-depth", type=int, default=None,
                    help="the pipeline's restart_depth (restart tree after a contradicted outcome, 0 = "
                         "bridge; default: its own)")
-    p.add_argument("--out", type=Path, default=ROOT / "results")
+    p.add_argument("--out", type=Path, default=common.RESULTS, help="the folder for e2e-<time>.json")
     p.add_argument("--readme", action="store_true", help="write the table into bench/README.md")
     args = p.parse_args(argv)
+    if args.eagle is None and args.target is None:
+        from models import embedded
+        args.eagle = str(embedded.eagle_dir()) if (embedded.ASSETS / embedded.EAGLE_WEIGHTS).is_file() else None
+    args.target, args.draft = common.model_pair(p, args, draft_optional=True)   # a lone --target: no draft
     if args.one_core_each:
         args.threads = 1
     torch.set_num_threads(args.threads)
 
     from cluster.local import build_engine
 
-    if args.eagle is None and args.target is None:
-        from models import embedded
-        args.eagle = str(embedded.eagle_dir()) if (embedded.ASSETS / embedded.EAGLE_WEIGHTS).is_file() else None
-    if args.target is None:
-        from models.embedded import default_pair
-        args.target, args.draft = (str(d) for d in default_pair())
     pair = build_engine(args.target, args.draft, spec_len=args.spec_len, tree_width=args.tree_width)
     eagle_engine = None
     if args.eagle and args.eagle != "none":
@@ -445,13 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(rows)
     print(table)
     print("costs (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
-    info = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+    info = {"date": common.utc(), "machine": common.machine(),
             "args": {k: str(v) for k, v in vars(args).items()}, "costs_ms": costs, "summary": rows,
             "async_pipeline": pipeline, "runs": [asdict(r) for r in runs]}
-    args.out.mkdir(parents=True, exist_ok=True)
     suffix = "-one-core" if args.one_core_each else ""
-    out = args.out / f"e2e-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}{suffix}.json"
-    out.write_text(json.dumps(info, indent=1))
+    out = common.write_json(args.out / f"e2e-{common.utc('%Y%m%d-%H%M%S')}{suffix}.json", info)
     print(f"wrote {out}")
     if args.readme:
         update_readme(table, info, args)

@@ -41,16 +41,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]   # bench/kernels.py shadows `kernels`
-RESULTS = ROOT / "results"
+sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
+from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
+
+import torch  # noqa: E402
+
+RESULTS = common.RESULTS
 
 
 class AsyncMethod:
@@ -176,10 +177,8 @@ def best_sync(rows: list[dict]) -> dict:
 
 
 def chat_prompts(tokenizer, per_category: int) -> list[tuple[str, list[int]]]:
-    sys.path.insert(0, str(ROOT))
-    from e2e import PROMPTS, prompt_ids   # bench/e2e.py (issue 2): the shared prompt set
+    from bench.e2e import PROMPTS, prompt_ids   # bench/e2e.py (issue 2): the shared prompt set
 
-    sys.path.pop(0)
     return [(c, prompt_ids(tokenizer, t)) for c, texts in PROMPTS.items() for t in texts[:per_category]]
 
 
@@ -222,16 +221,13 @@ def summarize(runs: dict[str, list]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    def f(x, fmt):
-        return "–" if x is None else format(x, fmt)
-
-    out = ["| method | tokens/s | speedup vs off | acceptance | mean accepted len | γ | verifier idle | "
-           "exact vs off |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        out.append(f"| {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}× | "
-                   f"{f(r['acceptance_rate'], '.2f')} | {f(r['mean_accepted_len'], '.2f')} | "
-                   f"{f(r['gamma'], '.2f')} | {f(r['verifier_idle_fraction'], '.1%')} | {r['exact_vs_off']:.0%} |")
-    return "\n".join(out)
+    f = common.cell
+    return common.markdown_table(
+        ["method", "tokens/s", "speedup vs off", "acceptance", "mean accepted len", "γ", "verifier idle",
+         "exact vs off"],
+        [[r["method"], f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}×", f(r["acceptance_rate"], ".2f"),
+          f(r["mean_accepted_len"], ".2f"), f(r["gamma"], ".2f"), f(r["verifier_idle_fraction"], ".1%"),
+          f"{r['exact_vs_off']:.0%}"] for r in rows])
 
 
 def noisy_draft(draft_dir: str, noise: float, out: Path) -> str:
@@ -254,13 +250,11 @@ def noisy_draft(draft_dir: str, noise: float, out: Path) -> str:
     return str(out)
 
 
-def eq32(gamma: float, K: int) -> float:
-    return (1 - gamma ** (K + 1)) / (1 - gamma) if gamma < 1 else K + 1.0
-
-
 def plot(points: list[dict], K: int, verify_ratio: float, sync_ratio: float, path: Path,
          lockstep_ratio: float | None = None) -> None:
     import matplotlib
+
+    from speculation.planner import expected_tokens as eq32     # Eq. 3.2
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -285,18 +279,18 @@ def plot(points: list[dict], K: int, verify_ratio: float, sync_ratio: float, pat
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target"), p.add_argument("--draft")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--spec-len", type=int, default=4)
-    p.add_argument("--prompts", type=int, default=3, help="prompts per category (at most 3)")
+    common.add_model_pair(p)
+    p.add_argument("--max-tokens", type=common.positive_int, default=64)
+    p.add_argument("--spec-len", type=common.positive_int, default=4)
+    p.add_argument("--prompts", type=common.positive_int, default=3, help="prompts per category (at most 3)")
     p.add_argument("--categories", default="code,math,chat")
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the in-process methods")
+    p.add_argument("--threads", type=common.positive_int, default=2, help="torch threads of the in-process methods")
     p.add_argument("--async-mode", default="auto", choices=("auto", "chain"))
     p.add_argument("--sweep", default="", help="draft noise levels for the speedup-vs-acceptance plot")
     p.add_argument("--draft-noise", type=float, default=0.0,
                    help="run every method with the draft plus Gaussian noise of this relative size "
                         "(1.0: a draft far from the target, where speculation must switch off)")
-    p.add_argument("--ring-slots", type=int, default=None,
+    p.add_argument("--ring-slots", type=common.positive_int, default=None,
                    help="trees in flight per sequence in the pipeline (default: EngineSettings')")
     p.add_argument("--no-lockstep-alone", action="store_true",
                    help="keep a lone stream overlapped (EngineSettings.lockstep_alone off): the "
@@ -322,11 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--sync-spec-lens: chain lengths of at least 1")
     if args.one_core_each:
         args.threads = 1
-    target_dir, draft_dir = args.target, args.draft
-    if target_dir is None:
-        from models import embedded
-
-        target_dir, draft_dir = map(str, embedded.default_pair())
+    target_dir, draft_dir = common.model_pair(p, args)
     from models import load_tokenizer
 
     work = [w for w in chat_prompts(load_tokenizer(target_dir), args.prompts)
@@ -370,13 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     print("pipeline sequence-steps: " + ", ".join(f"{k} {v}" for k, v in steps.items()))
     result = {"args": vars(args), "rows": rows, "pipeline_costs_ms": costs, **borrowed, "drafters": drafters,
               "fastest_sync": best["method"], "async_over_fastest_sync": async_row["tokens_per_s"] / best["tokens_per_s"],
-              "steps": steps,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+              "steps": steps, "date": common.utc(), "machine": common.machine()}
     if args.sweep:
         result["sweep"] = sweep(args, target_dir, draft_dir, work, methods, runs, costs)
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"e2e_async_{args.tag}.json"
-    out.write_text(json.dumps(result, indent=1, default=str))
+    out = common.write_json(RESULTS / f"e2e_async_{args.tag}.json", result, default=str)
     print(f"wrote {out}")
     return 0
 
@@ -408,10 +395,7 @@ def sweep(args, target_dir, draft_dir, work, methods, runs, costs: dict) -> dict
     """Speedup vs acceptance: drafts of decreasing quality, async (chain) and sync, vs Eq. 3.2."""
     import tempfile
 
-    sys.path.insert(0, str(ROOT))
-    from e2e import forward_ms
-
-    sys.path.pop(0)
+    from bench.e2e import forward_ms
     from models.pair import read_logit_rows
     from models import load_model
     from models.transformer import use_half_weights

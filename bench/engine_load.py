@@ -17,32 +17,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]   # bench/kernels.py shadows `kernels`
+sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
+from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
 
 VERIFIER_COUNTERS = ("num_batches", "borrowed_steps", "num_spec_steps", "verifier_busy_s", "verifier_wall_s")
 DRAFTER_COUNTERS = ("trees_drafted", "draft_s", "exchanges", "rollbacks")
 
 
-def _sibling(name: str):
-    """bench/<name>.py as a module (by path: each of them takes bench/ off sys.path)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(f"engine_load_{name}", ROOT / f"{name}.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)   # dataclasses look it up
-    spec.loader.exec_module(module)
-    return module
-
-
 def chat_prompts(tokenizer) -> list[list[int]]:
     """bench/load.py's chat-code-math questions in the model's chat template (bench/e2e.py's)."""
-    prompt_ids = _sibling("e2e").prompt_ids
-    return [prompt_ids(tokenizer, text) for text in _sibling("load").CHAT_PROMPTS]
+    from bench import e2e, load
+
+    return [e2e.prompt_ids(tokenizer, text) for text in load.CHAT_PROMPTS]
 
 
 async def _client(engine, i: int, mode: str, prompts, max_tokens: int, stop: float, counted: list[int]) -> None:
@@ -103,27 +94,19 @@ async def run(engine, prompts, args) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--target"), p.add_argument("--draft")
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--seconds", type=float, default=25.0, help="each window")
-    p.add_argument("--rounds", type=int, default=2, help="windows per mode, the modes alternating")
-    p.add_argument("--max-tokens", type=int, default=64)
+    common.add_model_pair(p)
+    p.add_argument("--concurrency", type=common.positive_int, default=16)
+    p.add_argument("--seconds", type=common.positive_float, default=25.0, help="each window")
+    p.add_argument("--rounds", type=common.positive_int, default=2, help="windows per mode, the modes alternating")
+    p.add_argument("--max-tokens", type=common.positive_int, default=64)
     p.add_argument("--out", type=Path, default=None, help="write the rows here as JSON")
     args = p.parse_args(argv)
-    if args.concurrency < 1 or args.seconds <= 0 or args.rounds < 1 or args.max_tokens < 1:
-        p.error("--concurrency, --rounds and --max-tokens at least 1; --seconds above 0")
-    if (args.target is None) != (args.draft is None):
-        p.error("--target and --draft go together")
+    target, draft = common.model_pair(p, args)
     import ray
 
     from cluster.pipeline import build_pipeline_engine
     from models import load_tokenizer
 
-    target, draft = args.target, args.draft
-    if target is None:
-        from models import embedded
-
-        target, draft = map(str, embedded.default_pair())
     prompts = chat_prompts(load_tokenizer(target))
     own_ray = not ray.is_initialized()
     if own_ray:
@@ -137,9 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         if own_ray:
             ray.shutdown()
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
-                                        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, indent=1))
+        common.write_json(args.out, {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows,
+                                     "date": common.utc(), "machine": common.machine()})
         print(f"wrote {args.out}")
     return 0
 

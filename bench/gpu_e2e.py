@@ -32,32 +32,25 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]   # bench/kernels.py shadows `kernels`
-RESULTS = ROOT / "results"
+sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
+from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
 
+import torch  # noqa: E402
 
-def _sibling(name: str):
-    """bench/<name>.py as a module (bench/ is not a package)."""
-    import importlib.util
+from speculation.planner import expected_tokens as eq32  # noqa: E402  (Eq. 3.2)
 
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+RESULTS = common.RESULTS
 
 
 def engine_for(args):
     from ray import cloudpickle
 
+    from bench import replay
     from cluster.config import ActorPlacement, AppArgs, PlacementConfig
     from cluster.pipeline import build_pipeline_engine
 
-    replay = _sibling("replay")
-    cloudpickle.register_pickle_by_value(replay)      # bench/ is not importable in the actors
+    cloudpickle.register_pickle_by_value(replay)      # sent whole: bench/ need not be importable in the actors
 
     gpu = 0.5 if args.device == "cuda" else 0.0
     placement = PlacementConfig(drafter=ActorPlacement(num_cpus=1, num_gpus=gpu),
@@ -123,10 +116,6 @@ async def run_prompts(engine, prompts, mode: str, args) -> dict:
                         "restarted": d_after["incarnation"] != d_before["incarnation"],
                         "cuda_graphs": d_after.get("cuda_graphs")},
             "costs": after["costs"][0] if after["costs"] else None}
-
-
-def eq32(gamma: float, k: int) -> float:
-    return (1 - gamma ** (k + 1)) / (1 - gamma) if gamma < 1 else k + 1.0
 
 
 def turns_model(points: list[dict], k: int) -> float | None:
@@ -201,12 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", default="chain,auto",
                    help="speculation modes run at each corruption rate: chain (fixed K, the plotted points) "
                         "and auto (the planner may shorten or switch off speculation)")
-    p.add_argument("--spec-len", type=int, default=4)
-    p.add_argument("--max-tokens", type=int, default=96)
-    p.add_argument("--prompts", type=int, default=3)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--num-blocks", type=int, default=256)
-    p.add_argument("--ring-slots", type=int, default=None,
+    p.add_argument("--spec-len", type=common.positive_int, default=4)
+    p.add_argument("--max-tokens", type=common.positive_int, default=96)
+    p.add_argument("--prompts", type=common.positive_int, default=3)
+    p.add_argument("--prompt-len", type=common.positive_int, default=64)
+    p.add_argument("--num-blocks", type=common.positive_int, default=256)
+    p.add_argument("--ring-slots", type=common.positive_int, default=None,
                    help="EngineSettings.ring_slots (1: lockstep, one tree in flight)")
     p.add_argument("--no-lockstep-alone", action="store_true",
                    help="EngineSettings.lockstep_alone off (a CPU drafter's lone stream stays overlapped)")
@@ -290,12 +279,11 @@ def write_json(points: list[dict], args, partial: bool = False, out: Path | None
         pt["eq32_speedup"] = None if pt["gamma"] is None else eq32(pt["gamma"], args.spec_len) / ratio
         pt["eq32_turns_speedup"] = (None if pt["gamma"] is None or turns is None
                                     else eq32(pt["gamma"], args.spec_len) / turns)
-    RESULTS.mkdir(exist_ok=True)
     out = out or RESULTS / f"gpu_e2e_async_{args.tag}.json"
     meta = meta or {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    out.write_text(json.dumps({"args": vars(args), "points": points, "verify_cost_ratio": ratio,
-                               "turns_cost_ratio": turns, "partial": partial, **meta}, indent=1))
+                    "date": common.utc()}
+    common.write_json(out, {"args": vars(args), "points": points, "verify_cost_ratio": ratio,
+                            "turns_cost_ratio": turns, "partial": partial, **meta})
     return out, ratio
 
 

@@ -13,16 +13,15 @@ operators by host and by device time. Writes JSON (and prints a table).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 ROOT = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
-sys.path.insert(0, str(ROOT.parent))
+sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
+from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
+
+import torch  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -103,11 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="random:llama3-8b:0")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16])
-    p.add_argument("--prefix", type=int, default=128)
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--top", type=int, default=12)
-    p.add_argument("--out", default=str(ROOT / "results"))
+    p.add_argument("--tokens", type=common.positive_int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--prefix", type=common.positive_int, default=128)
+    p.add_argument("--reps", type=common.positive_int, default=20)
+    p.add_argument("--top", type=common.positive_int, default=12)
+    p.add_argument("--out", default=str(common.RESULTS), help="the folder for gpu_forward.json")
     args = p.parse_args(argv)
     from models.presets import random_model
     from models import cuda_graphs
@@ -150,9 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         del model, cache
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu_forward.json").write_text(json.dumps(result, indent=1))
+    common.write_json(Path(args.out) / "gpu_forward.json", result)
     for run in result["runs"]:
         if run.get("top_host") and run.get("top_device") is not None:
             print(f"\n{run['dtype']} T={run['T']}: top host (ms/forward) | top device (ms/forward)")

@@ -25,7 +25,6 @@ each, wall-clock): it checks the harness, not the speed.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -33,11 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-# Run as a script, this file's folder comes first on sys.path and its name would
-# shadow the `kernels` package: put the repository root there instead.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
+ROOT = Path(__file__).resolve().parent
+sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
+from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
 
 if "--dry-run" in sys.argv:  # must precede the first import of triton
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -55,7 +52,7 @@ L2_DEFEAT_BYTES = 256 << 20  # rotate inputs until one pass touches this much
 
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="bench/results", help="directory for kernels.json / table")
+    ap.add_argument("--out", default=str(common.RESULTS), help="directory for kernels.json / table")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU, interpreter")
     ap.add_argument("--prefix", type=int, nargs="*", default=[1024, 4096, 16384, 32768, 65536, 131072])
     ap.add_argument("--tree", type=int, nargs="*", default=[1, 4, 16, 64])
@@ -202,7 +199,7 @@ def main():
     copy_bw = copy_bandwidth(device)
     meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
                 torch=torch.__version__, triton=triton.__version__, dry_run=args.dry_run,
-                copy_bytes_per_s=copy_bw, page=args.page, started=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+                copy_bytes_per_s=copy_bw, page=args.page, started=common.utc(common.ISO))
     print(f"device {meta['device']}, copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)", flush=True)
     rows, skipped, start = [], [], time.monotonic()
     for B, T, P in tqdm(configs(args), desc="tree attention", file=sys.stdout):
@@ -219,7 +216,7 @@ def main():
     print(text)
     if skipped:
         print(f"skipped {len(skipped)} configurations (see kernels.json)")
-    (out_dir / "kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows, skipped=skipped), indent=1))
+    common.write_json(out_dir / "kernels.json", dict(meta=meta, rows=rows, skipped=skipped))
     (out_dir / "kernels_table.md").write_text(f"{meta['device']}, copy {copy_bw / 1e9:.0f} GB/s\n\n{text}\n")
     bad = [r for r in rows if r.get("rel_err_vs_sdpa", 0.0) > 2e-2]
     if bad:

@@ -41,9 +41,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT / "bench")]
+from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
+
+import httpx  # noqa: E402
+
 PROMPTS = [
     "Write a Python function that reverses a string.",
     "Explain what a hash map is in two sentences.",
@@ -251,17 +254,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server (default: start one with --start)")
     p.add_argument("--start", action="store_true", help="start python -m cluster.serve_cli")
-    p.add_argument("--target"), p.add_argument("--draft")
+    common.add_model_pair(p, default="the server's own")
     p.add_argument("--engine", default="auto")
     p.add_argument("--config", help="ClusterConfig YAML for the started server (specflash serve --config)")
-    p.add_argument("--port", type=int, default=8321)
-    p.add_argument("--concurrency", default="1,4,16,64")
-    p.add_argument("--modes", default="off,auto", help="speculation modes; 'off' is the baseline")
-    p.add_argument("--spec-len", type=int, default=None)
-    p.add_argument("--duration", type=float, default=30.0, help="seconds per cell")
-    p.add_argument("--rounds", type=int, default=1,
+    p.add_argument("--port", type=common.positive_int, default=8321)
+    p.add_argument("--concurrency", type=common.comma_list(common.positive_int), default="1,4,16,64")
+    p.add_argument("--modes", type=common.comma_list(), default="off,auto",
+                   help="speculation modes; 'off' is the baseline")
+    p.add_argument("--spec-len", type=common.positive_int, default=None)
+    p.add_argument("--duration", type=common.positive_float, default=30.0, help="seconds per cell")
+    p.add_argument("--rounds", type=common.positive_int, default=1,
                    help="windows per mode and concurrency, the modes alternating (off, auto, auto, off, ...)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=common.positive_int, default=64)
     p.add_argument("--workload", choices=WORKLOADS, default="completions",
                    help="completions: raw prompts on /v1/completions (a mix, continued past the "
                         "answer); chat-code-math: code and math questions on /v1/chat/completions")
@@ -269,9 +273,10 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     if args.quick:
-        args.concurrency, args.duration, args.max_tokens = "1,4", 8.0, 16
+        args.concurrency, args.duration, args.max_tokens = [1, 4], 8.0, 16
     if not args.url and not args.start:
         p.error("give --url of a running server, or --start")
+    common.model_pair(p, args, draft_optional=True, embedded=False)
     proc = None
     if args.start:
         proc, url = start_server(args)
@@ -279,10 +284,10 @@ def main(argv=None) -> int:
         url = args.url.rstrip("/")
     try:
         health = httpx.get(f"{url}/health", timeout=30).json()
-        modes = args.modes.split(",")
+        modes = args.modes
         cells = []
         turn = 0
-        for conc in (int(c) for c in args.concurrency.split(",")):
+        for conc in args.concurrency:
             for rnd in range(args.rounds):
                 # alternate which mode goes first, so a drift in machine load favours neither
                 for mode in (modes if turn % 2 == 0 else modes[::-1]):
@@ -304,7 +309,7 @@ def main(argv=None) -> int:
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
     on = next((m for m in modes if m != "off"), "auto")
-    result = {"bench": "load", "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    result = {"bench": "load", "utc": common.utc(common.ISO),
               "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                           "processor": platform.processor()},
               "server": {"url": url, "health": health, "target": args.target, "draft": args.draft,
@@ -315,13 +320,11 @@ def main(argv=None) -> int:
                            "workload": args.workload},
               "cells": cells, "summary": summary(cells, on),
               "engine_metrics": [l for l in stats.splitlines() if l.startswith("specflash_spec_")]}
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
-        "load-" + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + ".json")
+    out = Path(args.out) if args.out else common.RESULTS / f"load-{common.utc(common.STAMP)}.json"
     short = sorted({c["concurrency"] for c in cells if c["requests"] < c["concurrency"]})
     if short:
         result["short_windows"] = short
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    common.write_json(out, result, indent=2)
     print("\nall cells:")
     print_table(cells)
     if short:

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]   # bench/kernels.py shadows `kernels`
-sys.path.insert(0, str(ROOT.parent))
+sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
+from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
 
 
 def run(seqs: int, tokens: int, steps: int, vocab: int, indexed: bool) -> tuple[float, list]:
@@ -52,15 +52,15 @@ def run(seqs: int, tokens: int, steps: int, vocab: int, indexed: bool) -> tuple[
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seqs", type=int, default=16)
-    p.add_argument("--tokens", type=int, default=300)
-    p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--vocab", default="200,12",
+    p.add_argument("--seqs", type=common.positive_int, default=16)
+    p.add_argument("--tokens", type=common.positive_int, default=300)
+    p.add_argument("--steps", type=common.positive_int, default=500)
+    p.add_argument("--vocab", type=common.comma_list(common.positive_int), default="200,12",
                    help="token ids drawn from this many, one run each: few repeats (a scan goes far back, "
                         "most steps find nothing) and many (a match close to the end, a chain most steps)")
     args = p.parse_args(argv)
     run(2, 50, 5, 12, indexed=False)            # imports and first calls out of the way
-    for vocab in (int(v) for v in args.vocab.split(",")):
+    for vocab in args.vocab:
         scan_s, scan_plans = run(args.seqs, args.tokens, args.steps, vocab, indexed=False)
         index_s, index_plans = run(args.seqs, args.tokens, args.steps, vocab, indexed=True)
         if scan_plans != index_plans:
