@@ -2,8 +2,8 @@
 
 On a GPU these forwards are bound by the host, not the device: an 8B-shaped
 target's one-token forward issued ~1200 kernels and took 32.8 ms of wall time
-for 5.7 ms of device time on an H200 (`bench/gpu_forward.py`,
-bench/results/gpu-20261130/). A CUDA graph issues the same kernels with one
+for 5.7 ms of device time on an H200 (`bench/gpu_forward.py`, 2026-11-30;
+bench/README.md, "On a GPU"). A CUDA graph issues the same kernels with one
 launch. vLLM and SGLang capture their decode batches the same way.
 
 `GraphedLayers` replaces `Transformer._layers` (embedding → layers → final norm)

@@ -4,7 +4,7 @@ Each route checks the API key, reads the body under the size limit, hands off to
 the server and shapes the response. The routes read the raw body (the server
 validates strictly, with OpenAI-style errors), so FastAPI cannot see the request
 models; `openapi()` puts them, and every error status, into `/openapi.json`,
-which is what clients and the schema-driven fuzz test (tests/cluster/test_fuzz.py)
+which is what clients and the schema-driven fuzz test (tests/serving/test_fuzz.py)
 read.
 """
 from __future__ import annotations

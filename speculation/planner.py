@@ -49,11 +49,11 @@ Two facts of the asynchronous pipeline enter the plan (`overlap=True`):
   s' = min(s, k) instead: (E + m·E_s') / (1 + m) tokens and
   (1 + k·W + m·(1 + s')) / (1 + m) rows, the wait for it in the measured costs;
 - a step in which every sequence decodes alone may run on idle drafters'
-  cores (cluster/verifier_actor.py): its measured cost, `plain_step_s`, is the
+  cores (verifier/scheduler.py): its measured cost, `plain_step_s`, is the
   baseline a plan must beat, not the verifier's own-thread step.
 
 In lockstep (one tree in flight: `ring_slots` 1, a drafter on the verifier's GPU, a
-lone stream beside a CPU drafter; `VerifierActor._plan_overlap`) the pipeline takes
+lone stream beside a CPU drafter; `verifier.scheduler.Scheduler.plan_overlap`) the pipeline takes
 turns like the synchronous engine: `overlap` and `bridges` are off, and the draft
 cost per level is the verifier's measured wait for the trees.
 
@@ -204,7 +204,7 @@ class AdaptiveSpeculation:
         # the asynchronous pipeline bridges after a contradicted outcome; in lockstep (one tree
         # in flight, nothing assumed past it) it never does
         self.bridges = True
-        # with restart_depth s > 0 (PipelineSettings) a contradicted outcome is followed by a
+        # with restart_depth s > 0 (`speculation.settings`) a contradicted outcome is followed by a
         # restart tree of depth min(s, k) instead of a bridge step
         self.restart_depth = 0
         self.seqs: dict[str, SeqState] = {}

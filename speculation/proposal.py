@@ -79,7 +79,7 @@ class NgramIndex:
     It keeps the latest start of every n-gram (`min_ngram`..`max_ngram`) that has a token
     after it, adding those the list gained since the last call. The list may only grow
     (a sequence's committed tokens); a shorter one starts the index over. Same answers
-    as `lookup` (tests/drafter/test_ngram.py)."""
+    as `lookup` (tests/speculation/test_proposal.py)."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 2) -> None:
         check_ngrams(max_ngram, min_ngram)

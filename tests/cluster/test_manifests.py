@@ -498,7 +498,7 @@ def test_serve_config_on_a_local_multi_node_cluster(cfg, tmp_path):
     nodes = {side: cluster.add_node(num_cpus=1, resources=getattr(small, f"{side}_nodes").resources)
              for side in ("drafter", "verifier")}
     # no driver: like KubeRay, everything goes through the dashboard, so this test leaves alone
-    # the Ray connection other tests of the session share (tests/cluster/conftest.py)
+    # the Ray connection other tests of the session share (tests/conftest.py)
     base = f"http://127.0.0.1:{dash}/api/serve/applications/"
     try:
         config = manifests.serve_config(small)

@@ -48,11 +48,3 @@ def test_a_drafter_killed_while_the_verifier_waits_for_restarts_leaves_the_outpu
     assert killed_at and killed_at[0] < 60, "the drafter must die mid-generation"
     assert tokens == hf_greedy(hf_target, prompt, 60) and last.finish_reason == "length"
     assert run(engine.stats())["restarts"] > 0
-
-
-def test_restart_and_bridge_chains_are_one_choice():
-    from speculation.settings import SpeculationSettings
-
-    with pytest.raises(ValueError, match="set one of them to 0"):
-        SpeculationSettings(bridge_depth=2, restart_depth=1)
-    assert SpeculationSettings(bridge_depth=2, restart_depth=0).bridge_depth == 2

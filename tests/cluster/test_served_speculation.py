@@ -19,7 +19,7 @@ from serving.protos import specflash_pb2 as pb
 from speculation.requests import GenerationRequest, InvalidRequest, SpeculationOptions
 from speculation.settings import SpeculationSettings
 
-from . import serving_helpers
+from tests.serving import serving_helpers
 from .pipeline_helpers import collect, hf_greedy, run
 
 CYCLE = list(b"abcdefghijkl")            # the copying target walks this cycle (tests/conftest.py)

@@ -1,4 +1,5 @@
-"""The feature-conditioned (EAGLE) draft head: loading, feature plumbing, exactness."""
+"""The feature-conditioned (EAGLE) draft proposer (drafter/eagle_proposer.py): feature plumbing,
+exactness (the head itself is in tests/models/test_eagle.py)."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ from drafter import EagleProposer
 from drafter.eagle_proposer import MissingFeaturesError
 from models import SamplingParams, load_model
 from models.eagle import EagleDraft
-from models.transformer import Transformer, causal_mask
+from models.transformer import causal_mask
 
 PROMPTS = [list(b"def add(a, b):\n    return"), list(b"The quick brown fox"), [7]]
 MAX_TOKENS = 20
@@ -30,26 +31,9 @@ def eagle_engine(tiny_target, eagle_draft):
 
 @pytest.fixture(scope="module")
 def references(hf_target):
-    from tests.cluster.test_engine_greedy import hf_greedy
+    from tests.cluster.test_local_greedy import hf_greedy
 
     return [hf_greedy(hf_target, p, MAX_TOKENS) for p in PROMPTS]
-
-
-def test_loader_recognises_an_eagle_checkpoint(tiny_target, eagle_draft):
-    draft = load_model(eagle_draft)
-    assert isinstance(draft, EagleDraft) and draft.needs_features
-    assert type(load_model(tiny_target)) is Transformer
-    cache = draft.new_cache(4)
-    cache.add_sequence("s")
-    with pytest.raises(ValueError, match="needs the target's features"):
-        draft(torch.tensor([[1, 2]]), torch.arange(2)[None], cache, ["s"], causal_mask(1, 2))
-    assert cache.seq_len("s") == 0          # a refused forward leaves the cache as it was
-    target = load_model(tiny_target)
-    tcache = target.new_cache(4)
-    tcache.add_sequence("s")
-    with pytest.raises(ValueError, match="takes no input features"):
-        target(torch.tensor([[1, 2]]), torch.arange(2)[None], tcache, ["s"], causal_mask(1, 2),
-               features=torch.zeros(1, 2, target.config.hidden_size))
 
 
 @pytest.mark.parametrize("K,W", [(1, 1), (3, 1), (4, 2), (3, 3)])
@@ -119,8 +103,8 @@ def test_missing_features_are_a_clear_error(tiny_target, eagle_draft):
 
 def test_sampled_tokens_follow_the_target(tmp_path, small_vocab_pair):
     """Chi-square of the first two sampled tokens against the target's own joint distribution
-    (the same test as the engine's, `tests/cluster/test_engine_sampling.py`)."""
-    from tests.cluster.test_engine_sampling import (NUM_SAMPLES, P_VALUE_FLOOR, chi_square_p_value,
+    (the same test as the engine's, `tests/cluster/test_local_sampling.py`)."""
+    from tests.cluster.test_local_sampling import (NUM_SAMPLES, P_VALUE_FLOOR, chi_square_p_value,
                                                     exact_joint, sample_pairs)
     from tests.conftest import save_eagle
 
@@ -132,27 +116,3 @@ def test_sampled_tokens_follow_the_target(tmp_path, small_vocab_pair):
     p = chi_square_p_value(samples, exact_joint(target, params))
     assert p > P_VALUE_FLOOR, f"sampled pairs do not follow the target (p = {p:.2e})"
     assert 0.05 < acceptance < 0.95        # both acceptance and the residual are exercised
-
-
-def test_the_async_pipeline_refuses_an_eagle_draft_clearly(tiny_target, eagle_draft, far_draft):
-    from cluster.pipeline import build_pipeline_engine
-    from models.eagle import is_eagle_dir
-
-    assert is_eagle_dir(eagle_draft) and not is_eagle_dir(far_draft)
-    with pytest.raises(ValueError, match="only the sync engine runs"):   # before any actor starts
-        build_pipeline_engine(None, target_dir=str(tiny_target), draft_dir=str(eagle_draft))
-
-
-def test_generate_cli_runs_an_eagle_draft(tiny_target, eagle_draft, capsys):
-    import json
-
-    from cluster.cli import main
-
-    code = main(["generate", "--target", str(tiny_target), "--draft", str(eagle_draft), "--prompt", "def f(",
-                 "--max-tokens", "8", "--spec-len", "3", "--ignore-eos", "--json"])
-    assert code == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert len(out["token_ids"]) == 8 and out["stats"]["drafted"] > 0
-    code = main(["generate", "--target", str(tiny_target), "--draft", str(eagle_draft), "--prompt", "x",
-                 "--mode", "async", "--max-tokens", "4"])
-    assert code != 0 and "sync engine" in capsys.readouterr().err

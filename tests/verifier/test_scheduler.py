@@ -54,19 +54,6 @@ def test_a_sequence_held_off_is_signalled_only_when_its_drafter_is_needed(tiny_t
         torch.set_num_threads(threads)
 
 
-def test_plain_step_threads_rule():
-    from speculation.policy import plain_step_threads
-
-    here = [{"node": "n1", "cpus": 1.0}]
-    assert plain_step_threads(-1, 1, "cpu", "n1", here) == 2                       # borrows the drafter's core
-    assert plain_step_threads(-1, 2, "cpu", "n1", here + [{"node": "n1", "cpus": 2}]) == 5
-    assert plain_step_threads(-1, 1, "cpu", "n1", [{"node": "n2", "cpus": 4}]) == 1   # another node's cores
-    assert plain_step_threads(-1, 1, "cpu", "", [{"node": "", "cpus": 1}]) == 1       # where unknown: no
-    assert plain_step_threads(0, 1, "cpu", "n1", here) == 1                        # switched off
-    assert plain_step_threads(3, 1, "cpu", "n1", []) == 3                          # fixed
-    assert plain_step_threads(-1, 1, "cuda", "n1", here) == 1                      # GPUs: threads don't matter
-
-
 def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(tiny_target):
     from models.tree import TokenTree
 
@@ -244,19 +231,6 @@ def test_a_silent_drafters_sequences_decode_alone_counted_as_absent(tiny_target)
         torch.set_num_threads(threads)
 
 
-def test_shares_gpu_rule():
-    from speculation.policy import shares_gpu
-
-    assert shares_gpu("n1", ["0"], "n1", ["0"])                  # half a GPU each, the same one
-    assert shares_gpu("n1", ["0", "1"], "n1", ["1"])
-    assert not shares_gpu("n1", ["0"], "n1", ["1"])              # two GPUs of one node
-    assert not shares_gpu("n1", ["0"], "n2", ["0"])              # GPU 0 of two nodes
-    assert shares_gpu("n1", [], "n1", [])                        # none named: both on the first
-    assert not shares_gpu("n1", [], "n1", ["0"])
-    assert not shares_gpu("n1", None, "n1", None)                # CPUs
-    assert not shares_gpu("", ["0"], "", ["0"])                  # where unknown: no
-
-
 def test_a_drafter_on_our_gpu_runs_in_lockstep_and_the_planner_prices_turns(tiny_target):
     """`lockstep_shared_gpu`: a drafter on the verifier's GPU is in lockstep whatever the number
     of streams (the planner then adds the wait for a tree to the forward, and counts no
@@ -301,37 +275,6 @@ def test_a_drafter_on_our_gpu_runs_in_lockstep_and_the_planner_prices_turns(tiny
     assert not Drafter.lockstep(drafter(verifier_node="n2"))
     assert not Drafter.lockstep(drafter(verifier_gpus=None))      # a CPU verifier
     assert not Drafter.lockstep(drafter(settings=EngineSettings(device="cuda", lockstep_shared_gpu=False)))
-
-
-def test_lockstep_pricing_switches_speculation_off_where_taking_turns_does_not_pay():
-    """Costs measured on an H200 in lockstep (2026-11-30, docs/bench-history.md): a one-row forward
-    12.4 ms, five rows 18.5 ms, the wait for a 4-level tree 20 ms. Priced as turns (forward
-    plus wait), a sequence at γ 0.5 decodes alone and one at γ 0.95 speculates; had the waits
-    been folded into the forward's a + b·rows, a run of five-row steps alone would read as a
-    slope it cannot separate from the wait, and γ 0.5 would speculate and lose (0.63× measured)."""
-    from speculation.planner import AdaptiveSpeculation
-
-    def planner(overlap: bool) -> AdaptiveSpeculation:
-        a = AdaptiveSpeculation(max_spec_len=4)
-        a.costs.overlap = a.bridges = overlap
-        return a
-
-    turns = planner(False)
-    for _ in range(5):
-        turns.costs.observe_verify(1, 0.0124)
-        turns.costs.observe_verify(5, 0.0185)
-        turns.costs.observe_draft(4, 0.020)
-    folded = planner(True)
-    for _ in range(5):
-        folded.costs.observe_verify(5, 0.0385)    # the forward plus the wait, five rows each time
-    for gamma, want_on in ((0.5, False), (0.95, True)):
-        for a in (turns, folded):
-            a.add("x", "auto", 4, 1)
-            st = a.seqs["x"]
-            st.attempts, st.accepts = 1000.0, 1000.0 * gamma
-        assert (turns.plan(["x"])["x"][0] > 0) == want_on, (gamma, turns.plan(["x"]))
-    folded.seqs["x"].accepts = 500.0           # γ 0.5: the folded model speculates (what lost on the GPU)
-    assert folded.plan(["x"])["x"][0] > 0
 
 
 def test_on_a_gpu_plain_steps_are_the_baseline_a_plan_must_beat(tiny_target):

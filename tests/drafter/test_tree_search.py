@@ -1,48 +1,12 @@
-"""TokenTree bookkeeping, EAGLE-2 tree growth (greedy and without replacement), n-gram lookup."""
+"""EAGLE-2 tree growth (drafter/tree_search.py), greedy and without replacement."""
 from __future__ import annotations
 
-import pytest
 import torch
 
-from speculation.proposal import lookup
 from drafter.tree_search import ROOT, TreeBuilder
 from models import SamplingParams
-from models.tree import TokenTree
 
 V = 12
-
-
-def test_chain_and_masks():
-    tree = TokenTree.chain([5, 6, 7], None, prefix_len=10, epoch=2)
-    assert tree.parent_ids.tolist() == [-1, 0, 1] and tree.depths.tolist() == [1, 2, 3]
-    assert torch.equal(tree.tree_mask(), torch.ones(3, 3, dtype=torch.bool).tril())
-    vm = tree.verification_mask()
-    assert vm.shape == (4, 4) and vm[:, 0].all() and not vm[0, 1:].any()
-
-
-def test_tree_mask_of_a_branching_tree():
-    #        root
-    #       /    \
-    #      0      1
-    #     / \     |
-    #    2   3    4
-    tree = TokenTree(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([-1, -1, 0, 0, 1]),
-                     torch.tensor([1, 1, 2, 2, 2]), None, prefix_len=4)
-    m = tree.tree_mask()
-    assert m[3].tolist() == [True, False, False, True, False]
-    assert m[4].tolist() == [False, True, False, False, True]
-    assert not m[2, 3] and not m[0, 1]
-    assert tree.path_to(4) == [1, 4]
-
-
-def test_empty_tree_and_bad_trees():
-    empty = TokenTree.empty(prefix_len=3)
-    assert empty.num_nodes == 0 and empty.tree_mask().shape == (0, 0)
-    assert empty.verification_mask().tolist() == [[True]]
-    with pytest.raises(ValueError, match="topologically"):
-        TokenTree(torch.tensor([1, 2]), torch.tensor([1, -1]), torch.tensor([2, 1]), None, 3)
-    with pytest.raises(ValueError, match="T\\+1"):
-        TokenTree.chain([1, 2], torch.zeros(2, V), prefix_len=3)
 
 
 def logits_with(order: list[int]) -> torch.Tensor:   # [V]: tokens in `order` get descending logits
@@ -99,14 +63,3 @@ def test_sampled_tree_respects_budget_and_support():
     tree, _ = b.finish(prefix_len=2, epoch=0)
     assert tree.draft_probs.shape == (6, V)
     assert tree.draft_probs[3:].sum() == 0                     # leaves: no children, no q
-
-
-@pytest.mark.parametrize("tokens,k,expected", [
-    ([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 2, [8, 1]),          # latest match of the longest n-gram
-    ([1, 2, 3, 4, 5, 0, 2, 3], 3, [4, 5, 0]),                # falls back to a shorter n-gram
-    ([1, 2, 3, 4], 3, []),                                   # no earlier match
-    ([7, 7], 4, []),                                         # min n-gram 2: nothing to match
-    ([5, 6, 5, 6], 5, [5, 6]),                               # continuation runs to the end
-])
-def test_ngram_lookup(tokens, k, expected):
-    assert lookup(tokens, k, max_ngram=3, min_ngram=2) == expected

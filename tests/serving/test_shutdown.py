@@ -2,19 +2,14 @@
 finish within the deadline or end with a clear error (a stream: an error event, then [DONE]),
 never a silent cut.
 
-In-process over the FakeEngine (HTTP through an ASGI client, gRPC on a plain grpc.aio server),
-plus `specflash serve --engine fake` in a subprocess, SIGTERM'd with a stream in flight."""
+In-process over the FakeEngine (HTTP through an ASGI client, gRPC on a plain grpc.aio server);
+`specflash serve --engine fake` SIGTERM'd with a stream in flight is
+tests/cluster/test_serve_shutdown.py."""
 from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import grpc
 import httpx
@@ -29,7 +24,6 @@ from . import serving_helpers
 
 TOK = tiny_byte_tokenizer()
 OUT = TOK.encode(SAMPLE_TEXT * 4)
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def events(text: str) -> list:
@@ -139,49 +133,3 @@ def test_a_grpc_stream_past_the_deadline_ends_unavailable():
     assert first.text and report["failed"] == 1
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "drain deadline" in err.details()
     assert refused.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in refused.details()
-
-
-# ---- `specflash serve --engine fake`, SIGTERM with a stream in flight --------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.slow
-def test_sigterm_to_specflash_serve_drains_a_stream_in_flight(tmp_path):
-    port, gport = _free_port(), _free_port()
-    log = tmp_path / "serve.log"
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--engine", "fake", "--port", str(port),
-           "--grpc-port", str(gport), "--drain-timeout", "1", "--num-cpus", "2"]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while "specflash serving" not in log.read_text(errors="replace"):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
-        url = f"http://127.0.0.1:{port}"
-        # the fake engine sends 3 tokens every 10 ms: ~1.6 s for this stream, past the 1 s drain
-        body = {"prompt": "hi", "max_tokens": 2000, "stream": True, "ignore_eos": True}
-        with httpx.Client(timeout=60) as client, \
-                client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            stream = r.iter_text()
-            pieces = [next(stream)]                  # in flight
-            proc.send_signal(signal.SIGTERM)
-            pieces += list(stream)
-        chunks = events("".join(pieces))
-        last = chunks[-1]
-        assert "error" in last or last["choices"][0]["finish_reason"] in ("stop", "length"), last
-        if "error" in last:
-            assert last["error"]["code"] == "server_shutting_down"
-        assert proc.wait(120) == 0
-        text = log.read_text(errors="replace")
-        assert "specflash: drained" in text and "'in_flight': 1" in text, text[-3000:]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)

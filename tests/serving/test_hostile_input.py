@@ -1,7 +1,7 @@
 """Hostile input (issue 7): absurd values, deep nesting, bad bytes and huge bodies get a clear 4xx
 over HTTP, and malformed gRPC messages get INVALID_ARGUMENT; the server keeps serving after each.
 
-In-process over the FakeEngine; the schema-driven fuzz run is tests/cluster/test_fuzz.py."""
+In-process over the FakeEngine; the schema-driven fuzz run is tests/serving/test_fuzz.py."""
 from __future__ import annotations
 
 import asyncio

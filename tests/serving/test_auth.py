@@ -1,21 +1,18 @@
 """Access control (issue 7): API keys on HTTP and gRPC, never logged; /health and /metrics
-configurable; per-key concurrency limits; the KubeRay manifests mount the key from a Secret.
+configurable; per-key concurrency limits. The serving config's key settings and the KubeRay
+manifests mounting the key from a Secret are in tests/cluster/test_auth_deploy.py.
 
 In-process: FastAPI's TestClient and a plain grpc.aio server over the FakeEngine (no Ray)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
-from pathlib import Path
 
 import grpc
 import pytest
 from fastapi.testclient import TestClient
 
-from cluster import manifests
 from serving.access import ApiKeyConfigError, ApiKeys, load_api_keys
-from cluster.config import ClusterConfig, ServingConfig
 from serving.openai_api import OpenAIServer, ServerSettings
 from serving.openai_routes import build_fastapi_app
 from serving.protos import specflash_pb2 as pb
@@ -26,7 +23,6 @@ from . import serving_helpers
 TOK = tiny_byte_tokenizer()
 OUT = TOK.encode(SAMPLE_TEXT * 4)
 KEY, OTHER = "sk-right-8f1d2c", "sk-other-77a0b3"
-EXAMPLE = Path(__file__).resolve().parents[2] / "manifests" / "cluster.example.yaml"
 
 
 def make(engine=None, **settings):
@@ -118,32 +114,6 @@ def test_key_sources_env_and_file(tmp_path):
     assert "empty" in str(info.value)
 
 
-def test_settings_from_the_serving_config_read_the_file(tmp_path):
-    f = tmp_path / "secret" / "api-key"
-    f.parent.mkdir()
-    f.write_text(KEY)
-    serving = ServingConfig(api_key_file=str(f), auth_health=True, max_concurrent_per_key=3,
-                            max_request_bytes=2048, drain_timeout_s=5)
-    s = ServerSettings.from_config(serving, "m", 128)
-    assert ApiKeys.of(s.api_key).identify(f"Bearer {KEY}") == "key-0"
-    assert (s.auth_health, s.auth_metrics, s.max_concurrent_per_key, s.max_request_bytes,
-            s.drain_timeout_s) == (True, False, 3, 2048, 5)
-    assert KEY not in repr(s) and KEY not in repr(serving)
-    assert ServerSettings.from_config(ServingConfig(), "m", 128).api_key is None
-
-
-@pytest.mark.parametrize("fields,message", [
-    ({"api_key_env": "K", "api_key_file": "/run/key/k"}, "not both"),
-    ({"api_key_file": "key.txt"}, "absolute path"),
-    ({"api_key_file": "/key"}, "folder of its own"),
-    ({"auth_health": True}, "need an API key"),
-    ({"max_concurrent_per_key": 0}, "greater than or equal to 1"),
-])
-def test_bad_serving_auth_configs_are_refused(fields, message):
-    with pytest.raises(ValueError, match=message):
-        ServingConfig(**fields)
-
-
 # ---- per-key concurrency ---------------------------------------------------------------------
 def test_one_key_over_its_share_gets_429_while_another_key_is_served():
     engine = FakeEngine(script=lambda r: OUT, delay_s=0.05)
@@ -219,51 +189,3 @@ def test_grpc_per_key_limit_is_resource_exhausted():
                                        api_key=[KEY, OTHER], max_concurrent_per_key=1))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "per key" in err.details()
     assert other.usage.completion_tokens == 2
-
-
-# ---- KubeRay: the key comes from a Kubernetes Secret -------------------------------------------
-def _manifest_checks():
-    """The CRD-schema and operator-rule checks of test_manifests.py."""
-    path = Path(__file__).with_name("test_manifests.py")
-    spec = importlib.util.spec_from_file_location("_manifest_checks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _pods(obj: dict) -> list[dict]:
-    spec = obj["spec"]
-    cluster = {"RayService": lambda: spec["rayClusterConfig"], "RayCluster": lambda: spec,
-               "RayJob": lambda: spec["rayClusterSpec"]}[obj["kind"]]()
-    groups = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
-    return [g["template"]["spec"] for g in groups]
-
-
-@pytest.mark.parametrize("source", ["file", "env"])
-def test_manifests_mount_the_key_from_a_secret_and_pass_the_crds(source):
-    checks = _manifest_checks()
-    base = ClusterConfig.from_yaml(EXAMPLE)
-    serving = {"api_key_file": "/var/run/secrets/specflash/api-key"} if source == "file" \
-        else {"api_key_env": "SPECFLASH_API_KEY"}
-    cfg = base.model_copy(update={"serving": base.serving.model_copy(update=serving)})
-    secret = f"{cfg.name}-api-key"
-    schemas = checks.crd_schemas.__wrapped__()
-    for obj in (manifests.ray_service(cfg), manifests.ray_cluster(cfg), manifests.ray_job(cfg)):
-        assert checks.api_server_errors(obj, schemas) == [], obj["kind"]
-        assert checks.kuberay_rule_errors(obj) == [], obj["kind"]
-        for pod in _pods(obj):
-            (container,) = pod["containers"]
-            if source == "file":
-                (volume,) = [v for v in pod["volumes"] if v["name"] == "api-key"]
-                assert volume["secret"]["secretName"] == secret
-                assert volume["secret"]["items"] == [{"key": "api-key", "path": "api-key"}]
-                (mount,) = [m for m in container["volumeMounts"] if m["name"] == "api-key"]
-                assert mount == {"name": "api-key", "mountPath": "/var/run/secrets/specflash",
-                                 "readOnly": True}
-            else:
-                (env,) = [e for e in container["env"] if e["name"] == "SPECFLASH_API_KEY"]
-                assert env["valueFrom"]["secretKeyRef"] == {"name": secret, "key": "api-key"}
-                assert "value" not in env
-    args = manifests.serve_config(cfg)["applications"][0]["args"]["serving"]
-    assert args["api_key_file" if source == "file" else "api_key_env"] == \
-        next(iter(serving.values()))

@@ -1,67 +1,11 @@
-"""The ring of in-flight trees (verifier/ring.py) and the drafter's assumption bookkeeping
-(drafter/streams.py): bounded slots, staleness by epoch and claimed prefix, rollback."""
+"""The drafter's assumption bookkeeping (drafter/streams.py): the outcome each tree in flight
+assumes, held or broken by the verifier's signals, rollback, bridges and restarts."""
 from __future__ import annotations
 
-import pytest
-import torch
-
-from verifier.ring import Ring, RingEntry, StreamRing, claims_prefix
 from drafter.streams import DraftStream, cut_tree, greedy_outcome
-from speculation.wire import Signal, TreeHeader
+from speculation.wire import Signal
 from models.sampling import SamplingParams
 from models.tree import TokenTree
-
-
-def entry(prefix: list[int], anchor: int, epoch: int = 0, tree_id: int = 0, stream: str = "s") -> RingEntry:
-    h = TreeHeader(stream, epoch, tree_id, len(prefix), anchor, prefix[anchor:], 2, 0)
-    return RingEntry(h, payload=None)
-
-
-def test_ring_is_bounded_per_stream():
-    ring = StreamRing(2)
-    assert ring.put(entry([1, 2], 2, tree_id=0))[0]
-    assert ring.put(entry([1, 2, 3], 2, tree_id=1))[0]
-    ok, dropped = ring.put(entry([1, 2, 3, 4], 2, tree_id=2))
-    assert not ok and dropped == [] and len(ring) == 2 and ring.full
-
-
-def test_newer_epoch_evicts_stale_entries_and_older_epoch_is_refused():
-    ring = StreamRing(3)
-    ring.put(entry([1, 2], 2, epoch=0))
-    ring.put(entry([1, 2, 3], 2, epoch=0, tree_id=1))
-    ok, dropped = ring.put(entry([1, 2, 9], 3, epoch=1, tree_id=2))
-    assert ok and len(dropped) == 2 and len(ring) == 1
-    ok, dropped = ring.put(entry([1, 2, 3, 4], 2, epoch=0, tree_id=3))
-    assert not ok and len(dropped) == 1
-
-
-def test_head_valid_checks_the_whole_claimed_prefix():
-    ring = StreamRing(3)
-    ring.put(entry([1, 2, 7], 2, tree_id=0))        # assumed token 7 after the confirmed [1, 2]
-    ring.put(entry([1, 2, 8, 4], 2, tree_id=1))     # assumed [8, 4]
-    head, dropped = ring.head_valid([1, 2, 8, 4])   # committed: 8 then 4, same length as tree 1
-    assert head.header.tree_id == 1 and [d.header.tree_id for d in dropped] == [0]
-    head, dropped = ring.head_valid([1, 2, 8, 5])   # same length, one token differs: stale
-    assert head is None and len(dropped) == 1 and len(ring) == 0
-
-
-def test_claims_prefix_compares_tokens_not_only_lengths():
-    h = TreeHeader("s", 0, 0, 4, 2, [3, 4], 1, 0)
-    assert claims_prefix(h, [1, 2, 3, 4])
-    assert not claims_prefix(h, [1, 2, 3, 5])
-    assert not claims_prefix(h, [1, 2, 3])
-
-
-def test_ring_set_remove_frees_slots_and_unknown_streams_are_dropped():
-    rings = Ring(2)
-    rings.add_stream("a")
-    rings.put(entry([1], 1, stream="a"))
-    assert rings.total() == 1 and rings.capacity() == 2
-    ok, dropped = rings.put(entry([1], 1, stream="gone"))
-    assert not ok and len(dropped) == 1
-    assert len(rings.remove_stream("a")) == 1 and rings.total() == 0
-    with pytest.raises(ValueError):
-        StreamRing(0)
 
 
 def chain_tree(tokens, prefix_len):
@@ -153,47 +97,6 @@ def test_a_contradicted_bridge_chain_is_followed_by_another_bridge():
     s2.record_bridge(4)
     bumped, _, _ = s2.on_step(Signal("step", "t", 0, -1, 2, [5]))
     assert bumped and not s2.bridge
-
-
-def test_bridge_chain_depth_is_decided_alike_from_settings_params_and_budget():
-    from speculation.policy import bridge_chain_depth
-    from speculation.settings import MAX_BRIDGE_DEPTH, EngineSettings
-
-    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8)
-    on = EngineSettings(bridge_depth=2)
-    assert bridge_chain_depth(on, greedy, 5) == 2
-    assert bridge_chain_depth(on, greedy, 1) == 1           # within the budget the verifier sent
-    assert bridge_chain_depth(on, greedy, 0) == 0           # speculation off: decode alone
-    assert bridge_chain_depth(on, sampled, 5) == 0          # sampling: the drafter cannot know the chain
-    assert bridge_chain_depth(on, greedy, 5, proposer="ngram") == 0   # prompt lookup drafts no chain
-    assert bridge_chain_depth(EngineSettings(bridge_depth=0), greedy, 5) == 0
-    assert bridge_chain_depth(EngineSettings.model_construct(bridge_depth=9), greedy, 16) == MAX_BRIDGE_DEPTH
-
-
-def test_after_a_contradiction_both_sides_choose_a_restart_tree_or_a_bridge_alike():
-    """`restart_depth` s: the drafter's next tree after a contradicted outcome is a restart
-    chain of min(s, budget) with no bridge before it exactly where the verifier does not
-    bridge (`restart_tree_depth`); a budget of 0 bridges; with s = 0 the drafter bridges
-    (plainly, or after a bridge chain); without a contradiction nothing changes."""
-    from speculation.policy import next_tree_shape, restart_tree_depth
-    from speculation.settings import EngineSettings
-
-    greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8)
-    for settings in (EngineSettings(restart_depth=1), EngineSettings(restart_depth=3),
-                     EngineSettings(), EngineSettings(bridge_depth=2)):
-        for params in (greedy, sampled):
-            for budget in ((0, 0), (1, 1), (2, 2), (6, 1)):
-                verifier_bridges = restart_tree_depth(settings, budget[0]) == 0
-                depth, width, bridge = next_tree_shape(settings, params, budget, True)
-                assert (bridge > 0) == verifier_bridges, (settings, budget)
-                if not verifier_bridges:
-                    assert (depth, width) == (min(settings.restart_depth, budget[0]), 1)
-                else:
-                    assert (depth, width) == budget
-                assert next_tree_shape(settings, params, budget, False) == (*budget, 0)
-    assert next_tree_shape(EngineSettings(restart_depth=3), greedy, (6, 2), True) == (3, 1, 0)
-    assert next_tree_shape(EngineSettings(bridge_depth=2), greedy, (6, 1), True) == (6, 1, 3)
-    assert next_tree_shape(EngineSettings(bridge_depth=2), sampled, (6, 1), True) == (6, 1, 1)
 
 
 def test_a_contradicted_restart_tree_is_followed_by_another_restart():

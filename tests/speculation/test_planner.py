@@ -271,3 +271,40 @@ def test_restart_trees_are_priced_as_the_chain_after_a_contradiction():
          (2 + (1 - gamma ** 2) * 2) / (2 - gamma ** 2)))          # the restart chain within k
     ad.bridges = False                                               # lockstep: nothing contradicted
     assert ad._per_step(gamma, 4, 1) == pytest.approx((expected_tokens(gamma, 4), 5.0))
+
+
+def test_lockstep_pricing_switches_speculation_off_where_taking_turns_does_not_pay():
+    """Costs measured on an H200 in lockstep (2026-11-30, docs/bench-history.md): a one-row forward
+    12.4 ms, five rows 18.5 ms, the wait for a 4-level tree 20 ms. Priced as turns (forward
+    plus wait), a sequence at γ 0.5 decodes alone and one at γ 0.95 speculates; had the waits
+    been folded into the forward's a + b·rows, a run of five-row steps alone would read as a
+    slope it cannot separate from the wait, and γ 0.5 would speculate and lose (0.63× measured)."""
+    from speculation.planner import AdaptiveSpeculation
+
+    def planner(overlap: bool) -> AdaptiveSpeculation:
+        a = AdaptiveSpeculation(max_spec_len=4)
+        a.costs.overlap = a.bridges = overlap
+        return a
+
+    turns = planner(False)
+    for _ in range(5):
+        turns.costs.observe_verify(1, 0.0124)
+        turns.costs.observe_verify(5, 0.0185)
+        turns.costs.observe_draft(4, 0.020)
+    folded = planner(True)
+    for _ in range(5):
+        folded.costs.observe_verify(5, 0.0385)    # the forward plus the wait, five rows each time
+    for gamma, want_on in ((0.5, False), (0.95, True)):
+        for a in (turns, folded):
+            a.add("x", "auto", 4, 1)
+            st = a.seqs["x"]
+            st.attempts, st.accepts = 1000.0, 1000.0 * gamma
+        assert (turns.plan(["x"])["x"][0] > 0) == want_on, (gamma, turns.plan(["x"]))
+    folded.seqs["x"].accepts = 500.0           # γ 0.5: the folded model speculates (what lost on the GPU)
+    assert folded.plan(["x"])["x"][0] > 0
+
+
+def test_sync_costs_add_draft_and_verify():
+    sync, async_ = CostModel(a=1.0, b=0.1, d=0.5, overlap=False), CostModel(a=1.0, b=0.1, d=0.5)
+    assert sync.step_time(rows=5, max_levels=4) == pytest.approx(1.5 + 2.0)
+    assert async_.step_time(rows=5, max_levels=4) == pytest.approx(2.0)

@@ -10,7 +10,7 @@ from cluster.local import build_engine
 from speculation.requests import GenerationRequest, SpeculationOptions
 from models import SamplingParams
 
-from .test_engine_greedy import hf_greedy
+from .test_local_greedy import hf_greedy
 
 PROMPTS = [list(b"def add(a, b):\n    return"), list(b"The quick brown fox")]
 MAX_TOKENS = 64
@@ -35,12 +35,6 @@ def run_auto(engine, prompts, K=4, W=1, max_tokens=MAX_TOKENS):
 @pytest.fixture(scope="module")
 def references(hf_target):
     return [hf_greedy(hf_target, p, MAX_TOKENS) for p in PROMPTS]
-
-
-def test_sync_costs_add_draft_and_verify():
-    sync, async_ = CostModel(a=1.0, b=0.1, d=0.5, overlap=False), CostModel(a=1.0, b=0.1, d=0.5)
-    assert sync.step_time(rows=5, max_levels=4) == pytest.approx(1.5 + 2.0)
-    assert async_.step_time(rows=5, max_levels=4) == pytest.approx(2.0)
 
 
 def test_auto_switches_a_far_draft_off_and_stays_exact(tiny_target, far_draft, references):

@@ -1,4 +1,5 @@
-"""The incremental n-gram index answers exactly as the scan (`drafter.ngram.lookup`)."""
+"""Proposals (speculation/proposal.py): n-gram prompt lookup, by a scan and by the incremental
+index, which answers exactly as the scan."""
 from __future__ import annotations
 
 import random
@@ -6,6 +7,17 @@ import random
 import pytest
 
 from speculation.proposal import NgramIndex, lookup
+
+
+@pytest.mark.parametrize("tokens,k,expected", [
+    ([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 2, [8, 1]),          # latest match of the longest n-gram
+    ([1, 2, 3, 4, 5, 0, 2, 3], 3, [4, 5, 0]),                # falls back to a shorter n-gram
+    ([1, 2, 3, 4], 3, []),                                   # no earlier match
+    ([7, 7], 4, []),                                         # min n-gram 2: nothing to match
+    ([5, 6, 5, 6], 5, [5, 6]),                               # continuation runs to the end
+])
+def test_ngram_lookup(tokens, k, expected):
+    assert lookup(tokens, k, max_ngram=3, min_ngram=2) == expected
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -32,11 +44,3 @@ def test_latest_longest_match_wins_and_a_shorter_list_starts_over():
     assert index.lookup([4, 4, 4], 2) == [4]
     with pytest.raises(ValueError):
         NgramIndex(2, 3)
-
-
-def test_the_lookup_planning_bench_runs_and_both_ways_plan_the_same_chains(capsys, bench_script):
-    """bench/lookup_plan.py, small: it exits 0 only when scan and index planned the same chains."""
-    bench = bench_script("lookup_plan")
-    assert bench.main(["--seqs", "3", "--tokens", "40", "--steps", "30", "--vocab", "6"]) == 0
-    out = capsys.readouterr().out
-    assert "vocabulary 6: 3 sequences" in out and " 0 chains planned" not in out

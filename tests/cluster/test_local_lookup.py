@@ -9,7 +9,7 @@ from cluster.local import InProcessEngine
 from speculation.requests import GenerationRequest, SpeculationOptions
 from models import SamplingParams, load_model
 
-from .test_engine_greedy import hf_greedy
+from .test_local_greedy import hf_greedy
 
 CYCLE = list(b"abcdefghijkl")            # the copying target walks this cycle (tests/conftest.py)
 PROMPTS = [CYCLE * 2 + CYCLE[:5], list(b"xyz") + CYCLE[3:] + CYCLE, list(b"no cycle here")]
