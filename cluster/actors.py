@@ -63,6 +63,7 @@ class VerifierActor:
     def __init__(self, target_dir: str, settings: dict, draft_dir: str | None = None) -> None:
         """`draft_dir`: the draft model, for bridge chains (`bridge_depth` > 0; unused otherwise)."""
         from drafter.draft_side import BridgeDraft
+        from models.eagle import is_eagle_spec
         from models.presets import eos_of
         from verifier.loop import EngineLoop
         from verifier.scheduler import Scheduler
@@ -72,9 +73,13 @@ class VerifierActor:
         chains = st.bridge_depth > 0 and "model" in st.proposers
         if chains and draft_dir is None:
             raise ValueError("bridge_depth > 0 needs the draft model on the verifier (draft_dir)")
+        eagle = "model" in st.proposers and is_eagle_spec(draft_dir)     # its drafters read our features
+        if chains and eagle:
+            raise ValueError("bridge_depth > 0 drafts bridge chains with the draft model, which an EAGLE head "
+                             "cannot do without the target's features; set bridge_depth 0")
         torch.set_num_threads(threads_of(st.num_cpus))
         self.incarnation = uuid.uuid4().hex
-        side = TargetSide(target_dir, st.num_blocks, st.block_size, st.device, st.dtype)
+        side = TargetSide(target_dir, st.num_blocks, st.block_size, st.device, st.dtype, features=eagle)
         self.warm_up_s = side.warm_up(st.spec_len)    # GPU: compile and capture now
         bridge = None
         if chains:
@@ -158,13 +163,10 @@ class DrafterActor:
         around the draft model's proposer (bench/replay.py)."""
         from drafter.draft_side import DraftSide
         from drafter.runtime import Drafter
-        from models.eagle import refuse_in_pipeline
         from models.presets import config_of
 
         settings = EngineSettings(**settings)
         torch.set_num_threads(threads_of(settings.num_cpus))
-        if draft_dir is not None:
-            refuse_in_pipeline(draft_dir)
         self.link = RayLink(verifier)
         side = DraftSide.build(draft_dir, config_of(target_dir).vocab_size, settings, wrap=wrap_proposer)
         self.drafter = Drafter(index, side, settings, node_id(), gpu_ids(settings.device))

@@ -41,7 +41,7 @@ def add_generate_parser(subparsers) -> None:
                    help=f"children per expanded node, 1..{MAX_TREE_WIDTH} (1 = chain)")
     p.add_argument("--mode", choices=("off", "sync", "async"), default="sync")
     p.add_argument("--proposer", choices=("model", "eagle", "ngram"), default="model",
-                   help="model: the draft model; eagle: the embedded EAGLE draft head (sync mode, embedded "
+                   help="model: the draft model; eagle: the embedded EAGLE draft head (the embedded "
                         "pair; name one with --draft instead); ngram: prompt lookup")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")

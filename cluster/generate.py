@@ -2,7 +2,8 @@
 
 `--mode off` is the target alone and `--mode sync` draft-then-verify, both in process
 (`cluster.local.InProcessEngine`); `--mode async` starts a local Ray and one pipeline of
-drafter and verifier actors (`cluster.pipeline`). Without --target / --draft it uses the
+drafter and verifier actors (`cluster.pipeline`). Every mode drafts with a draft model, an
+EAGLE head (`--proposer eagle`: the embedded one; or name one with --draft) or prompt lookup. Without --target / --draft it uses the
 embedded pair (`models.embedded`). Errors are raised as ValueError / OSError / RuntimeError
 with a message fit for a user (cluster/cli.py prints them).
 """
@@ -30,9 +31,6 @@ class _Plan:
 
 
 def run_generate(args) -> int:
-    if args.proposer == "eagle" and args.mode == "async":
-        raise CliError("--proposer eagle: the EAGLE draft head reads the target's features, which only the "
-                       "in-process engine passes it (--mode sync)")
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     if args.mode == "async":
@@ -58,10 +56,11 @@ def _run_async(args, params: SamplingParams) -> int:
     from cluster.pipeline import build_pipeline_engine
     from models import load_tokenizer
 
-    proposer = args.proposer
+    proposer = "model" if args.proposer == "eagle" else args.proposer
     spec = SpeculationOptions(mode="tree" if args.tree_width > 1 else "chain", spec_len=args.spec_len,
                               tree_width=args.tree_width, proposer=proposer)
-    target_dir, draft_dir = _async_dirs(args, proposer)
+    plan = _resolve_dirs(args)
+    target_dir, draft_dir = plan.target_dir, plan.draft_dir
     tokenizer = load_tokenizer(target_dir)
     prompt_ids = _tokenize(tokenizer, args.prompt, args.chat)
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -109,26 +108,9 @@ async def _collect(engine, request: GenerationRequest):
     return tokens, last
 
 
-def _async_dirs(args, proposer: str) -> tuple[str, str | None]:
-    from models.eagle import refuse_in_pipeline
-
-    if args.target is None and args.draft is not None:
-        raise CliError("--draft needs --target (the draft must match a named target)")
-    if args.target is not None:
-        if proposer == "model" and args.draft is None:
-            raise CliError("--mode async with the model proposer needs --draft; or use --proposer ngram")
-        if args.draft is not None:
-            refuse_in_pipeline(args.draft)
-        return str(args.target), None if args.draft is None else str(args.draft)
-    from models import embedded
-
-    target, draft = embedded.default_pair()
-    return str(target), str(draft)
-
-
 def _resolve_dirs(args) -> _Plan:
     """The checkpoint directories to use; the embedded pair when none is named."""
-    needs_draft = args.mode == "sync" and args.proposer in ("model", "eagle")
+    needs_draft = args.mode in ("sync", "async") and args.proposer in ("model", "eagle")
     if args.proposer == "eagle" and (args.target is not None or args.draft is not None):
         raise CliError("--proposer eagle picks the embedded EAGLE draft head; with --target, name an EAGLE "
                        "head with --draft and keep --proposer model")
@@ -136,7 +118,7 @@ def _resolve_dirs(args) -> _Plan:
         raise CliError("--draft needs --target (the draft must match a named target)")
     if args.target is not None:
         if needs_draft and args.draft is None:
-            raise CliError("--mode sync with the model proposer needs --draft; "
+            raise CliError(f"--mode {args.mode} with the model proposer needs --draft; "
                            "or use --proposer ngram, or --mode off")
         return _Plan(args.target, args.draft, needs_draft)
     from models import embedded

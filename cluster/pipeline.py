@@ -33,7 +33,7 @@ import ray
 
 from cluster.actors import remote_classes, settings_dict
 from cluster.transport import first_line
-from models.eagle import refuse_in_pipeline
+from models.eagle import is_eagle_spec
 from speculation.requests import GenerationChunk, GenerationRequest, resolve_speculation
 from speculation.settings import EngineSettings
 from speculation.stats import SpecStats
@@ -234,10 +234,12 @@ def build_pipeline_engine(config=None, *, target_dir: str | None = None, draft_d
 
     config = config or AppArgs()
     target_dir, draft_dir = _model_dirs(config, target_dir, draft_dir)
-    refuse_in_pipeline(draft_dir)
     settings = settings_from_config(config, **overrides)
     if draft_dir is None:            # prompt lookup drafts: no draft model to bridge with
         settings = settings.model_copy(update=dict(bridge_depth=0, proposers=("ngram",)))
+    if settings.bridge_depth > 0 and is_eagle_spec(draft_dir):
+        raise ValueError("bridge_depth > 0 drafts bridge chains on the verifier, which an EAGLE draft head "
+                         "cannot do without the target's features; set speculation.bridge_depth 0")
     drafter_cls, verifier_cls = remote_classes(drafter_max_restarts, verifier_max_restarts)
     placement = config.placement
     pipelines = []

@@ -45,11 +45,22 @@ class EagleProposer(ModelProposer):
 
     def on_verified(self, seq_id: Hashable, tree: TokenTree, accepted_nodes: Sequence[int]) -> None:
         """Drop the tree's draft K/V (they read predicted features); the accepted tokens are
-        fed again, with the target's features, at the next catch-up."""
+        fed again, with the target's features, at the next catch-up.
+
+        Until the target's features of the accepted positions arrive (`observe_features`
+        overwrites them), the head's own predictions stand in: the root's and each accepted
+        node's output, the features a tree drafted ahead on an assumed outcome reads
+        (drafter/draft_side.py; the pipeline's overlap)."""
         if seq_id in self._committed:
             self.cache.truncate(seq_id, self._committed[seq_id])
             self._layout[seq_id] = []
-        self._pred.pop(seq_id, None)
+        pred, node_ids = self._pred.pop(seq_id, None), self._node_ids.get(seq_id, [])
+        known = self._features.get(seq_id)
+        if pred is None or known is None or known.shape[0] != self._committed.get(seq_id, 0) - 1:
+            return                      # predictions only extend the target's own, never replace them
+        ids = [ROOT] + [node_ids[a] for a in accepted_nodes]
+        if all(i in pred for i in ids):
+            self._features[seq_id] = torch.cat([known, torch.stack([pred[i] for i in ids])])
 
     def rollback(self, seq_id: Hashable, prefix_len: int) -> None:
         super().rollback(seq_id, prefix_len)

@@ -26,6 +26,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import torch
+
 from drafter.draft_side import DraftItem, DraftSide
 from drafter.streams import DraftStream
 from models.sampling import SamplingParams
@@ -197,7 +199,7 @@ class Drafter:
                     continue
             if sig.features is not None and sig.stream in self.streams:
                 start, features = sig.features
-                self.side.observe_features(sig.stream, start, features)
+                self.side.observe_features(sig.stream, start, torch.as_tensor(features))
 
     def draft(self, put_tree=_keep_tree) -> DraftPass:
         """One batched draft pass over every stream with room in its ring. `put_tree(header,

@@ -57,8 +57,6 @@ def is_eagle_dir(path) -> bool:
         return FC_WEIGHT in f.keys()
 
 
-def refuse_in_pipeline(draft_dir) -> None:
-    """The async pipeline's drafters read tokens only: a feature-conditioned draft is a clear error."""
-    if draft_dir is not None and not str(draft_dir).startswith("random:") and is_eagle_dir(draft_dir):
-        raise ValueError(f"{draft_dir} is a feature-conditioned (EAGLE) draft head, which only the sync "
-                         f"engine runs (--mode sync); the async pipeline needs a draft that reads tokens only")
+def is_eagle_spec(spec) -> bool:
+    """Whether a draft named by a directory or a `random:` preset (models/presets.py) is an EAGLE head."""
+    return spec is not None and not str(spec).startswith("random:") and is_eagle_dir(spec)

@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-WIRE_VERSION = 3                 # 2: the "reset" signal (a restarted verifier); 3: a stream's proposer
+WIRE_VERSION = 4                 # 2: "reset" (a restarted verifier); 3: a stream's proposer; 4: target features
 SIGNAL_KINDS = ("step", "join", "leave", "resync", "reset")
 
 
@@ -191,17 +191,37 @@ class Signal:
     budget: tuple[int, int] = (0, 0)
     params: dict | None = None          # join / resync: the request's sampling parameters
     proposer: str | None = None         # join / resync: what drafts the stream ("model" | "ngram")
-    # the target's hidden states of committed positions start, start+1, ... ([n, hidden]), for
-    # a feature-conditioned draft (EAGLE): in process only, never encoded
+    # the target's hidden states of committed positions start, start+1, ... ([n, hidden] float32,
+    # a torch tensor or numpy array), for a feature-conditioned draft (EAGLE); encoded as raw
+    # float32 bytes with their shape, decoded as a numpy array
     features: tuple[int, Any] | None = None
 
 
 def encode_signals(signals: list[Signal]) -> bytes:
-    if any(s.features is not None for s in signals):
-        raise WireError("a signal carrying target features cannot leave the process")
     body = [[s.kind, s.stream, s.epoch, s.tree_id, s.prefix_len, s.token_ids, list(s.budget),
-             s.params, s.proposer] for s in signals]
+             s.params, s.proposer, _pack_features(s.features)] for s in signals]
     return msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": body})
+
+
+def _pack_features(features) -> list | None:
+    """(start, [n, hidden] float32) as [start, n, hidden, raw bytes]: a tensor, not a list of floats."""
+    if features is None:
+        return None
+    start, rows = features
+    a = _as_numpy(rows.float() if hasattr(rows, "float") else rows, np.float32)
+    if a.ndim != 2:
+        raise WireError(f"target features must be [n, hidden], got shape {list(a.shape)}")
+    return [int(start), int(a.shape[0]), int(a.shape[1]), a.tobytes()]
+
+
+def _unpack_features(item) -> tuple[int, np.ndarray] | None:
+    if item is None:
+        return None
+    if not (isinstance(item, list) and len(item) == 4 and all(isinstance(v, int) and v >= 0 for v in item[:3])
+            and isinstance(item[3], bytes) and len(item[3]) == 4 * item[1] * item[2]):
+        raise WireError("malformed target features in a signal")
+    start, n, hidden, raw = item
+    return start, np.frombuffer(raw, dtype=np.float32).reshape(n, hidden).copy()
 
 
 def decode_signals(data: bytes) -> list[Signal]:
@@ -211,9 +231,9 @@ def decode_signals(data: bytes) -> list[Signal]:
         raise WireError("signal frame lacks its item list")
     out = []
     for item in items:
-        if not isinstance(item, list) or len(item) != 9:
-            raise WireError(f"signal item must have 9 fields, got {item!r}")
-        kind, stream, epoch, tree_id, prefix_len, tokens, budget, params, proposer = item
+        if not isinstance(item, list) or len(item) != 10:
+            raise WireError(f"signal item must have 10 fields, got {item!r}")
+        kind, stream, epoch, tree_id, prefix_len, tokens, budget, params, proposer, features = item
         if kind not in SIGNAL_KINDS:
             raise WireError(f"unknown signal kind {kind!r}")
         ints = (epoch, tree_id, prefix_len, *budget) if isinstance(budget, list) else None
@@ -223,7 +243,8 @@ def decode_signals(data: bytes) -> list[Signal]:
                 or not (params is None or isinstance(params, dict))
                 or not (proposer is None or isinstance(proposer, str))):
             raise WireError(f"malformed signal item {item!r}")
-        out.append(Signal(kind, stream, epoch, tree_id, prefix_len, tokens, tuple(budget), params, proposer))
+        out.append(Signal(kind, stream, epoch, tree_id, prefix_len, tokens, tuple(budget), params, proposer,
+                          _unpack_features(features)))
     return out
 
 

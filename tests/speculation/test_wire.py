@@ -94,30 +94,38 @@ def test_signals_round_trip_and_validation():
             Signal("resync", "b", 7, -1, 3, [1, 2, 3], (0, 0), {"temperature": 0.0, "seed": 3}, "ngram"),
             Signal("leave", "c")]
     assert decode_signals(encode_signals(sigs)) == sigs
-    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["nope", "a", 0, 0, 0, [], [0, 0], None, None]]})
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["nope", "a", 0, 0, 0, [], [0, 0], None, None, None]]})
     with pytest.raises(WireError, match="unknown signal kind"):
         decode_signals(bad)
-    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["step", "a", 0, 0, 0, ["x"], [0, 0], None, None]]})
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["step", "a", 0, 0, 0, ["x"], [0, 0], None, None, None]]})
     with pytest.raises(WireError, match="malformed"):
         decode_signals(bad)
-    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["join", "a", 0, 0, 0, [], [0, 0], None, 7]]})
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["join", "a", 0, 0, 0, [], [0, 0], None, 7, None]]})
     with pytest.raises(WireError, match="malformed"):
         decode_signals(bad)
     with pytest.raises(WireError, match="wire version"):
         decode_signals(msgpack.packb({"v": 0, "kind": "signals", "items": []}))
-    # target features travel in process only (verifier/inprocess.py): never encoded
-    with pytest.raises(WireError, match="cannot leave the process"):
-        encode_signals([Signal("step", "a", features=(0, [[0.5]]))])
+    # target features (an EAGLE head's input) cross as raw float32 with their shape
+    import numpy as np
+    import torch
+
+    feats = torch.randn(3, 5)
+    (back,) = decode_signals(encode_signals([Signal("step", "a", 0, 2, 9, [4, 5, 6], (2, 1), features=(6, feats))]))
+    assert back.features[0] == 6 and np.array_equal(back.features[1], feats.numpy())
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals",
+                         "items": [["step", "a", 0, 0, 0, [], [0, 0], None, None, [0, 2, 2, b"short"]]]})
+    with pytest.raises(WireError, match="features"):
+        decode_signals(bad)
 
 
 def test_reset_signal_round_trips_and_a_frame_of_the_previous_version_is_rejected():
     sigs = [Signal("reset", ""), Signal("resync", "a", 1, -1, 2, [7, 8], (3, 1), {"seed": 4})]
     assert decode_signals(encode_signals(sigs)) == sigs
     old = msgpack.packb({"v": WIRE_VERSION - 1, "kind": "signals", "items": [["reset", "", 0, -1, 0, [], [0, 0],
-                                                                                None, None]]})
+                                                                                None, None, None]]})
     with pytest.raises(WireError, match="wire version"):
         decode_signals(old)
     with pytest.raises(WireError, match="must be bytes"):
         decode_signals(["step"])
-    with pytest.raises(WireError, match="9 fields"):
+    with pytest.raises(WireError, match="10 fields"):
         decode_signals(msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["reset", ""]]}))
