@@ -32,6 +32,7 @@ from speculation.transport import Exchange
 from speculation.wire import WireError, encode_signals
 
 log = logging.getLogger("specflash.cluster")
+LOCAL_DRAFTER = 1 << 20       # the index of a verifier's stand-in drafter (far from the drafter actors')
 
 
 def node_id() -> str:
@@ -88,9 +89,30 @@ class VerifierActor:
         self.scheduler = Scheduler(side, st, eos_ids=eos_of(target_dir), bridge_draft=bridge,
                                    node_id=node_id(), gpu_ids=gpu_ids(st.device))
         self.scheduler.fetch = self._fetch
-        self.loop = EngineLoop(self.scheduler)
+        self.local = self._local_drafter(draft_dir, target_dir)
+        self.loop = EngineLoop(self.scheduler, self.local)
+        if self.local is not None:
+            self.local.attach(self.scheduler)
+            self.scheduler.registry.local = LOCAL_DRAFTER
         self._mail: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
         self.scheduler.registry.on_mail = lambda drafter: self._mail[drafter].set()
+
+    def _local_drafter(self, draft_dir: str | None, target_dir: str):
+        """The stand-in drafter in this process (`lockstep_in_verifier`): a lone stream whose
+        drafter shares our cores or GPU takes turns with us either way, so its turns are
+        drafted here, by a copy of the draft, without a call between processes."""
+        st = self.settings
+        if not st.lockstep_in_verifier or draft_dir is None or "model" not in st.proposers:
+            return None
+        from drafter.draft_side import DraftSide
+        from drafter.runtime import Drafter
+        from models.presets import config_of
+        from verifier.inprocess import InProcessDrafters
+
+        here = st.model_copy(update=dict(ring_slots=1))
+        side = DraftSide.build(draft_dir, config_of(target_dir).vocab_size, here)
+        self.warm_up_s += side.warm_up(st.spec_len)
+        return InProcessDrafters([Drafter(LOCAL_DRAFTER, side, here, node_id(), gpu_ids(st.device))], st.num_cpus)
 
     # -- called through Ray ----------------------------------------------------------------
     async def ready(self) -> bool:
@@ -138,13 +160,18 @@ class VerifierActor:
     async def get_stats(self) -> dict:
         from verifier.loop import gc_report
 
-        return {**self.scheduler.report(), "warm_up_s": self.warm_up_s, **gc_report()}
+        local = None if self.local is None else self.local.drafters[0].stats.as_dict()
+        return {**self.scheduler.report(), "warm_up_s": self.warm_up_s, "local_drafter": local, **gc_report()}
 
     async def kv_usage(self) -> dict:
         return {**self.scheduler.kv_usage(), "rss_bytes": rss_bytes(), "incarnation": self.incarnation}
 
     # -- trees from the object store -------------------------------------------------------
     def _fetch(self, entry) -> None:
+        """A remote drafter's tree is in the object store; the stand-in's is the tree itself."""
+        if not isinstance(entry.payload, ray.ObjectRef):
+            entry.tree = entry.payload
+            return
         asyncio.get_running_loop().create_task(self._fetch_and_wake(entry))
 
     async def _fetch_and_wake(self, entry) -> None:

@@ -40,6 +40,11 @@ from speculation.stats import SpecStats
 
 log = logging.getLogger("specflash.cluster")
 RETRYABLE = "retryable: "
+# Torch's OpenMP threads spin after each parallel region; with a drafter and a verifier taking
+# turns on shared cores the spinning side steals the other's core (a micro pair's lockstep step:
+# forward 5.9 -> 2.4 ms, draft 9.2 -> 6.7 ms, bench/micro.py). Actors wait passively unless the
+# environment says otherwise.
+ACTOR_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 VERIFIER_DIED = "the verifier serving this request died"
 
 
@@ -122,7 +127,7 @@ class PipelineEngine:
         """The verifiers' and their drafters' stats added up (`speculation.stats.SpecStats`), with
         the first pipeline's step models and every pipeline's costs."""
         total = SpecStats()
-        drafters, costs, planner = [], [], {}
+        drafters, locals_, costs, planner = [], [], [], {}
         alive, gc_s, gc_full = 0, 0.0, 0
         for p in self.pipelines:
             try:
@@ -130,6 +135,8 @@ class PipelineEngine:
             except Exception:    # a dead verifier contributes nothing
                 continue
             total = total.merge(SpecStats.from_dict(raw))
+            if raw.get("local_drafter"):        # the verifier's stand-in drafter (cluster/actors.py)
+                locals_.append(raw["local_drafter"])
             gc_s += raw.get("gc_s", 0.0)
             gc_full += raw.get("gc_full_collections", 0)
             if not planner:
@@ -146,10 +153,10 @@ class PipelineEngine:
                 except Exception:
                     pass
         drafted = SpecStats()
-        for d in drafters:
+        for d in drafters + locals_:
             drafted = drafted.merge(SpecStats.from_dict(d))
         out = total.as_dict()
-        out.update(costs=costs, drafters=drafters, drafters_alive=alive, verifier_gc_s=gc_s,
+        out.update(costs=costs, drafters=drafters, local_drafters=locals_, drafters_alive=alive, verifier_gc_s=gc_s,
                    verifier_gc_full_collections=gc_full, speculation_enabled=int(alive > 0), **planner)
         # what the drafters did: rollbacks are theirs; wasted nodes, theirs and the ring's drops
         out["drafter_rollbacks"] = out["rollbacks"] = drafted.rollbacks
@@ -286,11 +293,14 @@ def _model_dirs(config, target_dir, draft_dir) -> tuple[str, str | None]:
 
 def _placement(config) -> tuple[object, dict, list[dict]]:
     """(placement group or None, verifier options, options of each drafter)."""
+    import os
+
     placement = config.placement
+    env = {"runtime_env": {"env_vars": {k: os.environ.get(k, v) for k, v in ACTOR_ENV.items()}}}
     # a placement group reserves room for the most drafters drafter autoscaling may run
     n = max(config.drafters_per_verifier, config.drafter_scaling.max_per_verifier)
     if placement.strategy == "NONE":
-        return None, placement.verifier.ray_options(), [placement.drafter.ray_options()] * n
+        return None, {**placement.verifier.ray_options(), **env}, [{**placement.drafter.ray_options(), **env}] * n
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -298,7 +308,7 @@ def _placement(config) -> tuple[object, dict, list[dict]]:
     ray.get(pg.ready(), timeout=120)
 
     def opts(actor, bundle: int) -> dict:
-        return {**actor.ray_options(), "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        return {**actor.ray_options(), **env, "scheduling_strategy": PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=bundle)}
 
     return pg, opts(placement.verifier, 0), [opts(placement.drafter, 1 + j) for j in range(n)]

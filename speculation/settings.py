@@ -44,6 +44,11 @@ class SpeculationSettings(BaseModel):
         "Run in lockstep (as ring_slots 1) while the drafter runs on the verifier's GPU: two "
         "processes' forwards on one GPU are time-sliced, so overlapping them gains nothing and "
         "slows each verification (3-7x on an H200, measured 2026-11-30: docs/bench-history.md)."))
+    lockstep_in_verifier: bool = Field(True, description=(
+        "A stream that would run in lockstep with a drafter on the verifier's own cores or GPU "
+        "(lockstep_alone, lockstep_shared_gpu) is drafted inside the verifier's process instead, "
+        "by its copy of the draft: the two sides take turns either way, and a call between "
+        "processes then costs a round trip a step for nothing. Other streams keep the drafter."))
     max_batch_size: int = Field(32, ge=1, le=4096, description="Sequences per verifier forward.")
     bridge_depth: int = Field(0, ge=0, le=MAX_BRIDGE_DEPTH, description=(
         "After a tree whose outcome contradicts what the drafter assumed, the verifier's next "

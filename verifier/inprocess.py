@@ -23,6 +23,7 @@ class Drafting(Protocol):
     index: int
     incarnation: str
     node: str
+    streams: dict                 # the streams it feeds
 
     def apply(self, signals: list[Signal]) -> None: ...
 
@@ -38,8 +39,10 @@ class InProcessDrafters:
         self.num_cpus = num_cpus
 
     def attach(self, scheduler) -> None:
-        """Each drafter's first exchange: the scheduler registers it (and says "reset")."""
+        """Each drafter's first exchange: the scheduler registers it (and says "reset") as one of
+        its own process."""
         for d in self.drafters:
+            scheduler.registry.in_process.add(d.index)
             scheduler.receive(Exchange(d.index, d.incarnation, node=d.node, cpus=self.num_cpus, idle=True))
 
     def settle(self, scheduler) -> None:
@@ -48,16 +51,23 @@ class InProcessDrafters:
         for d in self.drafters:
             d.apply(scheduler.signals_for(d.index))
 
-    async def __call__(self, scheduler, run: Callable[..., Awaitable]) -> None:
-        """One round: each drafter takes its signals, drafts (on the model thread) and files
-        what it drafted, in one exchange."""
+    async def __call__(self, scheduler, run: Callable[..., Awaitable], threads: int | None = None) -> None:
+        """One round: each drafter takes its signals, drafts (on the model thread, on `threads`)
+        and files what it drafted, in one exchange."""
         for d in self.drafters:
             signals = scheduler.signals_for(d.index)
-            drafted = await run(self._draft, d, signals)
+            if signals or d.streams:
+                drafted = await run(self._draft, d, signals, threads)
+            else:                     # nothing to hear, nothing to draft: no hop to the model thread
+                drafted = d.draft()
             scheduler.receive(Exchange(d.index, d.incarnation, drafted.puts, 0.0, drafted.seconds, drafted.levels,
                                        d.resync_requests(), d.node, self.num_cpus, None, not drafted.more))
 
     @staticmethod
-    def _draft(drafter: Drafting, signals: list[Signal]):
+    def _draft(drafter: Drafting, signals: list[Signal], threads: int | None):
+        import torch
+
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
         drafter.apply(signals)
         return drafter.draft()

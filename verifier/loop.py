@@ -122,7 +122,7 @@ class EngineLoop:
         draft_s = 0.0
         if self.pump is not None:          # in-process drafters draft now, on the model thread
             begin = time.monotonic()
-            await self.pump(sch, self.run_model)
+            await self.pump(sch, self.run_model, sch.registry.lendable_threads())
             draft_s = time.monotonic() - begin
             sch.stats.observe_idle(draft_s)        # the target waits while the drafter drafts
             sch.costs.idle_carry += draft_s

@@ -64,35 +64,59 @@ class Membership:
     # -- assignment ----------------------------------------------------------------------
     def _attach(self, drafter: int, incarnation: str) -> None:
         """A new or restarted drafter (or we restarted): it drops whatever it held ("reset"),
-        then is resynchronised on the streams it feeds and adopts orphans."""
+        then the streams it fed and the orphans are resynchronised (on it, or wherever
+        `_choose` puts them)."""
         if any(s.drafter == drafter for s in self.sch.streams.values()):
             log.warning("drafter %d restarted (incarnation %s)", drafter, incarnation[:8])
         self.registry.send(drafter, Signal("reset", ""))
-        for s in self.sch.streams.values():
+        for s in list(self.sch.streams.values()):
             if s.admitted and self._wants_drafter(s) and \
                     (s.drafter == drafter or s.drafter is None or not self.registry.live(s.drafter)):
-                self.assign(s, drafter)
+                self.assign(s, self._choose(s) if self.registry.local is not None else drafter)
 
     def _wants_drafter(self, s: VerifyStream) -> bool:
         """Speculating streams get a drafter; a feature-conditioned one only once the prompt's
         features exist (after its prefill)."""
         return s.mode != "off" and (not self.sch.features or s.prefilled)
 
-    def assign_new(self, s: VerifyStream) -> None:
-        """A stream just admitted: the least loaded live drafter, if it speculates."""
+    def _choose(self, s: VerifyStream) -> int | None:
+        """The drafter for a stream: the least loaded live one; or the stand-in in our own
+        process (`registry.local`, `lockstep_in_verifier`) where the stream would be alone in
+        lockstep with a drafter on our cores or GPU: the sides take turns either way, and in our
+        process a turn costs no call. None while no drafter of another process is live."""
         live = self.registry.live_ids()
-        if self._wants_drafter(s) and live:
-            self.assign(s, self._least_loaded(live))
+        if not live:
+            return None
+        local = self.registry.local
+        alone = not any(t.drafter is not None for t in self.sch.streams.values() if t is not s and t.admitted)
+        if local is not None and alone and self.sch.settings.lockstep_in_verifier and \
+                any(self.registry.lockstep(d, 1) for d in live):
+            return local
+        return self._least_loaded(live)
+
+    def assign_new(self, s: VerifyStream) -> None:
+        """A stream just admitted: a drafter, if it speculates (`_choose`); streams the stand-in
+        drafted for alone move to the drafters of other processes once it has company."""
+        drafter = self._choose(s) if self._wants_drafter(s) else None
+        if drafter is None:
+            return
+        self.assign(s, drafter)
+        local = self.registry.local
+        if drafter != local:
+            for t in list(self.sch.streams.values()):
+                if t.drafter == local and local is not None:
+                    self.assign(t, self._least_loaded(self.registry.live_ids()))
 
     def _least_loaded(self, live: list[int]) -> int:
         load = {i: sum(t.drafter == i for t in self.sch.streams.values()) for i in live}
         return min(live, key=load.get)
 
-    def assign(self, s: VerifyStream, drafter: int) -> None:
+    def assign(self, s: VerifyStream, drafter: int | None) -> None:
         if s.drafter is not None and s.drafter != drafter:
             self.registry.send(s.drafter, Signal("leave", s.request_id))
         s.drafter = drafter
-        self.resync(s)
+        if drafter is not None:
+            self.resync(s)
 
     def resync(self, s: VerifyStream) -> None:
         """The drafter restarts the stream from its whole committed prefix."""
@@ -110,13 +134,18 @@ class Membership:
                                              list(s.committed), s.budget, params, s.proposer, features))
 
     def rebalance(self) -> None:
-        """Streams of a dead drafter move to a live one, if any (else they decode alone)."""
+        """Streams of a dead drafter move to a live one, if any (else they decode alone); the
+        stand-in's streams stop speculating with the drafters of other processes (it stands in
+        for their turns only)."""
         live = self.registry.live_ids()
-        if not live:
-            return
-        for s in self.sch.streams.values():
-            if s.admitted and self._wants_drafter(s) and not self.registry.live(s.drafter):
-                self.assign(s, self._least_loaded(live))
+        local = self.registry.local
+        for s in list(self.sch.streams.values()):
+            if not (s.admitted and self._wants_drafter(s)):
+                continue
+            if s.drafter is not None and s.drafter == local and not live:
+                self.assign(s, None)
+            elif live and not self.registry.live(s.drafter):
+                self.assign(s, self._choose(s))
 
     # -- what the drafters are doing -----------------------------------------------------
     def lockstep(self, drafter: int | None) -> bool:
@@ -153,6 +182,8 @@ class Membership:
     def patience(self, s: VerifyStream) -> float:
         """How long a sequence may wait for its drafter's tree: a few of its tree times, or
         `max_tree_wait_s` for the first tree after a (re)sync (the drafter prefills first)."""
+        if s.drafter in self.registry.in_process:
+            return 0.0                    # drafted before the collect, or not coming
         if s.first_tree:
             return self.sch.settings.max_tree_wait_s
         tree_s = self.registry.drafters[s.drafter].tree_s

@@ -47,6 +47,11 @@ class DrafterRegistry:
         self.drafters: dict[int, DrafterInfo] = {}
         self.outbox: dict[int, list[Signal]] = defaultdict(list)
         self.on_mail: Callable[[int], None] | None = None   # wakes a drafter waiting in a long-poll
+        # drafters in our own process (verifier/inprocess.py): alive while we are, always in
+        # lockstep, no cores to lend; `local`, if set, is one that only stands in for a remote
+        # drafter's lockstep turns (cluster/actors.py), left out of the remote drafters' lists
+        self.in_process: set[int] = set()
+        self.local: int | None = None
 
     def __contains__(self, drafter: int) -> bool:
         return drafter in self.drafters
@@ -72,11 +77,14 @@ class DrafterRegistry:
         info.tree_s = 0.7 * info.tree_s + 0.3 * seconds
 
     def live(self, drafter: int | None) -> bool:
+        if drafter in self.in_process:
+            return drafter in self.drafters           # in our process: alive while we are
         d = self.drafters.get(drafter) if drafter is not None else None
         return d is not None and self.clock() - d.last_seen < self.settings.drafter_timeout_s
 
     def live_ids(self) -> list[int]:
-        return [i for i in self.drafters if self.live(i)]
+        """The live drafters (the `local` stand-in aside)."""
+        return [i for i in self.drafters if i != self.local and self.live(i)]
 
     def send(self, drafter: int, sig: Signal) -> None:
         self.outbox[drafter].append(sig)
@@ -96,6 +104,8 @@ class DrafterRegistry:
         nothing assumed; `speculation.policy.in_lockstep` from our view). The drafter decides
         the same from its side (drafter/runtime.py); a stream joining or leaving can leave the
         two views a step apart, which costs speed, never exactness."""
+        if drafter in self.in_process:
+            return True                               # drafts on our model thread: always turns
         d = self.drafters.get(drafter) if drafter is not None else None
         if d is None:
             return self.settings.ring_slots == 1
@@ -108,7 +118,8 @@ class DrafterRegistry:
         drafter still finishing a tree would share its cores with the forward, which on two
         cores slows every one of its steps). `now=False`: once the drafters are idle, as they
         will be if every sequence decodes alone (what a plan is weighed against)."""
-        live = [d.as_dict() for i, d in self.drafters.items() if self.live(i) and (d.idle or not now)]
+        live = [d.as_dict() for i, d in self.drafters.items()
+                if i not in self.in_process and self.live(i) and (d.idle or not now)]
         return plain_step_threads(self.settings.plain_threads, self.threads, self.settings.device,
                                   self.node_id, live)
 

@@ -187,17 +187,20 @@ def test_lockstep_one_tree_in_flight_borrows_the_idle_drafters_cores(ray_cluster
     stream: the drafter drafts only from the committed prefix, so nothing is assumed and nothing
     rolled back; while the verifier checks its tree the drafter waits for the signal and the
     verification runs on its cores too. Exact throughout, with a close draft (chains and trees)
-    and with a far one."""
+    and with a far one. By default (`lockstep_in_verifier`) such a lone stream's turns are
+    drafted in the verifier's own process, borrowing the idle drafter's cores the same way."""
     from cluster.config import ActorPlacement, AppArgs, PlacementConfig
     from cluster.pipeline import build_pipeline_engine
     from tests.ray_cluster import VERIFIER_RESOURCE
 
     same_node = ActorPlacement(num_cpus=1, resources={VERIFIER_RESOURCE: 1})
     args = AppArgs(placement=PlacementConfig(drafter=same_node, verifier=same_node))
-    for draft, slots, cases in ((close_draft, 1, [("chain", 3, 1), ("tree", 3, 2)]),
-                                (far_draft, 1, [("chain", 4, 1)]), (close_draft, 2, [("chain", 3, 1)])):
+    for draft, slots, cases, in_verifier in (
+            (close_draft, 1, [("chain", 3, 1), ("tree", 3, 2)], False), (far_draft, 1, [("chain", 4, 1)], False),
+            (close_draft, 2, [("chain", 3, 1)], False), (close_draft, 2, [("chain", 3, 1), ("tree", 3, 2)], True)):
+        # `lockstep_in_verifier` (the default): the verifier drafts a lone stream's turns itself
         engine = build_pipeline_engine(args, target_dir=str(tiny_target), draft_dir=str(draft),
-                                       num_blocks=256, ring_slots=slots)
+                                       num_blocks=256, ring_slots=slots, lockstep_in_verifier=in_verifier)
         try:
             for j, (mode, k, width) in enumerate(cases):
                 prompt = prompts(1, seed=20 + j)[0]
@@ -211,5 +214,8 @@ def test_lockstep_one_tree_in_flight_borrows_the_idle_drafters_cores(ray_cluster
                 assert spec_steps > 0 and after["borrowed_steps"] - before["borrowed_steps"] >= spec_steps
             stats = run(engine.stats())
             assert stats["drafter_rollbacks"] == 0, stats     # nothing assumed, nothing undone
+            by_actor = sum(d["trees_drafted"] for d in stats["drafters"])
+            by_verifier = sum(d["trees_drafted"] for d in stats["local_drafters"])
+            assert (by_verifier > 0 and by_actor == 0) if in_verifier else (by_actor > 0 and by_verifier == 0)
         finally:
             engine.kill_pipeline_actors()
