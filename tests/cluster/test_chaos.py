@@ -158,9 +158,9 @@ class CorruptingProxy:
             puts = [(msgpack.packb({**body, "v": WIRE_VERSION + 1}), puts[0][1])] + list(puts[1:])
             self._spoiled()
         elif kind == "put_tensors" and puts:
-            frame = await puts[0][1][0]
+            frame = puts[0][1]                 # the tree frame travels in the call (cluster/transport.py)
             bad = (frame[0], np.zeros(len(frame[1]) + 1, np.int64), *frame[2:])
-            puts = [(puts[0][0], [ray.put(bad)])] + list(puts[1:])
+            puts = [(puts[0][0], bad)] + list(puts[1:])
             self._spoiled()
         reply = await self.verifier.exchange.remote(drafter, incarnation, puts, wait_s, *rest)
         if kind in ("reply_version", "reply_garbage") and msgpack.unpackb(reply)["items"]:
