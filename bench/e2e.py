@@ -278,6 +278,33 @@ def markdown_table(rows: list[dict]) -> str:
          f(r.get("verifier_idle_fraction"), ".1%"), f"{r['exact_vs_off']:.0%}"] for r in rows])
 
 
+def load_peer(parser, path: Path, max_tokens: int) -> list[Run]:
+    """The runs of a bench/vllm_peer.py file, checked to be on our prompts and token budget."""
+    import json
+
+    try:
+        info = json.loads(path.read_text())
+        runs = [Run(**r) for r in info["runs"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        parser.error(f"--peer {path}: not a bench/vllm_peer.py results file ({e})")
+    theirs = int(info.get("args", {}).get("max_tokens", max_tokens))
+    if theirs != max_tokens:
+        parser.error(f"--peer {path}: generated {theirs} tokens per prompt, this run --max-tokens {max_tokens}")
+    return runs
+
+
+def peer_line(rows: list[dict], peer_methods: list[str], path: Path) -> str:
+    """Our best method against the peer's best speculative one, tokens/s."""
+    ours_rows = [r for r in rows if r["method"] not in peer_methods and not r["method"].startswith("hf-")]
+    theirs = [r for r in rows if r["method"] in peer_methods and r["method"] != "vllm-target"]
+    if not ours_rows or not theirs:
+        return f"peer {path.name}: nothing to compare"
+    a, b = max(ours_rows, key=lambda r: r["tokens_per_s"]), max(theirs, key=lambda r: r["tokens_per_s"])
+    return (f"best of ours {a['method']} {a['tokens_per_s']:.1f} tokens/s against the peer's best speculative "
+            f"{b['method']} {b['tokens_per_s']:.1f}: {a['tokens_per_s'] / b['tokens_per_s']:.2f}× "
+            f"(the peer's rows from {path.name}, run apart in the same sitting)")
+
+
 # -- the run -----------------------------------------------------------------------------------
 def build_methods(args, pair, hf_target, hf_draft, eagle_engine=None) -> dict:
     """name -> runner; the async pipeline plugs in here as one more entry."""
@@ -373,7 +400,9 @@ def main(argv: list[str] | None = None) -> int:
                         "bridge; default: its own)")
     p.add_argument("--out", type=Path, default=common.RESULTS, help="the folder for e2e-<time>.json")
     p.add_argument("--readme", action="store_true", help="write the table into bench/README.md")
+    p.add_argument("--peer", type=Path, help="a bench/vllm_peer.py results file: its rows printed beside ours")
     args = p.parse_args(argv)
+    peer = load_peer(p, args.peer, args.max_tokens) if args.peer else []
     if args.eagle is None and args.target is None:
         from models import embedded
         args.eagle = str(embedded.eagle_dir()) if (embedded.ASSETS / embedded.EAGLE_WEIGHTS).is_file() else None
@@ -418,9 +447,12 @@ def main(argv: list[str] | None = None) -> int:
     mean_prompt = int(statistics.mean(len(prompt_ids(pair.tokenizer, t)) for ts in PROMPTS.values() for t in ts))
     costs = measure_costs(pair.engine, args.spec_len, args.tree_width, mean_prompt + args.max_tokens // 2,
                           eagle_engine)
-    rows = summarize(runs, list(methods), costs, args.spec_len)
+    peer_methods = list(dict.fromkeys(r.method for r in peer))
+    rows = summarize(runs + peer, list(methods) + peer_methods, costs, args.spec_len)
     table = markdown_table(rows)
     print(table)
+    if peer:
+        print(peer_line(rows, peer_methods, args.peer))
     print("costs (ms): " + ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
     info = {"date": common.utc(), "machine": common.machine(),
             "args": {k: str(v) for k, v in vars(args).items()}, "costs_ms": costs, "summary": rows,
