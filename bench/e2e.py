@@ -377,7 +377,7 @@ def update_readme(table: str, info: dict, args) -> None:
     path.write_text(text)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_model_pair(p)
     p.add_argument("--max-tokens", type=common.positive_int, default=64)
@@ -401,16 +401,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=common.RESULTS, help="the folder for e2e-<time>.json")
     p.add_argument("--readme", action="store_true", help="write the table into bench/README.md")
     p.add_argument("--peer", type=Path, help="a bench/vllm_peer.py results file: its rows printed beside ours")
-    args = p.parse_args(argv)
-    peer = load_peer(p, args.peer, args.max_tokens) if args.peer else []
-    if args.eagle is None and args.target is None:
-        from models import embedded
-        args.eagle = str(embedded.eagle_dir()) if (embedded.ASSETS / embedded.EAGLE_WEIGHTS).is_file() else None
-    args.target, args.draft = common.model_pair(p, args, draft_optional=True)   # a lone --target: no draft
-    if args.one_core_each:
-        args.threads = 1
-    torch.set_num_threads(args.threads)
+    return p
 
+
+def load_models(args):
+    """The engines and Hugging Face models every method is built from: (pair, eagle_engine, hf_target,
+    hf_draft), the last three None where not asked for."""
     from cluster.local import build_engine
 
     pair = build_engine(args.target, args.draft, spec_len=args.spec_len, tree_width=args.tree_width)
@@ -431,6 +427,21 @@ def main(argv: list[str] | None = None) -> int:
         hf_target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
         if args.draft:
             hf_draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=torch.float32).eval()
+    return pair, eagle_engine, hf_target, hf_draft
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    peer = load_peer(p, args.peer, args.max_tokens) if args.peer else []
+    if args.eagle is None and args.target is None:
+        from models import embedded
+        args.eagle = str(embedded.eagle_dir()) if (embedded.ASSETS / embedded.EAGLE_WEIGHTS).is_file() else None
+    args.target, args.draft = common.model_pair(p, args, draft_optional=True)   # a lone --target: no draft
+    if args.one_core_each:
+        args.threads = 1
+    torch.set_num_threads(args.threads)
+    pair, eagle_engine, hf_target, hf_draft = load_models(args)
     methods = build_methods(args, pair, hf_target, hf_draft, eagle_engine)
     pipeline = None
     try:
@@ -444,11 +455,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if "async" in methods:
             methods["async"].close()        # its actors and the Ray it started
+    report(args, runs, peer, list(methods), pair, eagle_engine, pipeline)
+    return 0
+
+
+def report(args, runs: list, peer: list, method_names: list[str], pair, eagle_engine, pipeline) -> None:
+    """Price the steps, print the table (with the peer's rows), write the JSON and, with --readme, the
+    README's table."""
     mean_prompt = int(statistics.mean(len(prompt_ids(pair.tokenizer, t)) for ts in PROMPTS.values() for t in ts))
     costs = measure_costs(pair.engine, args.spec_len, args.tree_width, mean_prompt + args.max_tokens // 2,
                           eagle_engine)
     peer_methods = list(dict.fromkeys(r.method for r in peer))
-    rows = summarize(runs + peer, list(methods) + peer_methods, costs, args.spec_len)
+    rows = summarize(runs + peer, method_names + peer_methods, costs, args.spec_len)
     table = markdown_table(rows)
     print(table)
     if peer:
@@ -462,7 +480,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {out}")
     if args.readme:
         update_readme(table, info, args)
-    return 0
 
 
 if __name__ == "__main__":

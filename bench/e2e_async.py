@@ -277,7 +277,7 @@ def plot(points: list[dict], K: int, verify_ratio: float, sync_ratio: float, pat
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_model_pair(p)
     p.add_argument("--max-tokens", type=common.positive_int, default=64)
@@ -307,6 +307,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="also sync with these chain lengths in the same run (comma list; rows sync-k<K>), "
                         "so the pipeline is compared with sync at its best K")
     p.add_argument("--tag", default="cpu")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     try:
         other_ks = tuple(int(x) for x in args.sync_spec_lens.split(",") if x.strip())
@@ -337,6 +342,16 @@ def main(argv: list[str] | None = None) -> int:
         costs = pipeline_costs(final)
     finally:
         methods["async"].close()
+    result = report(args, runs, final, costs)
+    if args.sweep:
+        result["sweep"] = sweep(args, target_dir, draft_dir, work, methods, runs, costs)
+    out = common.write_json(RESULTS / f"e2e_async_{args.tag}.json", result, default=str)
+    print(f"wrote {out}")
+    return 0
+
+
+def report(args, runs: list, final: dict, costs: dict) -> dict:
+    """Print the table and what the pipeline's own counters say; the results file's contents."""
     rows = summarize(runs)
     print(markdown(rows))
     best = best_sync(rows)
@@ -361,11 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"args": vars(args), "rows": rows, "pipeline_costs_ms": costs, **borrowed, "drafters": drafters,
               "fastest_sync": best["method"], "async_over_fastest_sync": async_row["tokens_per_s"] / best["tokens_per_s"],
               "steps": steps, "date": common.utc(), "machine": common.machine()}
-    if args.sweep:
-        result["sweep"] = sweep(args, target_dir, draft_dir, work, methods, runs, costs)
-    out = common.write_json(RESULTS / f"e2e_async_{args.tag}.json", result, default=str)
-    print(f"wrote {out}")
-    return 0
+    return result
 
 
 STEP_COUNTERS = ("num_steps", "num_batches", "spec_on_decisions", "spec_off_decisions", "joins_speculating",
