@@ -1,0 +1,108 @@
+"""`specflash generate` timed from outside, in every mode on the same cores (issue 23's first goal).
+
+    python bench/generate_modes.py                           # off, sync, async; 32 and 160 tokens; 3 rounds
+    python bench/generate_modes.py --rounds 1 --short 8 --long 24 --modes off,sync   # a smoke run
+
+What a user sees: each run is a whole `specflash generate` process (`python -m cluster.cli
+generate --ignore-eos --json`) on the embedded pair and one code prompt, both cores for every
+mode. A mode's decoding rate is (long − short) / (T(long) − T(short)) tokens/s, with T the
+process's wall time, so start-up (imports, loading, Ray for `async`) cancels. Modes alternate
+within a round, the short and long runs of a mode back to back; the rate reported is the median
+over rounds, with each ratio to `off` and `async ÷ sync`. Every run's tokens are checked equal
+to `off`'s (greedy). Writes generate_modes-<time>.json under bench/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
+from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
+
+PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively."
+
+
+def run_once(mode: str, max_tokens: int, args) -> tuple[float, list[int]]:
+    """Wall seconds of one `specflash generate` process, and the tokens it printed."""
+    cmd = [sys.executable, "-m", "cluster.cli", "generate", "--mode", mode, "--prompt", args.prompt,
+           "--max-tokens", str(max_tokens), "--ignore-eos", "--json", "--spec-len", str(args.spec_len),
+           "--tree-width", str(args.tree_width)]
+    cmd += [] if args.raw_prompt else ["--chat"]
+    cmd += [f for flag, value in (("--target", args.target), ("--draft", args.draft)) if value
+            for f in (flag, str(value))]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT.parent, capture_output=True, text=True, timeout=args.timeout)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    tokens = json.loads(done.stdout.strip().splitlines()[-1])["token_ids"]
+    if len(tokens) != max_tokens:
+        raise RuntimeError(f"mode {mode}: {len(tokens)} tokens, asked for {max_tokens}")
+    return seconds, tokens
+
+
+def measure(args) -> dict:
+    """Per mode: the rate of every round, and whether its tokens equal `off`'s."""
+    rates = {m: [] for m in args.modes}
+    tokens = {}
+    for r in range(args.rounds):
+        for mode in args.modes:
+            t_short, _ = run_once(mode, args.short, args)
+            t_long, toks = run_once(mode, args.long, args)
+            rates[mode].append((args.long - args.short) / (t_long - t_short))
+            tokens.setdefault(mode, toks)
+            print(f"round {r + 1} {mode}: {t_short:.1f} s for {args.short}, {t_long:.1f} s for {args.long}: "
+                  f"{rates[mode][-1]:.1f} tokens/s", flush=True)
+    ref = tokens.get("off")
+    return {m: {"rates": rates[m], "tokens_per_s": statistics.median(rates[m]),
+                "exact_vs_off": None if ref is None else tokens[m] == ref} for m in args.modes}
+
+
+def summary(result: dict) -> str:
+    off = result.get("off", {}).get("tokens_per_s")
+    rows = [(m, common.cell(r["tokens_per_s"], ".1f"), common.cell(r["tokens_per_s"] / off if off else None, ".2f"),
+             "–" if r["exact_vs_off"] is None else ("yes" if r["exact_vs_off"] else "NO"))
+            for m, r in result.items()]
+    table = common.markdown_table(("mode", "tokens/s (median)", "× off", "tokens = off"), rows)
+    if "async" in result and "sync" in result:
+        table += f"\n\nasync ÷ sync: {result['async']['tokens_per_s'] / result['sync']['tokens_per_s']:.2f}"
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_model_pair(p)
+    p.add_argument("--modes", type=common.comma_list(), default=["off", "sync", "async"])
+    p.add_argument("--short", type=common.positive_int, default=32)
+    p.add_argument("--long", type=common.positive_int, default=160)
+    p.add_argument("--rounds", type=common.positive_int, default=3)
+    p.add_argument("--spec-len", type=common.positive_int, default=4)
+    p.add_argument("--tree-width", type=common.positive_int, default=1)
+    p.add_argument("--prompt", default=PROMPT)
+    p.add_argument("--raw-prompt", action="store_true", help="the prompt as it is, without the chat template")
+    p.add_argument("--timeout", type=common.positive_float, default=600.0, help="seconds per process")
+    p.add_argument("--out", type=Path, default=common.RESULTS)
+    args = p.parse_args(argv)
+    args.target, args.draft = common.model_pair(p, args, embedded=False)
+    if args.long <= args.short:
+        p.error("--long must exceed --short")
+    unknown = set(args.modes) - {"off", "sync", "async"}
+    if unknown:
+        p.error(f"--modes: off, sync or async, not {sorted(unknown)}")
+    result = measure(args)
+    print(summary(result))
+    out = common.write_json(args.out / f"generate_modes-{common.utc(common.STAMP)}.json",
+                            {"date": common.utc(), "machine": common.machine(), "args": vars(args),
+                             "modes": result}, default=str)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

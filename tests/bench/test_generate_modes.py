@@ -1,0 +1,26 @@
+"""bench/generate_modes.py, small: whole `specflash generate` processes timed from outside, the
+rate between two lengths, every mode's tokens checked against the target alone's."""
+import json
+
+import pytest
+
+
+def test_generate_modes_times_whole_processes_and_checks_tokens(tiny_target, close_draft, tmp_path, bench_script,
+                                                                capsys):
+    bench = bench_script("generate_modes")
+    assert bench.main(["--target", str(tiny_target), "--draft", str(close_draft), "--modes", "off,sync",
+                       "--rounds", "1", "--short", "3", "--long", "9", "--raw-prompt", "--prompt", "abc",
+                       "--spec-len", "2", "--out", str(tmp_path)]) == 0
+    (out,) = tmp_path.glob("generate_modes-*.json")
+    modes = json.loads(out.read_text())["modes"]
+    assert sorted(modes) == ["off", "sync"]
+    assert all(m["exact_vs_off"] is True and len(m["rates"]) == 1 for m in modes.values())
+    assert "| sync |" in capsys.readouterr().out
+
+
+def test_generate_modes_refuses_bad_arguments(bench_script):
+    bench = bench_script("generate_modes")
+    for argv in (["--short", "9", "--long", "9"], ["--modes", "off,fast"], ["--draft", "/x"]):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv)
+        assert e.value.code == 2
