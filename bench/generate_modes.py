@@ -2,13 +2,15 @@
 
     python bench/generate_modes.py                           # off, sync, async; 32 and 160 tokens; 3 rounds
     python bench/generate_modes.py --rounds 1 --short 8 --long 24 --modes off,sync   # a smoke run
+    python bench/generate_modes.py --modes off,async,async-eagle     # the pipeline with the EAGLE head
 
 What a user sees: each run is a whole `specflash generate` process (`python -m cluster.cli
 generate --ignore-eos --json`) on the embedded pair and one code prompt, both cores for every
 mode. A mode's decoding rate is (long − short) / (T(long) − T(short)) tokens/s, with T the
 process's wall time, so start-up (imports, loading, Ray for `async`) cancels. Modes alternate
 within a round, the short and long runs of a mode back to back; the rate reported is the median
-over rounds, with each ratio to `off` and `async ÷ sync`. Every run's tokens are checked equal
+over rounds, with each ratio to `off` and `async ÷ sync`. A mode named `<mode>-eagle` drafts
+with the embedded EAGLE head (`--proposer eagle`) instead of the layered draft. Every run's tokens are checked equal
 to `off`'s (greedy). Writes generate_modes-<time>.json under bench/results/.
 """
 from __future__ import annotations
@@ -25,12 +27,15 @@ ROOT = Path(__file__).resolve().parent
 sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
 from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
 
+MODES = ("off", "sync", "async", "sync-eagle", "async-eagle")   # `-eagle`: --proposer eagle (the embedded head)
 PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively."
 
 
 def run_once(mode: str, max_tokens: int, args) -> tuple[float, list[int]]:
     """Wall seconds of one `specflash generate` process, and the tokens it printed."""
-    cmd = [sys.executable, "-m", "cluster.cli", "generate", "--mode", mode, "--prompt", args.prompt,
+    base, _, proposer = mode.partition("-")
+    cmd = [sys.executable, "-m", "cluster.cli", "generate", "--mode", base, "--proposer", proposer or "model",
+           "--prompt", args.prompt,
            "--max-tokens", str(max_tokens), "--ignore-eos", "--json", "--spec-len", str(args.spec_len),
            "--tree-width", str(args.tree_width)]
     cmd += [] if args.raw_prompt else ["--chat"]
@@ -92,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     args.target, args.draft = common.model_pair(p, args, embedded=False)
     if args.long <= args.short:
         p.error("--long must exceed --short")
-    unknown = set(args.modes) - {"off", "sync", "async"}
+    unknown = set(args.modes) - set(MODES)
     if unknown:
-        p.error(f"--modes: off, sync or async, not {sorted(unknown)}")
+        p.error(f"--modes: some of {', '.join(MODES)}, not {sorted(unknown)}")
     result = measure(args)
     print(summary(result))
     out = common.write_json(args.out / f"generate_modes-{common.utc(common.STAMP)}.json",
