@@ -230,8 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=common.positive_int, default=96)
     p.add_argument("--prompts", type=common.positive_int, default=3)
     p.add_argument("--prompt-len", type=common.positive_int, default=64)
-    p.add_argument("--num-blocks", type=common.positive_int, default=32,
-                   help="KV blocks of 16 tokens on each side (graphs are captured for every width up to it)")
+    p.add_argument("--num-blocks", type=common.positive_int, default=16,
+                   help="KV blocks of 16 tokens on each side, enough for one request (prompt, output and "
+                        "a tree); CUDA graphs are captured at start-up for every width up to it")
     p.add_argument("--ring-slots", type=common.positive_int, default=None,
                    help="EngineSettings.ring_slots (1: lockstep, one tree in flight)")
     p.add_argument("--no-lockstep-alone", action="store_true",
@@ -253,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.replot:
         return replot(Path(args.replot[0]), Path(args.replot[1]))
+    need = args.prompt_len + args.max_tokens + 2 * (args.spec_len + 2)
+    if need > 16 * args.num_blocks:
+        p.error(f"--num-blocks {args.num_blocks} holds {16 * args.num_blocks} tokens; a request needs {need}")
     import ray
 
     own_ray = not ray.is_initialized()     # a test's shared cluster is used as it is, and left running
