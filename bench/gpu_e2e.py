@@ -409,11 +409,25 @@ def replot(path: Path, png: Path) -> int:
     return 0
 
 
+def divergences(point: dict) -> str:
+    """Per prompt, where the output first left the reference ('=' where it never did)."""
+    per = (point.get("check") or {}).get("per_prompt")
+    return "–" if not per else " ".join("=" if c["first_divergence"] is None else str(c["first_divergence"])
+                                        for c in per)
+
+
 def report(points: list[dict], args) -> int:
     out, ratio = write_json(points, args)
     png = Path(args.out) / f"gpu_e2e_async_speedup_vs_acceptance_{args.tag}.png"
     plot([p for p in points if p["method"] not in ("off", "reference")], args.spec_len, ratio, png,
          turns_model(points, args.spec_len) if taking_turns(args) else None, draft=args.draft)
+    print(common.markdown_table(
+        ["method", "corruption", "γ", "tokens/s", "speedup", "Eq. 3.2, turns priced", "measured / model",
+         "exact", "first divergence"],
+        [[p["method"], common.cell(p["corruption"], ".2f"), common.cell(p["gamma"], ".3f"),
+          common.cell(p["tokens_per_s"], ".1f"), common.cell(p["speedup"], ".2f"),
+          common.cell(p.get("eq32_turns_speedup"), ".2f"), common.cell(p.get("vs_eq32_turns"), ".2f"),
+          p.get("exact", "–"), divergences(p)] for p in points]))
     step = plain_step(points, args)
     if step:
         print(f"plain step in the actors {step['pipeline_ms']:.2f} ms a token; in process, graphed, "
