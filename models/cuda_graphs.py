@@ -26,7 +26,10 @@ dtype, as its eager `_inputs` casts them).
 given rows per sequence (the planner's shape set: `speculation.planner.
 verify_rows` / `draft_rows`) at every block-table width bucket the cache can
 hold, smallest contexts first while `max_graphs` allows; a key never warmed up
-still gets the lazy path above.
+still gets the lazy path above, but only up to the most rows per sequence warmed
+up: after a warm-up, longer forwards (a prompt's prefill or catch-up) stay eager,
+so no capture lands inside a request (a first-seen prompt length would otherwise
+be captured on its second use, hundreds of ms on an 8B).
 
 Not graphed: more rows than `max_tokens` (prefill), models with dynamic RoPE
 (their frequencies depend on the positions' values), keys beyond `max_graphs`.
@@ -148,6 +151,7 @@ class GraphedLayers:
         self.replays = 0
         self.eager = 0
         self.features = bool(getattr(model, "needs_features", False))   # an EAGLE head: features in
+        self.row_cap: int | None = None     # after `warm_up`: the most rows per sequence graphed
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, table: torch.Tensor,
                  tree_mask: torch.Tensor, prefix: Sequence[int],
@@ -156,7 +160,8 @@ class GraphedLayers:
         sequences' block table [B, w] int32 on the device (`cache.block_table`); `features`
         [B, T, hidden]: a feature-conditioned draft's input (exactly when it is one)."""
         B, T = input_ids.shape
-        if B * T == 0 or B * T > self.max_tokens or (features is not None) != self.features:
+        if B * T == 0 or B * T > self.max_tokens or (features is not None) != self.features \
+                or (self.row_cap is not None and T > self.row_cap):
             self.eager += 1
             return None
         key = (B, T, _bucket(table.shape[1]), cache.k.data_ptr())
@@ -190,10 +195,12 @@ class GraphedLayers:
         a batch, at most the model's context), smallest contexts first while `max_graphs`
         allows. Each key's forwards run on dummy sequences of zeros, as `__call__` would: the
         first eagerly (compiling its kernels), the second captured. `cache` is left as it was.
+        From now on forwards of more rows per sequence than `rows` holds run eagerly.
         Returns how many graphs it captured."""
         from models.transformer import causal_mask
 
         before, bs = self.captures, cache.block_size
+        self.row_cap = max(self.row_cap or 0, max(rows, default=0))
         device = self.model.embed_tokens.weight.device
         hidden = self.model.config.hidden_size
         bucket = 1

@@ -206,5 +206,13 @@ def test_warm_up_captures_every_planner_shape_at_every_width(eager, features):
         after = m.graphs.stats()
         if warm:
             assert after["eager"] == before["eager"] and after["captures"] == before["captures"], (before, after)
+            cache.free("s")
+            cache.add_sequence("p")
+            with torch.inference_mode():     # longer than the shape set (a prefill): eager, never captured
+                for _ in range(3):
+                    m(torch.zeros(1, 6, dtype=torch.long), torch.arange(6)[None], cache, ["p"], causal_mask(1, 6),
+                      features=torch.zeros(1, 6, 32) if features else None)
+                    cache.truncate("p", 0)
+            assert m.graphs.stats()["captures"] == after["captures"] and m.graphs.stats()["eager"] == after["eager"] + 3
         else:
             assert after["eager"] > 0
