@@ -55,16 +55,21 @@ def script(model):
     return outs
 
 
+def assert_near(got, want, tol):
+    """Every forward's logits finite and within `tol` (relative norm) of the eager ones."""
+    assert len(got) == len(want)
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert torch.isfinite(x).all(), i
+        err = float((x - y).norm() / y.norm())
+        assert err < tol, (i, err)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_captured_forwards_equal_eager(dtype, tol):
     eager = make_model(dtype)
     graphed = copy.deepcopy(eager)
     assert cuda_graphs.enable(graphed)
-    want, got = script(eager), script(graphed)
-    for i, (x, y) in enumerate(zip(got, want)):
-        assert torch.isfinite(x).all(), i
-        err = float((x - y).norm() / y.norm())
-        assert err < tol, (i, err)
+    assert_near(script(graphed), script(eager), tol)
     st = graphed.graphs.stats()
     assert st["captures"] >= 3 and st["replays"] >= 30, st
 
@@ -108,27 +113,28 @@ def make_eagle(dtype):
     return head
 
 
+def eagle_script(model):
+    """A prompt's catch-up, then forwards of 1, 2 and 3 rows, each row with a feature."""
+    g = torch.Generator().manual_seed(2)
+    cache = model.new_cache(32, 16)
+    cache.add_sequence(0)
+    outs = []
+    with torch.inference_mode():
+        for T in [9] + [1, 2, 3] * 8:
+            ids = torch.randint(0, 1000, (1, T), generator=g).cuda()
+            feats = torch.randn(1, T, 256, generator=g).cuda()
+            pos = (torch.arange(T) + cache.seq_len(0))[None].cuda()
+            outs.append(model(ids, pos, cache, [0], causal_mask(1, T, "cuda"), features=feats).cpu())
+    return outs
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_eagle_head_captured_forwards_equal_eager(dtype, tol):
     """An EAGLE head's forwards, its features a static buffer of the graph, equal eager ones."""
     eager = make_eagle(dtype)
     graphed = copy.deepcopy(eager)
     assert cuda_graphs.enable(graphed)
-    outs = {}
-    for name, model in (("eager", eager), ("graphed", graphed)):
-        g = torch.Generator().manual_seed(2)
-        cache = model.new_cache(32, 16)
-        cache.add_sequence(0)
-        outs[name] = []
-        with torch.inference_mode():
-            for T in [9] + [1, 2, 3] * 8:
-                ids = torch.randint(0, 1000, (1, T), generator=g).cuda()
-                feats = torch.randn(1, T, 256, generator=g).cuda()
-                pos = (torch.arange(T) + cache.seq_len(0))[None].cuda()
-                outs[name].append(model(ids, pos, cache, [0], causal_mask(1, T, "cuda"), features=feats).cpu())
-    for i, (x, y) in enumerate(zip(outs["graphed"], outs["eager"])):
-        assert torch.isfinite(x).all(), i
-        assert float((x - y).norm() / y.norm()) < tol, i
+    assert_near(eagle_script(graphed), eagle_script(eager), tol)
     assert graphed.graphs.stats()["replays"] >= 15
 
 
