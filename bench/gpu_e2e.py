@@ -64,7 +64,7 @@ def draft_spec(target: str, draft: str) -> str:
     """The draft `--draft` names for `target` (a `random:` preset): eagle, layered or a spec."""
     if draft not in ("eagle", "layered"):
         return draft
-    preset = target.split(":")[1]
+    preset = target.split(":")[1] if target.startswith("random:") else target
     if preset not in DRAFTS:
         raise SystemExit(f"--draft {draft}: no {draft} draft for target preset {preset!r} "
                          f"(known: {', '.join(DRAFTS)}); name a draft spec instead")
