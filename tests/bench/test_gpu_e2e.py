@@ -9,14 +9,19 @@ import torch
 
 def test_the_gpu_bench_runs_the_eagle_head_pipeline_exactly(ray_cluster, tmp_path, bench_script):
     threads = torch.get_num_threads()
+    forward = tmp_path / "gpu_forward.json"      # bench/gpu_forward.py's in-process graphed forward
+    forward.write_text(json.dumps({"runs": [{"dtype": "float32", "T": 1, "graphs": True, "wall_ms": 2.0},
+                                            {"dtype": "float32", "T": 1, "wall_ms": 9.0}]}))
     try:
         assert bench_script("gpu_e2e").main([
             "--target", "random:tiny", "--draft", "eagle", "--device", "cpu", "--dtype", "float32",
             "--max-tokens", "12", "--prompts", "2", "--prompt-len", "8", "--corruption", "0,0.5",
-            "--modes", "chain", "--tag", "cpu-test", "--out", str(tmp_path)]) == 0
+            "--modes", "chain", "--tag", "cpu-test", "--out", str(tmp_path), "--forward-json", str(forward)]) == 0
     finally:
         torch.set_num_threads(threads)
     saved = json.loads((tmp_path / "gpu_e2e_async_cpu-test.json").read_text())
+    step = saved["plain_step"]              # the pipeline's plain step beside the graphed forward
+    assert step["in_process_graphed_ms"] == 2.0 and step["ratio"] == pytest.approx(step["pipeline_ms"] / 2.0)
     points = {(p["method"], p["corruption"]): p for p in saved["points"]}
     assert set(points) == {("off", None), ("reference", 1.0), ("async", 0.0), ("async", 0.5)}
     ref = points["reference", 1.0]
