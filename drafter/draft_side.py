@@ -223,11 +223,13 @@ class BridgeDraft:
 
     def warm_up(self, depth: int, prompt_len: int = 32, on_cpu: bool = False) -> float:
         """On a GPU (or with `on_cpu`, for tests), before the verifier serves: chains of 1..`depth`
-        for a dummy sequence, each twice (as `DraftSide.warm_up`). Returns the seconds taken."""
+        for a dummy sequence, each twice, then the CUDA graphs of a chain's forwards
+        (`speculation.planner.draft_rows(depth)`), as `DraftSide.warm_up`. Returns the seconds taken."""
         cache = self.proposer.cache
         if cache.device.type != "cuda" and not on_cpu:
             return 0.0
         from models.sampling import SamplingParams
+        from speculation.planner import draft_rows
 
         start, sid = time.perf_counter(), "__warm_up__"
         params, gen = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
@@ -236,4 +238,7 @@ class BridgeDraft:
                 self.chains([DraftRequest(sid, [1] * prompt_len, params, gen, r)])
         finally:
             self.release(sid)
+        graphs = getattr(self.proposer.model, "graphs", None)
+        if graphs is not None:
+            graphs.warm_up(cache, draft_rows(depth))
         return time.perf_counter() - start
