@@ -9,7 +9,7 @@
 #
 #   here:        bash bench/device_site.sh          (once; needs the package registry)
 #   device run:  bash bench/gpu_check.sh   with carry [".whl"], timeout_s 560
-#                (the default steps' own limits add to 480 s: env, tests 120, forward 90,
+#                (the default steps' own limits add to 480 s: env, tests 140, forward 70,
 #                e2e 270; a 15-minute budget holds it with a rerun's room to spare)
 #   by hand:     OUT=/tmp/gpu_check bash bench/gpu_check.sh
 #   some steps:  STEPS="forward e2e" bash bench/gpu_check.sh
@@ -59,7 +59,7 @@ cat "$OUT/env.txt"
 # ---- 1. CUDA tests (kernels at serving sizes, sampler bit equality and distribution, graphs)
 if want tests; then
   echo "== pytest tests/gpu ($((SECONDS - t0)) s)"
-  timeout 120 "$PY" -m pytest -q -p no:cacheprovider --durations=8 tests/gpu 2>&1 | tee "$OUT/pytest_gpu.log"
+  timeout 140 "$PY" -m pytest -q -p no:cacheprovider --durations=8 tests/gpu 2>&1 | tee "$OUT/pytest_gpu.log"
   test "${PIPESTATUS[0]}" -eq 0 || status=1
 fi
 
@@ -67,7 +67,7 @@ fi
 # eager and graphed, for the rows the planner's chains use (1, 2, K+1 = 5, 8)
 if want forward; then
   echo "== bench/gpu_forward.py ($((SECONDS - t0)) s)"
-  timeout 90 "$PY" bench/gpu_forward.py --out "$OUT" --dtypes bfloat16 --tokens 1 2 5 8 2>&1 | tee "$OUT/gpu_e2e.log"
+  timeout 70 "$PY" bench/gpu_forward.py --out "$OUT" --dtypes bfloat16 --tokens 1 2 5 8 2>&1 | tee "$OUT/gpu_e2e.log"
   test "${PIPESTATUS[0]}" -eq 0 || status=1
 fi
 
