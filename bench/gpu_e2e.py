@@ -214,7 +214,7 @@ def plot(points: list[dict], k: int, cost_ratio: float, path: Path, turns_ratio:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="random:llama3-8b:0")
     p.add_argument("--draft", default="eagle",
@@ -251,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--forward-json", default=None,
                    help="bench/gpu_forward.py's JSON: set the pipeline's plain step beside the in-process "
                         "graphed one-token forward of the same dtype")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     if args.replot:
         return replot(Path(args.replot[0]), Path(args.replot[1]))
