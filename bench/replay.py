@@ -2,7 +2,8 @@
 
 Real large checkpoints are not available where the GPU benchmark runs, and a random draft
 agrees with a random target about never. `CorruptedReplayProposer` fixes that for
-measurement: it runs a real draft-shaped model (`drafter.ModelProposer`) so drafting costs
+measurement: it runs a real draft-shaped model (`drafter.ModelProposer`, or an EAGLE-style
+head, `drafter.EagleProposer`, fed the target's features as in the product) so drafting costs
 what it would, then overwrites the chain it drafted with the target's own recorded greedy
 continuation of the prompt, each token replaced by a random other token with probability
 `corruption`. Greedy verification then accepts each token with probability about
@@ -54,6 +55,14 @@ class CorruptedReplayProposer:
     @property
     def cache(self):
         return self.inner.cache
+
+    @property
+    def needs_features(self) -> bool:
+        """An EAGLE head's proposer: the drafter passes it the target's features."""
+        return bool(getattr(self.inner, "needs_features", False))
+
+    def observe_features(self, seq_id, start: int, features) -> None:
+        self.inner.observe_features(seq_id, start, features)
 
     @property
     def model(self):

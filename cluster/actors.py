@@ -64,7 +64,7 @@ class VerifierActor:
     def __init__(self, target_dir: str, settings: dict, draft_dir: str | None = None) -> None:
         """`draft_dir`: the draft model, for bridge chains (`bridge_depth` > 0; unused otherwise)."""
         from drafter.draft_side import BridgeDraft
-        from models.eagle import is_eagle_spec
+        from models.presets import is_eagle_spec
         from models.presets import eos_of
         from verifier.loop import EngineLoop
         from verifier.scheduler import Scheduler
@@ -81,7 +81,7 @@ class VerifierActor:
         torch.set_num_threads(threads_of(st.num_cpus))
         self.incarnation = uuid.uuid4().hex
         side = TargetSide(target_dir, st.num_blocks, st.block_size, st.device, st.dtype, features=eagle)
-        self.warm_up_s = side.warm_up(st.spec_len)    # GPU: compile and capture now
+        self.warm_up_s = side.warm_up(st.spec_len, width=st.tree_width)    # GPU: compile and capture now
         bridge = None
         if chains:
             bridge = BridgeDraft(draft_dir, target_dir, st)

@@ -33,7 +33,7 @@ import ray
 
 from cluster.actors import remote_classes, settings_dict
 from cluster.transport import first_line
-from models.eagle import is_eagle_spec
+from models.presets import is_eagle_spec
 from speculation.requests import GenerationChunk, GenerationRequest, resolve_speculation
 from speculation.settings import EngineSettings
 from speculation.stats import SpecStats

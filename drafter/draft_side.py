@@ -157,29 +157,37 @@ class DraftSide:
         for proposer in self.proposers.values():
             proposer.release(stream)
 
-    def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False) -> float:
+    def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False,
+                max_len: int | None = None) -> float:
         """On a GPU (or with `on_cpu`, for tests), before serving: draft for one dummy sequence
         at every depth up to `spec_len` (+ the bonus and bridge levels), with and without an
-        assumed outcome, each twice, so that Triton compiles and CUDA-graph captures happen now
-        (`verifier.target.TargetSide.warm_up`). Returns the seconds it took (0 on a CPU or
-        without a draft model)."""
+        assumed outcome, each twice (an EAGLE head reading zero features), so that Triton
+        compiles now (`verifier.target.TargetSide.warm_up`); then the CUDA graphs of every draft
+        shape the planner's trees can cost (`speculation.planner.draft_rows`) at every
+        block-table width up to `max_len` tokens (None: what the cache holds). Returns the
+        seconds it took (0 on a CPU or without a draft model)."""
         cache = self.cache
-        if self.model is None or self.needs_features or cache is None or \
-                (cache.device.type != "cuda" and not on_cpu):
+        if self.model is None or cache is None or (cache.device.type != "cuda" and not on_cpu):
             return 0.0
         from models.sampling import SamplingParams
+        from speculation.planner import draft_rows
 
         start, sid = time.perf_counter(), "__warm_up__"
         params, gen = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
         prefix = [1] * prompt_len
+        zeros = torch.zeros(prompt_len - 1, self.model.model.config.hidden_size)
         try:
             for k in range(1, spec_len + 1):
                 for assume, bridge in ((True, 0), (True, 1), (False, 0)):
                     for _ in (0, 1):
+                        self.observe_features(sid, 0, zeros)   # the target's features, were it EAGLE
                         self.propose([DraftItem(sid, prefix, params, gen, k, 1, 0, bridge)], assume)
                         self.rollback(sid, len(prefix) - 1)
         finally:
             self.release(sid)
+        if self.graphs is not None:
+            st = self.settings
+            self.graphs.warm_up(cache, draft_rows(spec_len, st.tree_width, st.bridge_depth), max_len=max_len)
         return time.perf_counter() - start
 
 
@@ -215,11 +223,13 @@ class BridgeDraft:
 
     def warm_up(self, depth: int, prompt_len: int = 32, on_cpu: bool = False) -> float:
         """On a GPU (or with `on_cpu`, for tests), before the verifier serves: chains of 1..`depth`
-        for a dummy sequence, each twice (as `DraftSide.warm_up`). Returns the seconds taken."""
+        for a dummy sequence, each twice, then the CUDA graphs of a chain's forwards
+        (`speculation.planner.draft_rows(depth)`), as `DraftSide.warm_up`. Returns the seconds taken."""
         cache = self.proposer.cache
         if cache.device.type != "cuda" and not on_cpu:
             return 0.0
         from models.sampling import SamplingParams
+        from speculation.planner import draft_rows
 
         start, sid = time.perf_counter(), "__warm_up__"
         params, gen = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
@@ -228,4 +238,7 @@ class BridgeDraft:
                 self.chains([DraftRequest(sid, [1] * prompt_len, params, gen, r)])
         finally:
             self.release(sid)
+        graphs = getattr(self.proposer.model, "graphs", None)
+        if graphs is not None:
+            graphs.warm_up(cache, draft_rows(depth))
         return time.perf_counter() - start

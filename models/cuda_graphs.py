@@ -18,9 +18,22 @@ width. A key's first forward runs eagerly (it compiles the Triton kernels), its
 second captures, later ones replay. What the host did around `_layers` (cache
 reservations, the LM head, truncation on error) is unchanged.
 
-Not graphed: forwards with input features (EAGLE heads), more rows than
-`max_tokens` (prefill), models with dynamic RoPE (their frequencies depend on
-the positions' values), keys beyond `max_graphs`. Those run eagerly.
+A feature-conditioned draft (`models.eagle.EagleDraft`) is graphed the same way,
+its input features [B, T, hidden] one more static buffer (copied into the model's
+dtype, as its eager `_inputs` casts them).
+
+`GraphedLayers.warm_up(cache, rows)` captures, at start-up, every key of the
+given rows per sequence (the planner's shape set: `speculation.planner.
+verify_rows` / `draft_rows`) at every block-table width bucket the cache can
+hold, smallest contexts first while `max_graphs` allows; a key never warmed up
+still gets the lazy path above, but only up to the most rows per sequence warmed
+up: after a warm-up, longer forwards (a prompt's prefill or catch-up) stay eager,
+so no capture lands inside a request (a first-seen prompt length would otherwise
+be captured on its second use, hundreds of ms on an 8B).
+
+Not graphed: more rows than `max_tokens` (prefill), models with dynamic RoPE
+(their frequencies depend on the positions' values), keys beyond `max_graphs`.
+Those run eagerly.
 
 Switch: `SPECFLASH_CUDA_GRAPHS=0` keeps every forward eager (vLLM's
 `enforce_eager`).
@@ -43,12 +56,14 @@ def wanted() -> bool:
 
 def enable(model, max_tokens: int = DEFAULT_MAX_TOKENS, max_graphs: int = DEFAULT_MAX_GRAPHS,
            capture: "Callable | None" = None) -> bool:
-    """Give `model` (a models.Transformer on CUDA) graphed small forwards; False where it cannot
-    have them (CPU, dynamic RoPE, a subclass with its own inputs), unless `capture` is given
-    (tests: a stand-in for CUDA capture)."""
+    """Give `model` (a models.Transformer or a feature-conditioned draft on CUDA) graphed small
+    forwards; False where it cannot have them (CPU, dynamic RoPE, a subclass with other inputs),
+    unless `capture` is given (tests: a stand-in for CUDA capture)."""
     from models.transformer import Transformer
 
-    if type(model)._inputs is not Transformer._inputs or getattr(model, "_dynamic_rope", False):
+    # a feature-conditioned draft (`needs_features`, models.eagle) reads its features as one more input
+    plain = type(model)._inputs is Transformer._inputs
+    if not (plain or getattr(model, "needs_features", False)) or getattr(model, "_dynamic_rope", False):
         return False
     if capture is None and (model.embed_tokens.weight.device.type != "cuda" or not wanted()):
         return False
@@ -76,22 +91,33 @@ def _cuda_capture(fn: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], No
     return graph.replay, out
 
 
+def stand_in_capture(fn: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], None], torch.Tensor]:
+    """A CPU stand-in for `_cuda_capture` (tests; `enable(..., capture=stand_in_capture)`): each
+    'replay' re-runs `fn` on the static buffers and writes into the same output tensor, as a
+    graph's replay does."""
+    out = fn()
+    return (lambda: out.copy_(fn())), out
+
+
 class _Entry:
     """One captured forward and its static inputs."""
 
-    def __init__(self, model, cache, B: int, T: int, width: int, capture, pool) -> None:
+    def __init__(self, model, cache, B: int, T: int, width: int, capture, pool, features: bool) -> None:
         device = model.embed_tokens.weight.device
         self.ids = torch.zeros(B, T, dtype=torch.long, device=device)
         self.positions = torch.zeros(B, T, dtype=torch.long, device=device)
         self.table = torch.zeros(B, width, dtype=torch.int32, device=device)
         self.prefix_lens = torch.zeros(B, dtype=torch.int32, device=device)
         self.mask = torch.zeros(B, T, T, dtype=torch.bool, device=device)
-        self._fn = lambda: model._layers(self.ids, self.positions, cache, self.table, self.prefix_lens, self.mask)
+        self.features = None if not features else torch.zeros(
+            B, T, model.config.hidden_size, dtype=model.embed_tokens.weight.dtype, device=device)
+        self._fn = lambda: model._layers(self.ids, self.positions, cache, self.table, self.prefix_lens, self.mask,
+                                         self.features)
         self._capture, self._pool = capture, pool
         self.replay: Callable[[], None] | None = None
         self.out: torch.Tensor | None = None
 
-    def fill(self, ids, positions, table, prefix_lens, mask) -> None:
+    def fill(self, ids, positions, table, prefix_lens, mask, features=None) -> None:
         self.ids.copy_(ids)
         self.positions.copy_(positions)
         w = table.shape[1]
@@ -100,6 +126,8 @@ class _Entry:
             self.table[:, w:].zero_()
         self.prefix_lens.copy_(prefix_lens)
         self.mask.copy_(mask)
+        if features is not None:
+            self.features.copy_(features)
 
     def run(self) -> torch.Tensor:
         if self.replay is None:
@@ -122,13 +150,18 @@ class GraphedLayers:
         self.captures = 0
         self.replays = 0
         self.eager = 0
+        self.features = bool(getattr(model, "needs_features", False))   # an EAGLE head: features in
+        self.row_cap: int | None = None     # after `warm_up`: the most rows per sequence graphed
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache, table: torch.Tensor,
-                 tree_mask: torch.Tensor, prefix: Sequence[int]) -> torch.Tensor | None:
+                 tree_mask: torch.Tensor, prefix: Sequence[int],
+                 features: torch.Tensor | None = None) -> torch.Tensor | None:
         """Hidden states [B, T, hidden] from a graph, or None: run eagerly. `table`: the
-        sequences' block table [B, w] int32 on the device (`cache.block_table`)."""
+        sequences' block table [B, w] int32 on the device (`cache.block_table`); `features`
+        [B, T, hidden]: a feature-conditioned draft's input (exactly when it is one)."""
         B, T = input_ids.shape
-        if B * T == 0 or B * T > self.max_tokens:
+        if B * T == 0 or B * T > self.max_tokens or (features is not None) != self.features \
+                or (self.row_cap is not None and T > self.row_cap):
             self.eager += 1
             return None
         key = (B, T, _bucket(table.shape[1]), cache.k.data_ptr())
@@ -143,12 +176,70 @@ class GraphedLayers:
             if seen < 2 or len(self._entries) >= self.max_graphs:
                 self.eager += 1
                 return None
-            entry = self._entries[key] = _Entry(self.model, cache, B, T, key[2], self._capture, self._pool)
+            entry = self._entries[key] = _Entry(self.model, cache, B, T, key[2], self._capture, self._pool,
+                                                self.features)
             self.captures += 1
         prefix_lens = torch.tensor(prefix, dtype=torch.int32)
-        entry.fill(input_ids, positions, table, prefix_lens, tree_mask)
+        entry.fill(input_ids, positions, table, prefix_lens, tree_mask, features)
         self.replays += 1
         return entry.run()
 
     def stats(self) -> dict:
         return dict(graphs=len(self._entries), captures=self.captures, replays=self.replays, eager=self.eager)
+
+    def warm_up(self, cache, rows: Sequence[int], batch_sizes: Sequence[int] = (1,),
+                max_len: int | None = None) -> int:
+        """Capture now the graphs of forwards of `rows` tokens per sequence (`speculation.planner.
+        verify_rows` / `draft_rows`: the planner's shape set), for each batch size, at every
+        block-table width bucket of contexts up to `max_len` tokens (None: what `cache` holds for
+        a batch, at most the model's context), smallest contexts first while `max_graphs`
+        allows. Each key's forwards run on dummy sequences of zeros, as `__call__` would: the
+        first eagerly (compiling its kernels), the second captured. `cache` is left as it was.
+        From now on forwards of more rows per sequence than `rows` holds run eagerly.
+        Returns how many graphs it captured."""
+        from models.transformer import causal_mask
+
+        before, bs = self.captures, cache.block_size
+        self.row_cap = max(self.row_cap or 0, max(rows, default=0))
+        device = self.model.embed_tokens.weight.device
+        hidden = self.model.config.hidden_size
+        bucket = 1
+        while True:
+            live = False
+            for B in batch_sizes:
+                limit = min(cache.num_blocks // B * bs, self.model.config.max_position_embeddings)
+                limit = limit if max_len is None else min(limit, max_len)
+                if (bucket // 2) * bs >= limit:            # this bucket (and every later) out of reach
+                    continue
+                live = True
+                # the longest context of this bucket that still fits (width = bucket blocks)
+                end = min(bucket * bs, limit)
+                for T in rows:
+                    if len(self._entries) >= self.max_graphs:
+                        return self.captures - before
+                    if B * T > self.max_tokens or end - T < 0 or _bucket(-(-end // bs)) != bucket:
+                        continue
+                    self._warm_key(cache, B, T, end - T, device, hidden, causal_mask(B, T, device))
+            if not live:
+                return self.captures - before
+            bucket *= 2
+
+    def _warm_key(self, cache, B: int, T: int, prefix: int, device, hidden: int, mask) -> None:
+        """Two forwards of B dummy sequences of `prefix` cached tokens and T new ones (eager,
+        then captured), each rolled back; the sequences are freed after."""
+        seqs = [("__graphs_warm_up__", b) for b in range(B)]
+        ids = torch.zeros(B, T, dtype=torch.long, device=device)
+        positions = (prefix + torch.arange(T, device=device)).expand(B, T)
+        features = torch.zeros(B, T, hidden, device=device) if self.features else None
+        try:
+            for s in seqs:
+                cache.add_sequence(s)
+                cache.reserve(s, prefix)
+            with torch.inference_mode():
+                for _ in range(2):
+                    self.model(ids, positions, cache, seqs, mask, features=features)
+                    for s in seqs:
+                        cache.truncate(s, prefix)
+        finally:
+            for s in seqs:
+                cache.free(s)

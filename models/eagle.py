@@ -55,8 +55,3 @@ def is_eagle_dir(path) -> bool:
         return False
     with safe_open(str(path / "model.safetensors"), framework="pt") as f:
         return FC_WEIGHT in f.keys()
-
-
-def is_eagle_spec(spec) -> bool:
-    """Whether a draft named by a directory or a `random:` preset (models/presets.py) is an EAGLE head."""
-    return spec is not None and not str(spec).startswith("random:") and is_eagle_dir(spec)

@@ -16,11 +16,18 @@ RANDOM_PRESETS = {
                       num_kv_heads=8, vocab_size=128256),
     "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
                       num_kv_heads=8, vocab_size=128256),
+    # a one-layer EAGLE-style head of the 8B shape (`models.eagle.EagleDraft`: fc over
+    # [embedding, the target's feature], one decoder layer of the target's width, an LM head
+    # of its vocabulary): the draft bench/gpu_e2e.py prices with `--draft eagle`
+    "llama3-8b-eagle": dict(hidden_size=4096, intermediate_size=14336, num_layers=1, num_heads=32,
+                            num_kv_heads=8, vocab_size=128256, eagle=True),
     # CPU smoke shapes
     "tiny": dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                  vocab_size=512),
     "tiny-draft": dict(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1,
                        vocab_size=512),
+    "tiny-eagle": dict(hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+                       vocab_size=512, eagle=True),
 }
 
 
@@ -28,20 +35,40 @@ def is_random(spec: str | None) -> bool:
     return isinstance(spec, str) and spec.startswith("random:")
 
 
-def random_config(spec: str):
-    from models.config import ModelConfig
-
+def _preset(spec: str) -> dict:
     _, preset, *_ = spec.split(":")
     if preset not in RANDOM_PRESETS:
         raise ValueError(f"unknown random preset {preset!r}; known: {', '.join(RANDOM_PRESETS)}")
-    shape = RANDOM_PRESETS[preset]
+    return RANDOM_PRESETS[preset]
+
+
+def is_random_eagle(spec: str | None) -> bool:
+    """Whether `spec` names a random EAGLE-style head (a preset with `eagle`)."""
+    return is_random(spec) and bool(_preset(spec).get("eagle"))
+
+
+def is_eagle_spec(spec) -> bool:
+    """Whether a draft named by a directory or a `random:` preset is an EAGLE head."""
+    from models.eagle import is_eagle_dir
+
+    if spec is None:
+        return False
+    return is_random_eagle(str(spec)) if is_random(str(spec)) else is_eagle_dir(spec)
+
+
+def random_config(spec: str):
+    from models.config import ModelConfig
+
+    shape = {k: v for k, v in _preset(spec).items() if k != "eagle"}
     return ModelConfig(arch="llama", head_dim=shape["hidden_size"] // shape["num_heads"],
                        max_position_embeddings=4096, rope_theta=500000.0, **shape)
 
 
 def random_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.float32):
-    """`random:<preset>[:<seed>]` -> a models.Transformer with N(0, 0.02) weights, eval mode."""
+    """`random:<preset>[:<seed>]` -> a models.Transformer (an `EagleDraft` for an `eagle` preset)
+    with N(0, 0.02) weights, eval mode."""
     from models.config import rope_inv_freq
+    from models.eagle import EagleDraft
     from models.transformer import Transformer
 
     parts = spec.split(":")
@@ -49,7 +76,7 @@ def random_model(spec: str, device: str = "cpu", dtype: torch.dtype = torch.floa
     config = random_config(spec)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.device(device):
-        model = Transformer(config).to(dtype)
+        model = (EagleDraft if is_random_eagle(spec) else Transformer)(config).to(dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:

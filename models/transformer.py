@@ -270,8 +270,8 @@ class Transformer(nn.Module):
     def _hidden(self, input_ids, positions, cache, seq_ids, tree_mask, prefix, features=None) -> torch.Tensor:
         """Run the layers; returns the final-norm hidden states [B, T, hidden]."""
         block_tables = cache.block_table(seq_ids)                              # [B, W] int32
-        if self.graphs is not None and features is None:
-            hidden = self.graphs(input_ids, positions, cache, block_tables, tree_mask, prefix)
+        if self.graphs is not None:
+            hidden = self.graphs(input_ids, positions, cache, block_tables, tree_mask, prefix, features)
             if hidden is not None:
                 return hidden
         prefix_lens = torch.tensor(prefix, dtype=torch.int32, device=input_ids.device)   # [B]

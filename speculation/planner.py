@@ -78,6 +78,24 @@ def expected_tokens(gamma: float, k: int) -> float:
     return (1.0 - gamma ** (k + 1)) / (1.0 - gamma)
 
 
+def verify_rows(spec_len: int, width: int = 1) -> list[int]:
+    """Rows per sequence of every verification forward a plan can cause, the shape set CUDA
+    graphs are captured for at start-up (`verifier.target.TargetSide.warm_up`): the root plus
+    a tree of up to `spec_len` levels of `width` (`_per_step`: 1 + k · W rows for the budget
+    k ≤ K the plan picks; EAGLE-2 trees are cut to any node count within it, so every size
+    up to 1 + K · W). A plain, bridge or fallback step is 1 row, a restart chain 1 + s ≤ 1 + K."""
+    return list(range(1, 2 + spec_len * width))
+
+
+def draft_rows(spec_len: int, width: int = 1, bridge_depth: int = 0) -> list[int]:
+    """Rows per sequence of every draft forward a plan's trees cost (`drafter.draft_side.
+    DraftSide.warm_up`): a drafter drafts one level past the budget (its bonus guess) and
+    `bridge_depth` more ahead of a bridge step; its catch-up re-feeds up to that many accepted
+    tokens and the root (an EAGLE head re-feeds every accepted token), and a level's frontier
+    (with uncached ancestors) is at most that many nodes of `width`."""
+    return list(range(1, 2 + (spec_len + 1 + bridge_depth) * width))
+
+
 class CostModel:
     """verify(rows) ≈ a + b · rows and draft(levels) ≈ d · levels, fitted by
     exponentially-weighted least squares; a prior until the first measurement,

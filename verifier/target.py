@@ -62,17 +62,22 @@ class TargetSide:
     def release(self, seq_id: str) -> None:
         self.verifier.release(seq_id)
 
-    def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False) -> float:
+    def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False, width: int = 1,
+                max_len: int | None = None) -> float:
         """On a GPU (or with `on_cpu`, for tests), before serving: one dummy sequence through a
         prefill, plain steps and chain verifications of 1..`spec_len` nodes, each shape twice,
-        so that Triton compiles those kernels and the CUDA graphs of one sequence are captured
-        now rather than inside the first requests (on an H200 a cold first draft took 5 s, long
-        enough for the verifier to count its drafter as gone). Returns the seconds it took (0 on
-        a CPU: nothing is compiled or captured there)."""
+        so that Triton compiles those kernels (the sampler's too); then the CUDA graphs of every
+        verification shape the planner can choose (`speculation.planner.verify_rows`: trees of
+        up to `spec_len` levels of `width`) for one sequence at every block-table width up to
+        `max_len` tokens (None: what the cache holds), `models.cuda_graphs.GraphedLayers.warm_up`.
+        So no compile or capture lands inside the first requests (on an H200 a cold first draft
+        took 5 s, long enough for the verifier to count its drafter as gone). Returns the
+        seconds it took (0 on a CPU: nothing is compiled or captured there)."""
         if self.cache.device.type != "cuda" and not on_cpu:
             return 0.0
         from models.sampling import SamplingParams
         from models.tree import TokenTree
+        from speculation.planner import verify_rows
 
         start, sid = time.perf_counter(), "__warm_up__"
         committed = [1] * prompt_len
@@ -85,4 +90,6 @@ class TargetSide:
                 committed += res.token_ids
         finally:
             self.release(sid)
+        if self.graphs is not None:
+            self.graphs.warm_up(self.cache, verify_rows(spec_len, width), max_len=max_len)
         return time.perf_counter() - start

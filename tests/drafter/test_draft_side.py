@@ -84,3 +84,41 @@ def test_draft_warm_up_leaves_no_trace(tiny_target, close_draft):
         assert warmed.cache.num_free_blocks == warmed.cache.num_blocks
     finally:
         torch.set_num_threads(threads)
+
+
+def test_draft_warm_up_captures_every_draft_shape_of_an_eagle_head():
+    """An EAGLE head's drafts under (stand-in) CUDA graphs: after the warm-up (the planner's
+    draft shape set, `speculation.planner.draft_rows`) chains of every depth up to K, with
+    partial accepts, replay graphs only; the one eager forward left is the prompt's catch-up.
+    Without the warm-up they are captured while drafting (the control)."""
+    from drafter.draft_side import model_proposer
+    from drafter.ngram import NgramProposer
+    from models import cuda_graphs
+    from models.presets import random_model
+
+    settings = EngineSettings(num_blocks=16, spec_len=4)
+    for warm in (True, False):
+        head = random_model("random:tiny-eagle")
+        cuda_graphs.enable(head, capture=cuda_graphs.stand_in_capture)
+        side = DraftSide({"model": model_proposer(head, 512, settings), "ngram": NgramProposer(512, 5)}, settings)
+        assert side.needs_features and side.graphs is head.graphs
+        if warm:
+            assert side.warm_up(4, on_cpu=True) > 0
+            assert side.cache.num_free_blocks == side.cache.num_blocks
+        before = side.graphs.stats()
+        prefix, greedy, gen = [5, 9, 2, 7, 3, 8, 1, 4, 6], SamplingParams(temperature=0.0), torch.Generator()
+        side.observe_features("s", 0, torch.randn(len(prefix) - 1, 64))
+        for step in range(12):
+            k = 1 + step % 4
+            (d,), _ = side.propose([DraftItem("s", prefix, greedy, gen, k, 1, 0)], assume=False)
+            accepted = step % (k + 1)                         # partial and full accepts
+            side.rollback("s", len(prefix) + accepted)
+            new = prefix + d.tree.token_ids.tolist()[:accepted] + [step % 50]
+            side.observe_features("s", len(prefix) - 1, torch.randn(len(new) - len(prefix), 64))
+            prefix = new
+        after = side.graphs.stats()
+        if warm:
+            assert after["captures"] == before["captures"], (before, after)
+            assert after["eager"] - before["eager"] == 1, (before, after)     # the prompt's catch-up
+        else:
+            assert after["captures"] > before["captures"]

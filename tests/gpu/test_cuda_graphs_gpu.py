@@ -55,16 +55,21 @@ def script(model):
     return outs
 
 
+def assert_near(got, want, tol):
+    """Every forward's logits finite and within `tol` (relative norm) of the eager ones."""
+    assert len(got) == len(want)
+    for i, (x, y) in enumerate(zip(got, want)):
+        assert torch.isfinite(x).all(), i
+        err = float((x - y).norm() / y.norm())
+        assert err < tol, (i, err)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 def test_captured_forwards_equal_eager(dtype, tol):
     eager = make_model(dtype)
     graphed = copy.deepcopy(eager)
     assert cuda_graphs.enable(graphed)
-    want, got = script(eager), script(graphed)
-    for i, (x, y) in enumerate(zip(got, want)):
-        assert torch.isfinite(x).all(), i
-        err = float((x - y).norm() / y.norm())
-        assert err < tol, (i, err)
+    assert_near(script(graphed), script(eager), tol)
     st = graphed.graphs.stats()
     assert st["captures"] >= 3 and st["replays"] >= 30, st
 
@@ -90,3 +95,68 @@ def test_greedy_decoding_through_graphs_equals_eager():
     assert cuda_graphs.enable(graphed)
     assert decode(graphed) == decode(eager)
     assert graphed.graphs.stats()["replays"] >= 40
+
+
+def make_eagle(dtype):
+    from dataclasses import replace
+
+    from models.eagle import EagleDraft
+
+    base = make_model(dtype)
+    torch.manual_seed(12)
+    head = EagleDraft(replace(base.config, num_layers=1)).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.1)
+    head = head.to(device="cuda", dtype=dtype)
+    head.inv_freq = base.inv_freq
+    return head
+
+
+def eagle_script(model):
+    """A prompt's catch-up, then forwards of 1, 2 and 3 rows, each row with a feature."""
+    g = torch.Generator().manual_seed(2)
+    cache = model.new_cache(32, 16)
+    cache.add_sequence(0)
+    outs = []
+    with torch.inference_mode():
+        for T in [9] + [1, 2, 3] * 8:
+            ids = torch.randint(0, 1000, (1, T), generator=g).cuda()
+            feats = torch.randn(1, T, 256, generator=g).cuda()
+            pos = (torch.arange(T) + cache.seq_len(0))[None].cuda()
+            outs.append(model(ids, pos, cache, [0], causal_mask(1, T, "cuda"), features=feats).cpu())
+    return outs
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_eagle_head_captured_forwards_equal_eager(dtype, tol):
+    """An EAGLE head's forwards, its features a static buffer of the graph, equal eager ones."""
+    eager = make_eagle(dtype)
+    graphed = copy.deepcopy(eager)
+    assert cuda_graphs.enable(graphed)
+    assert_near(eagle_script(graphed), eagle_script(eager), tol)
+    assert graphed.graphs.stats()["replays"] >= 15
+
+
+def test_warm_up_captures_the_planner_shapes_before_serving():
+    """After `GraphedLayers.warm_up` with `verify_rows(4)`, chains of 1..4 at growing contexts
+    are replays only: no capture (and no eager forward) while serving."""
+    from speculation.planner import verify_rows
+
+    model = make_model(torch.bfloat16)
+    assert cuda_graphs.enable(model)
+    cache = model.new_cache(16, 16)                    # 256 tokens: widths 1..16 blocks
+    assert model.graphs.warm_up(cache, verify_rows(4)) == 5 * 5
+    assert cache.num_free_blocks == cache.num_blocks
+    before = model.graphs.stats()
+    cache.add_sequence(0)
+    with torch.inference_mode():
+        for step in range(60):
+            T = 1 + step % 5
+            if cache.seq_len(0) + T > 256:
+                break
+            pos = (torch.arange(T) + cache.seq_len(0))[None].cuda()
+            out = model(torch.randint(0, 1000, (1, T)).cuda(), pos, cache, [0], causal_mask(1, T, "cuda"))
+            assert torch.isfinite(out).all()
+    after = model.graphs.stats()
+    assert after["captures"] == before["captures"] and after["eager"] == before["eager"], (before, after)

@@ -7,6 +7,7 @@ tests/gpu/test_cuda_graphs_gpu.py captures for real."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,9 +17,7 @@ from models.transformer import causal_mask
 from models.tree import ancestor_mask
 
 
-def fake_capture(fn, pool):
-    out = fn()
-    return (lambda: out.copy_(fn())), out
+fake_capture = cuda_graphs.stand_in_capture
 
 
 @pytest.fixture(scope="module")
@@ -125,12 +124,95 @@ def test_limits_fall_back_to_eager(eager):
 
 
 def test_enable_only_where_graphs_can_run(eager, monkeypatch):
-    from models.eagle import EagleDraft
+    class OtherInputs(Transformer):
+        def _inputs(self, input_ids, features):
+            return self.embed_tokens(input_ids) * 2
 
     m = copy.deepcopy(eager)
     assert not cuda_graphs.enable(m) and m.graphs is None                     # a CPU model
-    assert not cuda_graphs.enable(EagleDraft.__new__(EagleDraft), capture=fake_capture)   # input features
+    assert not cuda_graphs.enable(OtherInputs.__new__(OtherInputs), capture=fake_capture)   # unknown inputs
     monkeypatch.setenv("SPECFLASH_CUDA_GRAPHS", "0")
     assert not cuda_graphs.wanted()
     monkeypatch.setenv("SPECFLASH_CUDA_GRAPHS", "1")
     assert cuda_graphs.wanted()
+
+
+def eagle_head(eager):
+    from models.eagle import EagleDraft
+
+    torch.manual_seed(3)
+    head = EagleDraft(replace(eager.config, num_layers=1)).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.normal_(0, 0.3)
+    return head
+
+
+def test_graphed_eagle_forwards_equal_eager(eager):
+    """An EAGLE head's forwards read their input features from the graph's static buffer."""
+    want_model = eagle_head(eager)
+    got_model = copy.deepcopy(want_model)
+    assert cuda_graphs.enable(got_model, max_tokens=8, capture=fake_capture)
+    g = torch.Generator().manual_seed(5)
+    outs = {}
+    for name, model in (("eager", want_model), ("graphed", got_model)):
+        cache = model.new_cache(2, 16)          # one block: the key is (1, T) alone
+        cache.add_sequence(0)
+        outs[name] = []
+        with torch.inference_mode():
+            for T in (3, 1, 1, 1, 2, 2, 2, 1):
+                ids = torch.randint(0, 90, (1, T), generator=g)
+                feats = torch.randn(1, T, 32, generator=g)
+                pos = torch.arange(T)[None] + cache.seq_len(0)
+                outs[name].append(model(ids, pos, cache, [0], causal_mask(1, T), features=feats))
+        g.manual_seed(5)
+    for i, (x, y) in enumerate(zip(outs["graphed"], outs["eager"])):
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5, msg=f"forward {i}")
+    st = got_model.graphs.stats()
+    assert st == dict(graphs=2, captures=2, replays=5, eager=3), st   # T=1, T=2: eager, captured, replayed
+    with pytest.raises(ValueError, match="needs the target's features"):   # the eager refusal stays
+        with torch.inference_mode():
+            cache = got_model.new_cache(4, 4)
+            cache.add_sequence(0)
+            got_model(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long), cache, [0],
+                      causal_mask(1, 1))
+
+
+@pytest.mark.parametrize("features", [False, True])
+def test_warm_up_captures_every_planner_shape_at_every_width(eager, features):
+    """After `warm_up` with the planner's shape set, every forward of those rows at any context
+    the cache holds replays a graph: nothing is compiled or captured while serving. Without the
+    warm-up the same forwards run eagerly first (the control)."""
+    from speculation.planner import verify_rows
+
+    rows = verify_rows(3)                                       # chains of 1..3: 1..4 rows
+    for warm in (True, False):
+        m = eagle_head(eager) if features else copy.deepcopy(eager)
+        cuda_graphs.enable(m, max_tokens=8, capture=fake_capture)
+        cache = m.new_cache(10, 4)                     # 40 tokens: widths in buckets of 1, 2, 4, 8, 16 blocks
+        if warm:
+            assert m.graphs.warm_up(cache, rows) == len(rows) * 5
+            assert cache.num_free_blocks == cache.num_blocks and not cache._lens
+        before = m.graphs.stats()
+        cache.add_sequence("s")
+        with torch.inference_mode():
+            for length in range(0, 36, 1):
+                T = rows[length % len(rows)]
+                if cache.seq_len("s") + T > 40:
+                    break
+                feats = torch.zeros(1, T, 32) if features else None
+                m(torch.zeros(1, T, dtype=torch.long), torch.arange(T)[None] + cache.seq_len("s"), cache, ["s"],
+                  causal_mask(1, T), features=feats)
+        after = m.graphs.stats()
+        if warm:
+            assert after["eager"] == before["eager"] and after["captures"] == before["captures"], (before, after)
+            cache.free("s")
+            cache.add_sequence("p")
+            with torch.inference_mode():     # longer than the shape set (a prefill): eager, never captured
+                for _ in range(3):
+                    m(torch.zeros(1, 6, dtype=torch.long), torch.arange(6)[None], cache, ["p"], causal_mask(1, 6),
+                      features=torch.zeros(1, 6, 32) if features else None)
+                    cache.truncate("p", 0)
+            assert m.graphs.stats()["captures"] == after["captures"] and m.graphs.stats()["eager"] == after["eager"] + 3
+        else:
+            assert after["eager"] > 0

@@ -36,3 +36,37 @@ def test_target_warm_up_leaves_no_trace(tiny_target):
         assert _greedy(warmed, prompt, 6) == _greedy(fresh, prompt, 6)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_warm_up_captures_every_verification_shape_of_the_planner():
+    """With (stand-in) CUDA graphs, the warm-up captures the planner's whole verification shape
+    set (`speculation.planner.verify_rows`), so chains of every length up to K at growing
+    contexts then replay graphs only: the one eager forward left is the prompt's prefill."""
+    from models import cuda_graphs
+    from models.presets import random_model
+
+    for warm in (True, False):
+        model = random_model("random:tiny")
+        cuda_graphs.enable(model, capture=cuda_graphs.stand_in_capture)
+        side = TargetSide("", num_blocks=16, model=model)       # 256 tokens: widths of 1..16 blocks
+        if warm:
+            side.warm_up(4, on_cpu=True)
+            assert side.cache.num_free_blocks == side.cache.num_blocks
+        before = side.graphs.stats()
+        from models.tree import TokenTree
+        from verifier import VerifyRequest
+
+        committed, gen = [5, 9, 2, 7, 3, 8, 1, 4, 6], torch.Generator().manual_seed(0)   # prefill: 8 rows
+        side.prefill("x", committed)
+        for step in range(40):
+            k = step % 5                                         # plain steps and chains of 1..4
+            tree = TokenTree.empty(len(committed)) if k == 0 else \
+                TokenTree.chain([committed[-1]] * k, None, len(committed))
+            res = side.verify([VerifyRequest("x", committed[-1], tree, SamplingParams(temperature=0.0), gen)])[0][0]
+            committed += res.token_ids
+        after = side.graphs.stats()
+        if warm:
+            assert after["captures"] == before["captures"], (before, after)
+            assert after["eager"] - before["eager"] == 1, (before, after)       # the prefill
+        else:                                                    # the control: captured while serving
+            assert after["captures"] > before["captures"] and after["eager"] - before["eager"] > 5
