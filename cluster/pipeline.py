@@ -84,7 +84,8 @@ class PipelineEngine:
         self.routes[rid] = index
         pipe.active += 1
         finished = started = False
-        args = (rid, list(request.prompt_token_ids), asdict(request.sampling), asdict(request.speculation))
+        args = (rid, list(request.prompt_token_ids), asdict(request.sampling), asdict(request.speculation),
+                request.prefix_cache)
         give_up = time.monotonic() + self.restart_wait_s
         try:
             stream = pipe.verifier.generate.options(num_returns="streaming").remote(*args)

@@ -34,9 +34,13 @@ def model_proposer(model, vocab: int, settings: EngineSettings, levels: int = DR
     from drafter.eagle_proposer import EagleProposer
     from drafter.model_proposer import ModelProposer
 
-    cls = EagleProposer if getattr(model, "needs_features", False) else ModelProposer
-    return cls(model, model.new_cache(settings.num_blocks, settings.block_size), levels, tree_width, max_nodes,
-               logit_rows, vocab)
+    # an EAGLE head's K/V of a position depend on features, not only on the tokens before it
+    # (predicted ones while it drafts ahead): its cache shares no prefixes
+    eagle = getattr(model, "needs_features", False)
+    cls = EagleProposer if eagle else ModelProposer
+    cache = model.new_cache(settings.num_blocks, settings.block_size,
+                            prefix_caching=settings.prefix_caching and not eagle)
+    return cls(model, cache, levels, tree_width, max_nodes, logit_rows, vocab)
 
 
 def draft_proposer(draft_dir: str, vocab: int, settings: EngineSettings, levels: int = DRAFT_LEVELS):

@@ -10,6 +10,11 @@ ancestors under the tree mask. After verification the accepted nodes that are
 cached are compacted behind the prefix and the rest rolled back; whatever was
 not cached is fed at the next proposal ("catch-up"), with the new root.
 
+With a prefix-caching cache (`models.PagedKVCache(prefix_caching=True)`) a new sequence
+starts on the longest cached prefix of its tokens (all but the root, which is always fed)
+and each catch-up registers the full blocks of what it fed: a draft K/V is a function of the
+tokens up to it, so a multi-turn conversation's draft starts from its cached history too.
+
 A draft may carry a reduced LM head (`specflash_draft.json`: `logit_rows`):
 logits are computed for those rows only and q is scattered into the full
 vocabulary, zero elsewhere.
@@ -112,16 +117,22 @@ class ModelProposer:
     def _catch_up(self, batch: Sequence[DraftRequest]) -> list[torch.Tensor]:   # n x [1, V]
         """Feed the committed tokens the draft has not seen (root last); q after the root."""
         ids, positions, masks, last = self._catch_up_rows(batch)
-        return self._forward([r.seq_id for r in batch], ids, positions, masks, last)
+        logits = self._forward([r.seq_id for r in batch], ids, positions, masks, last)
+        self._cache_prefixes(batch)
+        return logits
+
+    def _cache_prefixes(self, batch: Sequence[DraftRequest]) -> None:
+        """After a catch-up: its sequences' full blocks, now written, go into the prefix cache."""
+        for r in batch:
+            self.cache.cache_prefix(r.seq_id, r.token_ids)
 
     def _catch_up_rows(self, batch: Sequence[DraftRequest]):
         """Per sequence: the committed tokens not yet fed, their positions and causal mask, and
         the index of the root among them; the draft now counts them as seen."""
         ids, positions, masks = [], [], []
         for r in batch:
-            if r.seq_id not in self._committed:
-                self.cache.add_sequence(r.seq_id)
-                self._committed[r.seq_id] = 0
+            if r.seq_id not in self._committed:     # the root is always fed: q after it
+                self._committed[r.seq_id] = self.cache.add_sequence(r.seq_id, list(r.token_ids[:-1]))
             seen = self._committed[r.seq_id]
             self.cache.truncate(r.seq_id, seen)                 # a stale layout, if any
             n = len(r.token_ids) - seen

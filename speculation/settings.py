@@ -94,6 +94,10 @@ class EngineSettings(SpeculationSettings):
         "Torch threads of a CPU verifier's step while its drafters have nothing to draft: -1 = its "
         "own plus the CPUs of the live drafters on its node (theirs sit idle then); 0 = its own "
         "only; n > 0 = n (`speculation.policy.plain_step_threads`)."))
+    prefix_caching: bool = Field(False, description=(
+        "Automatic prefix caching: full KV blocks of committed tokens are kept, keyed by their "
+        "tokens and all before them, and a new request starts on the longest cached prefix of its "
+        "prompt, in the target's cache and the draft model's (a request may opt out)."))
     proposers: tuple[str, ...] = Field(PROPOSERS, description=(
         "The proposers this engine's drafters hold ('model' needs a draft model); a request "
         "naming another is refused."))

@@ -75,6 +75,7 @@ class Scheduler:
         self.streams: dict[str, VerifyStream] = {}
         self.joins: deque[str] = deque()
         self.to_free: list[str] = []
+        self.freed_tokens: dict[str, list[int]] = {}   # committed tokens of those, for the prefix cache
         self.reserved_blocks: dict[str, int] = {}
         self.announced: dict[str, list[int] | None] = {}   # this step's bridge chains: their outcomes
         self.error: str | None = None
@@ -85,8 +86,10 @@ class Scheduler:
 
     # -- requests ------------------------------------------------------------------------
     def add(self, request_id: str, prompt: list[int], params: SamplingParams,
-            spec: SpeculationOptions | None, emit: Callable[[GenerationChunk], None]) -> VerifyStream:
-        """A new request; its chunks go to `emit`. Raises `InvalidRequest` for what it cannot serve."""
+            spec: SpeculationOptions | None, emit: Callable[[GenerationChunk], None],
+            prefix_cache: bool = True) -> VerifyStream:
+        """A new request; its chunks go to `emit`. Raises `InvalidRequest` for what it cannot serve.
+        `prefix_cache` False: it neither starts on cached blocks nor leaves its own cached."""
         if request_id in self.streams:
             raise InvalidRequest(f"request id {request_id!r} is already running")
         if not prompt:
@@ -103,7 +106,7 @@ class Scheduler:
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         s = VerifyStream(request_id, list(prompt), params, torch.Generator().manual_seed(seed), stop, r.mode,
                          r.spec_len, r.tree_width, ctx, proposer=r.proposer, seed=seed, emit=emit,
-                         committed=list(prompt))
+                         committed=list(prompt), prefix_cache=prefix_cache)
         s.started = time.perf_counter()
         self.streams[request_id] = s
         self.joins.append(request_id)
@@ -133,6 +136,7 @@ class Scheduler:
         self.reserved_blocks.pop(s.request_id, None)
         if s.prefilled:
             self.to_free.append(s.request_id)
+            self.freed_tokens[s.request_id] = s.committed    # the list itself: a running step extends it
         if s.drafter is not None:
             self.registry.send(s.drafter, Signal("leave", s.request_id))
         if notify and reason in ("abort", "error") and s.emit is not None:
@@ -220,17 +224,22 @@ class Scheduler:
         start = time.perf_counter()
         torch.set_num_threads(threads)           # per call: the step before may have run on lent cores
         for rid in to_free:
-            self.target.release(rid)
+            self.target.release(rid, self.freed_tokens.pop(rid, None))
             if self.bridge_draft is not None:
                 self.bridge_draft.release(rid)
         features = {}
         for rid in joins:
             s = self.streams.get(rid)
-            features[rid] = self.target.prefill(rid, s.prompt if s is not None else [0])
+            features[rid] = self.target.prefill(rid, s.prompt if s is not None else [0],
+                                                s is not None and s.prefix_cache)
         seconds = (time.perf_counter() - start) / max(1, len(joins))
         for rid in joins:
             if rid in self.streams:
-                self.streams[rid].stats.observe_time("prefill", seconds)
+                s = self.streams[rid]
+                s.stats.observe_time("prefill", seconds)
+                s.cached_tokens = self.target.cached_tokens(rid)
+                for stats in (self.stats, s.stats):
+                    stats.observe_prefix_cache(len(s.prompt) - 1 if s.prefix_cache else 0, s.cached_tokens)
         return features
 
     def prefilled(self, joins: list[str], features: dict) -> None:
@@ -438,13 +447,17 @@ class Scheduler:
                 **self.registry.report(), "cpus": self.settings.num_cpus, "gpus": self.registry.gpu_ids}
 
     def report(self) -> dict:
+        cache = self.target.cache
         return {**self.stats.as_dict(), **self.costs.report(), "drafters_live": self.registry.live_ids(),
+                "prefix_cached_blocks": cache.num_cached_blocks, "prefix_evictions": cache.evictions,
                 # CUDA graphs of the target's small forwards (None off a GPU): captures, replays, eager
                 "cuda_graphs": None if self.target.graphs is None else self.target.graphs.stats()}
 
     def kv_usage(self) -> dict:
-        """KV blocks, ring slots and the other per-request state (all 0 / free when idle)."""
+        """KV blocks, ring slots and the other per-request state (all 0 / free when idle; cached
+        blocks nobody references count as free)."""
         cache = self.target.cache
         return {"free": cache.num_free_blocks, "total": cache.num_blocks, "ring": self.ring.total(),
+                "cached_blocks": cache.num_cached_blocks,
                 "streams": len(self.streams), "joins": len(self.joins),
                 "reserved_blocks": sum(self.reserved_blocks.values()), "to_free": len(self.to_free)}

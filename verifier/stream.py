@@ -45,6 +45,8 @@ class VerifyStream:
     # position but the last: [n_i, hidden] pieces, `features_sent` rows of them told already
     features: list = field(default_factory=list)
     features_sent: int = 0
+    prefix_cache: bool = True           # may start on cached KV blocks and leave its own cached
+    cached_tokens: int = 0              # prompt tokens its prefill found in the target's prefix cache
 
     @property
     def num_drafted(self) -> int:
@@ -68,7 +70,7 @@ class VerifyStream:
 
     def chunk(self, tokens: list[int], error: str | None = None) -> GenerationChunk:
         return GenerationChunk(self.request_id, tokens, self.finish_reason is not None, self.finish_reason,
-                               self.num_drafted, self.num_accepted, error)
+                               self.num_drafted, self.num_accepted, error, self.cached_tokens)
 
     def unsent_features(self):
         """The target features the drafter has not been told (None without any), and their
