@@ -217,6 +217,7 @@ class DrafterActor:
                 "node_id": node_id(), "rss_bytes": rss_bytes(),
                 "kv_free": None if cache is None else cache.num_free_blocks,
                 "kv_total": None if cache is None else cache.num_blocks,
+                "prefix_cache": None if cache is None else cache.prefix_stats(),
                 "cuda_graphs": None if d.side.graphs is None else d.side.graphs.stats(),
                 "warm_up_s": self.warm_up_s}
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from models.kv_cache import prefix_report
 from speculation.requests import GenerationChunk, GenerationOutput, GenerationRequest, InvalidRequest, \
     SpeculationOptions, resolve_speculation
 from speculation.settings import MAX_SPEC_LEN, MAX_TREE_WIDTH, EngineSettings, check_speculation
@@ -146,6 +147,8 @@ class InProcessEngine:
         cache = self.side.cache
         out.update(kv_blocks_free=cache.num_free_blocks, kv_blocks_total=cache.num_blocks,
                    drafters=[{"index": 0, **self.drafter.stats.as_dict()}])
+        if self.proposer is not None:
+            out.update(prefix_report([self.proposer.cache.prefix_stats()], "draft_"))
         return out
 
     def shutdown(self) -> None:

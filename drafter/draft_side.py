@@ -157,8 +157,12 @@ class DraftSide:
         if self.needs_features:
             self.model.observe_features(stream, start, features)
 
-    def release(self, stream: str) -> None:
+    def release(self, stream: str, committed: list[int] | None = None) -> None:
+        """Forget the stream; `committed`: its whole committed sequence, whose full blocks a
+        prefix-caching draft leaves cached first (`ModelProposer.cache_committed`)."""
         for proposer in self.proposers.values():
+            if committed and hasattr(proposer, "cache_committed"):
+                proposer.cache_committed(stream, committed)
             proposer.release(stream)
 
     def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False) -> float:

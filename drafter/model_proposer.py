@@ -53,6 +53,7 @@ class ModelProposer:
         self._committed: dict[Hashable, int] = {}   # committed tokens whose K/V the draft cache holds
         self._layout: dict[Hashable, list[int]] = {}   # builder node ids cached after them, in order
         self._node_ids: dict[Hashable, list[int]] = {}   # tree node index -> builder node id
+        self._tokens: dict[Hashable, list[int]] = {}     # the tokens of those committed K/V
 
     @torch.inference_mode()
     def propose(self, batch: Sequence[DraftRequest]) -> list[TokenTree]:
@@ -101,6 +102,8 @@ class ModelProposer:
         self.cache.compact(seq_id, base, offsets)
         self._committed[seq_id] = base + len(offsets)
         self._layout[seq_id] = []
+        kept = tree.token_ids[list(accepted_nodes[:len(offsets)])].tolist()
+        self._tokens[seq_id] = self._tokens[seq_id][:base] + kept
 
     def rollback(self, seq_id: Hashable, prefix_len: int) -> None:
         """Forget everything past the first `prefix_len` committed tokens (epoch change)."""
@@ -108,11 +111,36 @@ class ModelProposer:
             keep = min(self._committed[seq_id], prefix_len)
             self.cache.truncate(seq_id, keep)
             self._committed[seq_id], self._layout[seq_id] = keep, []
+            del self._tokens[seq_id][keep:]
 
     def release(self, seq_id: Hashable) -> None:
         self.cache.free(seq_id)
-        for state in (self._committed, self._layout, self._node_ids):
+        for state in (self._committed, self._layout, self._node_ids, self._tokens):
             state.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def cache_committed(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """A finished sequence's whole committed tokens: leave cached the full blocks of all but
+        the last (the target's cache holds as many), feeding the tokens the draft has not seen
+        when that completes a block (one forward of a few rows), so the next turn's draft finds
+        its history cached as the target does. A no-op without prefix caching."""
+        held = self._tokens.get(seq_id)
+        if held is None or not self.cache.prefix_caching:
+            return
+        bs, keep = self.cache.block_size, 0
+        while keep < min(len(held), len(token_ids)) and held[keep] == token_ids[keep]:
+            keep += 1                       # past it the draft held assumed tokens, not committed ones
+        need = (len(token_ids) - 1) // bs * bs
+        if need // bs > keep // bs:
+            self.cache.truncate(seq_id, keep)
+            ids = torch.tensor(list(token_ids[keep:need]), dtype=torch.long)
+            n = need - keep
+            ragged_tree_forward(self.model, self.cache, [seq_id], [ids], [torch.arange(keep, need)],
+                                [torch.ones(n, n, dtype=torch.bool).tril()], [torch.tensor([n - 1])],
+                                lm_head=self.lm_head, head_pack=self.head_pack)
+            self._committed[seq_id], self._layout[seq_id] = need, []
+            self._tokens[seq_id], keep = list(token_ids[:need]), need
+        self.cache.cache_prefix(seq_id, list(token_ids[:min(keep, len(token_ids) - 1)]))
 
     def _catch_up(self, batch: Sequence[DraftRequest]) -> list[torch.Tensor]:   # n x [1, V]
         """Feed the committed tokens the draft has not seen (root last); q after the root."""
@@ -140,6 +168,7 @@ class ModelProposer:
             positions.append(torch.arange(seen, seen + n))
             masks.append(torch.ones(n, n, dtype=torch.bool).tril())
             self._committed[r.seq_id], self._layout[r.seq_id] = len(r.token_ids), []
+            self._tokens[r.seq_id] = list(r.token_ids)
         return ids, positions, masks, [torch.tensor([m.shape[0] - 1]) for m in masks]
 
     def _forward_frontier(self, work: dict[Hashable, tuple[TreeBuilder, list[int]]]) -> list[torch.Tensor]:

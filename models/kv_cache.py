@@ -40,6 +40,15 @@ def chain_hash(parent: bytes | None, token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def prefix_report(stats: Sequence[dict], name: str = "") -> dict:
+    """Engine stats of one or more caches' `prefix_stats()` added up: `<name>prefix_hit_rate`,
+    `<name>prefix_cached_blocks`, `<name>prefix_evictions` (serving/prom.py exports them)."""
+    queries, hits = sum(s["queries"] for s in stats), sum(s["hits"] for s in stats)
+    return {f"{name}prefix_hit_rate": hits / queries if queries else 0.0,
+            f"{name}prefix_cached_blocks": sum(s["cached_blocks"] for s in stats),
+            f"{name}prefix_evictions": sum(s["evictions"] for s in stats)}
+
+
 class PagedKVCache:
     def __init__(
         self,

@@ -138,7 +138,7 @@ class Scheduler:
             self.to_free.append(s.request_id)
             self.freed_tokens[s.request_id] = s.committed    # the list itself: a running step extends it
         if s.drafter is not None:
-            self.registry.send(s.drafter, Signal("leave", s.request_id))
+            self.registry.send(s.drafter, Signal("leave", s.request_id, token_ids=s.cacheable(self.settings)))
         if notify and reason in ("abort", "error") and s.emit is not None:
             s.emit(s.chunk([], error=error))
         self.on_work()
@@ -213,7 +213,7 @@ class Scheduler:
             s = self.streams[rid]
             s.admitted = True
             self.ring.add_stream(rid)
-            s.budget = self._budget_of(s, first[rid])
+            s.budget = s.capped(first[rid])
             self.adaptive.started(rid, s.budget[0])
             self.stats.observe_join(s.budget[0] > 0)
             if not self.features:        # a feature-conditioned drafter waits for the prefill's features
@@ -235,11 +235,7 @@ class Scheduler:
         seconds = (time.perf_counter() - start) / max(1, len(joins))
         for rid in joins:
             if rid in self.streams:
-                s = self.streams[rid]
-                s.stats.observe_time("prefill", seconds)
-                s.cached_tokens = self.target.cached_tokens(rid)
-                for stats in (self.stats, s.stats):
-                    stats.observe_prefix_cache(len(s.prompt) - 1 if s.prefix_cache else 0, s.cached_tokens)
+                self.streams[rid].observe_prefill(seconds, self.target.cached_tokens(rid), self.stats)
         return features
 
     def prefilled(self, joins: list[str], features: dict) -> None:
@@ -397,7 +393,7 @@ class Scheduler:
         plan = self.adaptive.plan([s.request_id for s in live], alone=extra,
                                   plain_step_s=self.costs.plain_step_s(len(live) + extra, lendable)) if live else {}
         for s, tree_id, kept in steps:
-            s.budget = self._budget_of(s, plan[s.request_id])
+            s.budget = s.capped(plan[s.request_id])
             self.stats.observe_speculation(s.budget[0] > 0)
             if s.bridge and restart_tree_depth(self.settings, s.budget[0]):
                 # no bridge: the drafter drafts a short restart tree after the committed prefix
@@ -435,12 +431,6 @@ class Scheduler:
         levels = max(int(it.tree.depths.max()) for it in drafted) if lockstep else None
         self.costs.observe_step(rows, step_s, levels, borrowed, bool(drafted))
 
-    @staticmethod
-    def _budget_of(s: VerifyStream, planned: tuple[int, int]) -> tuple[int, int]:
-        k, w = planned
-        k = min(k, s.max_depth())
-        return (k, w) if k > 0 else (0, 0)
-
     # -- reports -------------------------------------------------------------------------
     def health(self) -> dict:
         return {"ok": self.error is None, "error": self.error, "active": len(self.streams),
@@ -454,8 +444,7 @@ class Scheduler:
                 "cuda_graphs": None if self.target.graphs is None else self.target.graphs.stats()}
 
     def kv_usage(self) -> dict:
-        """KV blocks, ring slots and the other per-request state (all 0 / free when idle; cached
-        blocks nobody references count as free)."""
+        """KV blocks, ring slots and the other per-request state (all 0 / free when idle)."""
         cache = self.target.cache
         return {"free": cache.num_free_blocks, "total": cache.num_blocks, "ring": self.ring.total(),
                 "cached_blocks": cache.num_cached_blocks,

@@ -63,6 +63,25 @@ class VerifyStream:
         self.finish_reason = self.finish_reason or reason
         return kept
 
+    def observe_prefill(self, seconds: float, cached: int, stats: SpecStats) -> None:
+        """Its prefill took `seconds` and found `cached` prompt tokens in the target's prefix
+        cache: counted in its stats and in `stats` (the scheduler's)."""
+        self.stats.observe_time("prefill", seconds)
+        self.cached_tokens = cached
+        for st in (stats, self.stats):
+            st.observe_prefix_cache(len(self.prompt) - 1 if self.prefix_cache else 0, cached)
+
+    def cacheable(self, settings) -> list[int]:
+        """What its "leave" signal carries: with prefix caching, its committed tokens (its drafter
+        leaves their full blocks cached); else nothing."""
+        return list(self.committed) if settings.prefix_caching and self.prefix_cache else []
+
+    def capped(self, planned: tuple[int, int]) -> tuple[int, int]:
+        """A planned (depth, width) within what is worth verifying (`max_depth`); (0, 0) = none."""
+        k, w = planned
+        k = min(k, self.max_depth())
+        return (k, w) if k > 0 else (0, 0)
+
     def max_depth(self) -> int:
         """Deepest draft node worth verifying (tokens left - 1; context room)."""
         left = self.params.max_tokens - len(self.output)

@@ -4,6 +4,8 @@ with the cache on, with speculation off, chained and in trees; later turns start
 blocks; the hit rate under speculation equals the hit rate without it, for both caches."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from cluster.local import build_engine, speculation_for
@@ -87,7 +89,8 @@ def test_shared_system_prompt_and_per_request_opt_out(tiny_target, close_draft, 
                          request("c", prompts[2], "sync", 3, 1, prefix_cache=False)])
     assert [o.token_ids for o in outs] == [hf_greedy(hf_target, p, MAX_TOKENS) for p in prompts]
     bs = eng.settings.block_size
-    assert [o.stats.prefix_hits for o in outs] == [0, len(SYSTEM) // bs * bs, 0]
+    common = len(os.path.commonprefix([prompts[0], prompts[1]]))      # the system prompt and "User: "
+    assert common > len(SYSTEM) and [o.stats.prefix_hits for o in outs] == [0, common // bs * bs, 0]
     assert outs[2].stats.prefix_queried == 0
 
 
@@ -99,3 +102,46 @@ def test_off_by_default_and_every_block_back_after_the_requests(tiny_target, clo
         states = cache.block_states()
         assert states["referenced"] == 0 and states["cached_unreferenced"] > 0
         assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_served_usage_reports_cached_tokens_and_metrics_the_hit_rate(tiny_target, close_draft, hf_target):
+    from fastapi.testclient import TestClient
+
+    from cluster.local import build_local_engine
+    from serving.openai_api import OpenAIServer, ServerSettings
+    from serving.openai_routes import build_fastapi_app
+
+    settings = EngineSettings(num_blocks=256, block_size=8, prefix_caching=True)
+    engine, tok = build_local_engine(str(tiny_target), str(close_draft), settings)
+    try:
+        client = TestClient(build_fastapi_app(OpenAIServer(engine, tok, ServerSettings(max_context=2048))))
+        prompt = "You are a helpful assistant. Answer briefly, and in English.\nUser: hi"
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+                "speculation": {"mode": "chain", "spec_len": 3}}
+        first, second, opted_out = (client.post("/v1/completions", json=b).json()
+                                    for b in (body, body, {**body, "prefix_cache": False}))
+        ids = tok.encode(prompt)
+        expected = hf_greedy(hf_target, ids, 6)
+        assert [r["choices"][0]["token_ids"] for r in (first, second, opted_out)] == [expected] * 3
+        cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, second, opted_out)]
+        assert cached == [0, (len(ids) - 1) // 8 * 8, 0]
+        metrics = client.get("/metrics").text
+        rate = next(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("specflash_prefix_cache_target_hit_rate "))
+        assert rate == pytest.approx(cached[1] / (2 * (len(ids) - 1)))
+        assert "specflash_prefix_cache_draft_hit_rate " in metrics
+        assert "specflash_prefix_cache_target_blocks " in metrics
+        r = client.post("/v1/completions", json={**body, "prefix_cache": "sometimes"})
+        assert r.status_code == 400 and "prefix_cache" in r.text
+    finally:
+        engine.shutdown()
+
+
+def test_the_config_switch_reaches_the_engine_settings():
+    from cluster.config import AppArgs
+    from cluster.pipeline import settings_from_config
+
+    assert settings_from_config(AppArgs()).prefix_caching is False
+    assert settings_from_config(AppArgs.model_validate({"kv_cache": {"prefix_caching": True}})).prefix_caching
+    with pytest.raises(ValueError, match="prefix_cachin"):
+        AppArgs.model_validate({"kv_cache": {"prefix_cachin": True}})
