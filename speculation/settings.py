@@ -98,6 +98,10 @@ class EngineSettings(SpeculationSettings):
         "Automatic prefix caching: full KV blocks of committed tokens are kept, keyed by their "
         "tokens and all before them, and a new request starts on the longest cached prefix of its "
         "prompt, in the target's cache and the draft model's (a request may opt out)."))
+    prefill_chunk: int = Field(0, ge=0, description=(
+        "Chunked prefill: a prompt longer than this many tokens is prefilled this many at a time, "
+        "one chunk between two steps of the running streams, so a long prompt does not stall "
+        "them; 0 = whole prompts."))
     proposers: tuple[str, ...] = Field(PROPOSERS, description=(
         "The proposers this engine's drafters hold ('model' needs a draft model); a request "
         "naming another is refused."))

@@ -47,8 +47,14 @@ from verifier.membership import Membership
 from verifier.registry import DrafterRegistry
 from verifier.ring import Ring, RingEntry
 from verifier.stream import VerifyStream
+from verifier.target import PREFILLING
 
 log = logging.getLogger("specflash.verifier")
+
+
+def drafted(batch: list[StepItem]) -> list[StepItem]:
+    """The batch's trees drafted by a drafter (not prompt-lookup ones)."""
+    return [it for it in batch if it.header is not None and it.tree.num_nodes]
 
 
 class Scheduler:
@@ -134,7 +140,7 @@ class Scheduler:
         self.adaptive.remove(s.request_id)
         self.lookup.remove(s.request_id)
         self.reserved_blocks.pop(s.request_id, None)
-        if s.prefilled:
+        if s.prefilled or s.request_id in self.target.partial:
             self.to_free.append(s.request_id)
             self.freed_tokens[s.request_id] = s.committed    # the list itself: a running step extends it
         if s.drafter is not None:
@@ -191,6 +197,7 @@ class Scheduler:
             joins.append(self.joins.popleft())
         if joins:
             self._admit(joins)
+        joins += [rid for rid in self.target.partial if rid in self.streams]   # their next chunks
         # a prefill, like a plain step, may run on the idle drafters' cores
         threads = self.registry.lendable_threads() if self.members.drafters_idle() else self.threads
         return to_free, joins, threads
@@ -231,11 +238,12 @@ class Scheduler:
         for rid in joins:
             s = self.streams.get(rid)
             features[rid] = self.target.prefill(rid, s.prompt if s is not None else [0],
-                                                s is not None and s.prefix_cache)
+                                                s is not None and s.prefix_cache, self.settings.prefill_chunk)
         seconds = (time.perf_counter() - start) / max(1, len(joins))
         for rid in joins:
             if rid in self.streams:
-                self.streams[rid].observe_prefill(seconds, self.target.cached_tokens(rid), self.stats)
+                done = features[rid] is not PREFILLING
+                self.streams[rid].observe_prefill(seconds, self.target.cached_tokens(rid), self.stats, done)
         return features
 
     def prefilled(self, joins: list[str], features: dict) -> None:
@@ -243,6 +251,8 @@ class Scheduler:
             s = self.streams.get(rid)
             if s is None:                    # aborted during its prefill
                 self.to_free.append(rid)
+                continue
+            if features[rid] is PREFILLING:  # chunks of its prompt remain
                 continue
             s.prefilled = True
             if self.features:
@@ -326,14 +336,9 @@ class Scheduler:
         tree in the batch (prompt-lookup ones may be) and every sequence at budget 0, its drafter
         told so; or, in lockstep, every drafted sequence's one tree in this batch (its drafter
         waits for the step's signal)."""
-        if self.drafted(batch):
+        if drafted(batch):
             return self.registry.lendable_threads() if self.members.drafters_blocked(batch) else self.threads
         return self.registry.lendable_threads() if self.members.drafters_idle() else self.threads
-
-    @staticmethod
-    def drafted(batch: list[StepItem]) -> list[StepItem]:
-        """The batch's trees drafted by a drafter (not prompt-lookup ones)."""
-        return [it for it in batch if it.header is not None and it.tree.num_nodes]
 
     def publish(self, outcomes: list[StepOutcome], draft_s: float, verify_s: float) -> None:
         """After the forward: stream the committed tokens out, plan the next budgets, signal the
@@ -426,10 +431,10 @@ class Scheduler:
             self.stats.observe_borrowed_step()
         rows = sum(1 + it.tree.num_nodes for it in batch)
         self.costs.observe_forward(rows, seconds, borrowed)
-        drafted = self.drafted(batch)
-        lockstep = drafted and all(self.members.lockstep(it.seq.drafter) for it in drafted)
-        levels = max(int(it.tree.depths.max()) for it in drafted) if lockstep else None
-        self.costs.observe_step(rows, step_s, levels, borrowed, bool(drafted))
+        trees = drafted(batch)
+        lockstep = trees and all(self.members.lockstep(it.seq.drafter) for it in trees)
+        levels = max(int(it.tree.depths.max()) for it in trees) if lockstep else None
+        self.costs.observe_step(rows, step_s, levels, borrowed, bool(trees))
 
     # -- reports -------------------------------------------------------------------------
     def health(self) -> dict:

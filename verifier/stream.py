@@ -63,10 +63,13 @@ class VerifyStream:
         self.finish_reason = self.finish_reason or reason
         return kept
 
-    def observe_prefill(self, seconds: float, cached: int, stats: SpecStats) -> None:
-        """Its prefill took `seconds` and found `cached` prompt tokens in the target's prefix
-        cache: counted in its stats and in `stats` (the scheduler's)."""
+    def observe_prefill(self, seconds: float, cached: int, stats: SpecStats, done: bool = True) -> None:
+        """Its prefill (or a chunk of it, `done` at the last) took `seconds` and found `cached`
+        prompt tokens in the target's prefix cache: counted in its stats and in `stats` (the
+        scheduler's)."""
         self.stats.observe_time("prefill", seconds)
+        if not done:
+            return
         self.cached_tokens = cached
         for st in (stats, self.stats):
             st.observe_prefix_cache(len(self.prompt) - 1 if self.prefix_cache else 0, cached)

@@ -11,6 +11,8 @@ import torch
 
 from verifier.verifier import Verifier, VerifyRequest
 
+PREFILLING = "prefilling"     # what `TargetSide.prefill` returns while chunks of the prompt remain
+
 
 class TargetSide:
     """Target model + paged KV cache + Verifier; one forward per verification step."""
@@ -30,6 +32,8 @@ class TargetSide:
         self.max_context = model.config.max_position_embeddings
         cache = model.new_cache(num_blocks, block_size, prefix_caching=prefix_caching and not features)
         self.verifier = Verifier(model, cache, features=features)
+        self.partial: set[str] = set()        # sequences whose chunked prefill is under way
+        self._pieces: dict[str, list] = {}    # their features so far
         self.graphs = getattr(model, "graphs", None)     # models.cuda_graphs.GraphedLayers on a GPU
 
     @property
@@ -40,12 +44,20 @@ class TargetSide:
     def model(self):
         return self.verifier.model
 
-    def prefill(self, seq_id: str, prompt: list[int], use_cache: bool = True):
+    def prefill(self, seq_id: str, prompt: list[int], use_cache: bool = True, chunk: int = 0):
         """Cache the prompt but its last token, from the longest cached prefix on (unless
         `use_cache` is False); with features, their hidden states [n - 1, hidden]. The prompt
-        tokens found cached: `cached_tokens(seq_id)`."""
-        out = self.verifier.prefill_batch([seq_id], [prompt], use_cache=[use_cache])
-        return None if out is None else out[seq_id]
+        tokens found cached: `cached_tokens(seq_id)`. `chunk` > 0: feed at most that many
+        tokens per call (chunked prefill): returns `PREFILLING` until a call completes it."""
+        out = self.verifier.prefill_batch([seq_id], [prompt], use_cache=[use_cache], limit=chunk or None)
+        if out is not None:
+            self._pieces.setdefault(seq_id, []).append(out[seq_id])
+        if self.cache.seq_len(seq_id) < len(prompt) - 1:
+            self.partial.add(seq_id)
+            return PREFILLING
+        self.partial.discard(seq_id)
+        pieces = self._pieces.pop(seq_id, None)
+        return None if pieces is None else torch.cat(pieces)
 
     def cached_tokens(self, seq_id: str) -> int:
         return self.verifier.cached_tokens.get(seq_id, 0)
@@ -70,6 +82,8 @@ class TargetSide:
     def release(self, seq_id: str, token_ids: list[int] | None = None) -> None:
         """Free the sequence; `token_ids`: its committed tokens, whose full blocks stay cached."""
         self.verifier.release(seq_id, token_ids)
+        self.partial.discard(seq_id)
+        self._pieces.pop(seq_id, None)
 
     def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False) -> float:
         """On a GPU (or with `on_cpu`, for tests), before serving: one dummy sequence through a

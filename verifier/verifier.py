@@ -97,24 +97,32 @@ class Verifier:
 
     @torch.inference_mode()
     def prefill_batch(self, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
-                      max_rows: int = 64, use_cache: Sequence[bool] | None = None
+                      max_rows: int = 64, use_cache: Sequence[bool] | None = None, limit: int | None = None
                       ) -> dict[Hashable, torch.Tensor] | None:
         """`prefill` for many sequences, `max_rows` prompts per target forward. With a prefix
         cache, each starts on the longest cached prefix of its prompt (`cached_tokens`) and
         feeds the rest, then registers its full blocks; `use_cache[i]` False opts sequence i
-        out of both.
+        out of both. `limit`: feed at most this many tokens of each (a chunk of a chunked
+        prefill): a sequence already in the cache goes on from where it stands.
 
-        With `features`, returns each sequence's hidden states over the cached
-        prompt tokens (all but the last) [len(prompt) - 1, hidden] (the target's cache then
-        has no prefix caching: `verifier.target.TargetSide`).
+        With `features`, returns each sequence's hidden states over the prompt tokens fed
+        now (all but the last, when whole) [n, hidden] (the target's cache then has no
+        prefix caching: `verifier.target.TargetSide`).
         """
         use_cache = [True] * len(seq_ids) if use_cache is None else list(use_cache)
         for s, p, use in zip(seq_ids, prompts, use_cache):
+            if self.cache.has_sequence(s):
+                continue                                      # the next chunk of its prompt
             self.cached_tokens[s] = self.cache.add_sequence(s, list(p[:-1]) if use else None)
             if not use:
                 self._uncached.add(s)
-        todo = [(s, list(p[self.cached_tokens[s]:-1])) for s, p in zip(seq_ids, prompts)
-                if len(p) - 1 > self.cached_tokens[s]]
+        todo = []
+        for s, p in zip(seq_ids, prompts):
+            start = self.cache.seq_len(s)
+            end = len(p) - 1 if limit is None else min(len(p) - 1, start + limit)
+            if end > start:
+                todo.append((s, list(p[start:end])))
+        at = {s: self.cache.seq_len(s) for s, _ in todo}
         todo.sort(key=lambda item: len(item[1]))              # similar lengths pad less
         hidden: dict[Hashable, torch.Tensor] = {}
         for i in range(0, len(todo), max_rows):
@@ -122,13 +130,13 @@ class Verifier:
             out = ragged_tree_forward(
                 self.model, self.cache, [s for s, _ in chunk],
                 [torch.tensor(ids, dtype=torch.long) for _, ids in chunk],
-                [self.cached_tokens[s] + torch.arange(len(ids)) for s, ids in chunk],
+                [at[s] + torch.arange(len(ids)) for s, ids in chunk],
                 [torch.ones(len(ids), len(ids), dtype=torch.bool).tril() for _, ids in chunk],
                 [torch.zeros(0, dtype=torch.long) for _ in chunk], return_hidden=self.features)
             if self.features:
                 hidden.update({s: h.cpu() for (s, _), h in zip(chunk, out[1])})
-        for s, p, use in zip(seq_ids, prompts, use_cache):
-            if use:
+        for s, p in zip(seq_ids, prompts):
+            if s not in self._uncached:
                 self.cache.cache_prefix(s, list(p[:-1]))
         if not self.features:
             return None
