@@ -380,6 +380,9 @@ class KVCacheConfig(_Model):
         "Automatic prefix caching: a request starts on the cached KV blocks of the longest prefix "
         "of its prompt that an earlier request left (a multi-turn history, a shared system prompt), "
         "in the target's cache and the draft model's; a request may opt out (`prefix_cache: false`)."))
+    prefill_chunk: int = Field(0, ge=0, description=(
+        "Chunked prefill: prompts longer than this many tokens are prefilled this many at a time, "
+        "between the running streams' steps (0 = whole prompts in one forward)."))
 
 
 class AppArgs(_Model):
