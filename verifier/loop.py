@@ -116,7 +116,8 @@ class EngineLoop:
         await self.admit()
         active = sch.active()
         if not active:
-            await self._sleep(sch.settings.poll_s)
+            if not sch.target.partial:     # no prompt's next chunk waiting either
+                await self._sleep(sch.settings.poll_s)
             return False
         sch.members.rebalance()
         draft_s = 0.0
