@@ -80,7 +80,8 @@ class VerifierActor:
                              "cannot do without the target's features; set bridge_depth 0")
         torch.set_num_threads(threads_of(st.num_cpus))
         self.incarnation = uuid.uuid4().hex
-        side = TargetSide(target_dir, st.num_blocks, st.block_size, st.device, st.dtype, features=eagle)
+        side = TargetSide(target_dir, st.num_blocks, st.block_size, st.device, st.dtype, features=eagle,
+                          prefix_caching=st.prefix_caching)
         self.warm_up_s = side.warm_up(st.spec_len, width=st.tree_width)    # GPU: compile and capture now
         bridge = None
         if chains:
@@ -119,12 +120,13 @@ class VerifierActor:
         self.loop.ensure_running()
         return True
 
-    async def generate(self, request_id: str, prompt: list[int], sampling: dict, speculation: dict):
+    async def generate(self, request_id: str, prompt: list[int], sampling: dict, speculation: dict,
+                       prefix_cache: bool = True):
         """Async generator of GenerationChunk; Ray streams each one to the caller."""
         from models.sampling import SamplingParams
 
         async for chunk in self.loop.generate(request_id, prompt, SamplingParams(**sampling),
-                                              SpeculationOptions(**speculation)):
+                                              SpeculationOptions(**speculation), prefix_cache):
             yield chunk
 
     async def abort(self, request_id: str) -> bool:
@@ -215,6 +217,7 @@ class DrafterActor:
                 "node_id": node_id(), "rss_bytes": rss_bytes(),
                 "kv_free": None if cache is None else cache.num_free_blocks,
                 "kv_total": None if cache is None else cache.num_blocks,
+                "prefix_cache": None if cache is None else cache.prefix_stats(),
                 "cuda_graphs": None if d.side.graphs is None else d.side.graphs.stats(),
                 "warm_up_s": self.warm_up_s}
 

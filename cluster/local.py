@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from models.kv_cache import prefix_report
 from speculation.requests import GenerationChunk, GenerationOutput, GenerationRequest, InvalidRequest, \
     SpeculationOptions, resolve_speculation
 from speculation.settings import MAX_SPEC_LEN, MAX_TREE_WIDTH, EngineSettings, check_speculation
@@ -60,7 +61,8 @@ class InProcessEngine:
         eagle = bool(getattr(draft, "needs_features", False))
         vocab = target.config.vocab_size
         self.max_context = target.config.max_position_embeddings
-        self.side = TargetSide("", settings.num_blocks, settings.block_size, features=eagle, model=target)
+        self.side = TargetSide("", settings.num_blocks, settings.block_size, features=eagle, model=target,
+                               prefix_caching=settings.prefix_caching)
         model = None if draft is None else model_proposer(draft, vocab, settings, logit_rows=draft_logit_rows,
                                                           tree_width=tree_width, max_nodes=max_nodes)
         side = DraftSide.build(None, vocab, settings, model)
@@ -102,7 +104,7 @@ class InProcessEngine:
         try:
             for r in requests:
                 streams.append(self.scheduler.add(r.request_id, list(r.prompt_token_ids), r.sampling,
-                                                  r.speculation, lambda chunk: None))
+                                                  r.speculation, lambda chunk: None, r.prefix_cache))
             while any(s.request_id in self.scheduler.streams for s in streams):
                 await self.loop.step()
         finally:
@@ -121,17 +123,18 @@ class InProcessEngine:
         need = sum(-(-(len(r.prompt_token_ids) + r.sampling.max_tokens + tree) // bs) + 1 for r in requests)
         if need <= self.side.cache.num_blocks:
             return
-        self.side.verifier.cache = self.target.new_cache(need, bs)
+        self.side.verifier.cache = self.target.new_cache(need, bs, self.side.cache.prefix_caching)
         self.settings.num_blocks = need
         if self.proposer is not None:
             # the draft's first catch-up pads every row to the longest prompt of the batch
             longest = max(len(r.prompt_token_ids) for r in requests)
-            self.proposer.cache = self.draft.new_cache(need + len(requests) * (-(-longest // bs) + 1), bs)
+            self.proposer.cache = self.draft.new_cache(need + len(requests) * (-(-longest // bs) + 1), bs,
+                                                       self.proposer.cache.prefix_caching)
 
     # -- the Engine protocol ----------------------------------------------------------------
     async def generate_stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         async for chunk in self.loop.generate(request.request_id, list(request.prompt_token_ids),
-                                              request.sampling, request.speculation):
+                                              request.sampling, request.speculation, request.prefix_cache):
             yield chunk
 
     async def abort(self, request_id: str) -> None:
@@ -148,6 +151,8 @@ class InProcessEngine:
         cache = self.side.cache
         out.update(kv_blocks_free=cache.num_free_blocks, kv_blocks_total=cache.num_blocks,
                    drafters=[{"index": 0, **self.drafter.stats.as_dict()}])
+        if self.proposer is not None:
+            out.update(prefix_report([self.proposer.cache.prefix_stats()], "draft_"))
         return out
 
     def shutdown(self) -> None:

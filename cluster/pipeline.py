@@ -33,6 +33,7 @@ import ray
 
 from cluster.actors import remote_classes, settings_dict
 from cluster.transport import first_line
+from models.kv_cache import prefix_report
 from models.presets import is_eagle_spec
 from speculation.requests import GenerationChunk, GenerationRequest, resolve_speculation
 from speculation.settings import EngineSettings
@@ -84,7 +85,8 @@ class PipelineEngine:
         self.routes[rid] = index
         pipe.active += 1
         finished = started = False
-        args = (rid, list(request.prompt_token_ids), asdict(request.sampling), asdict(request.speculation))
+        args = (rid, list(request.prompt_token_ids), asdict(request.sampling), asdict(request.speculation),
+                request.prefix_cache)
         give_up = time.monotonic() + self.restart_wait_s
         try:
             stream = pipe.verifier.generate.options(num_returns="streaming").remote(*args)
@@ -128,13 +130,14 @@ class PipelineEngine:
         the first pipeline's step models and every pipeline's costs."""
         total = SpecStats()
         drafters, locals_, costs, planner = [], [], [], {}
-        alive, gc_s, gc_full = 0, 0.0, 0
+        alive, gc_s, gc_full, raws = 0, 0.0, 0, []
         for p in self.pipelines:
             try:
                 raw = await _timed(p.verifier.get_stats.remote(), 5)
             except Exception:    # a dead verifier contributes nothing
                 continue
             total = total.merge(SpecStats.from_dict(raw))
+            raws.append(raw)
             if raw.get("local_drafter"):        # the verifier's stand-in drafter (cluster/actors.py)
                 locals_.append(raw["local_drafter"])
             gc_s += raw.get("gc_s", 0.0)
@@ -161,6 +164,9 @@ class PipelineEngine:
         # what the drafters did: rollbacks are theirs; wasted nodes, theirs and the ring's drops
         out["drafter_rollbacks"] = out["rollbacks"] = drafted.rollbacks
         out["drafter_tokens_wasted"] = total.drafter_tokens_wasted + drafted.drafter_tokens_wasted
+        out.update(prefix_report([d["prefix_cache"] for d in drafters if d.get("prefix_cache")], "draft_"))
+        out["prefix_cached_blocks"] = sum(r.get("prefix_cached_blocks", 0) for r in raws)
+        out["prefix_evictions"] = sum(r.get("prefix_evictions", 0) for r in raws)
         return out
 
     # -- helpers ---------------------------------------------------------------------
@@ -219,10 +225,11 @@ def _error_chunk(rid: str, message: str) -> GenerationChunk:
 
 # ---------------------------------------------------------------- building
 def settings_from_config(config, **overrides) -> EngineSettings:
-    """EngineSettings from an AppArgs' / ClusterConfig's `speculation`, `models` and `placement` blocks."""
+    """EngineSettings from an AppArgs' / ClusterConfig's `speculation`, `kv_cache`, `models` and
+    `placement` blocks."""
     gpu = config.placement.verifier.num_gpus > 0
-    base = EngineSettings(**config.speculation.model_dump(), dtype=config.models.dtype,
-                          device="cuda" if gpu else "cpu")
+    base = EngineSettings(**config.speculation.model_dump(), **config.kv_cache.model_dump(),
+                          dtype=config.models.dtype, device="cuda" if gpu else "cpu")
     return base.model_copy(update=overrides)
 
 

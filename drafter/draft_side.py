@@ -34,9 +34,13 @@ def model_proposer(model, vocab: int, settings: EngineSettings, levels: int = DR
     from drafter.eagle_proposer import EagleProposer
     from drafter.model_proposer import ModelProposer
 
-    cls = EagleProposer if getattr(model, "needs_features", False) else ModelProposer
-    return cls(model, model.new_cache(settings.num_blocks, settings.block_size), levels, tree_width, max_nodes,
-               logit_rows, vocab)
+    # an EAGLE head's K/V of a position depend on features, not only on the tokens before it
+    # (predicted ones while it drafts ahead): its cache shares no prefixes
+    eagle = getattr(model, "needs_features", False)
+    cls = EagleProposer if eagle else ModelProposer
+    cache = model.new_cache(settings.num_blocks, settings.block_size,
+                            prefix_caching=settings.prefix_caching and not eagle)
+    return cls(model, cache, levels, tree_width, max_nodes, logit_rows, vocab)
 
 
 def draft_proposer(draft_dir: str, vocab: int, settings: EngineSettings, levels: int = DRAFT_LEVELS):
@@ -153,8 +157,12 @@ class DraftSide:
         if self.needs_features:
             self.model.observe_features(stream, start, features)
 
-    def release(self, stream: str) -> None:
+    def release(self, stream: str, committed: list[int] | None = None) -> None:
+        """Forget the stream; `committed`: its whole committed sequence, whose full blocks a
+        prefix-caching draft leaves cached first (`ModelProposer.cache_committed`)."""
         for proposer in self.proposers.values():
+            if committed and hasattr(proposer, "cache_committed"):
+                proposer.cache_committed(stream, committed)
             proposer.release(stream)
 
     def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False,

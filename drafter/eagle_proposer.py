@@ -90,7 +90,7 @@ class EagleProposer(ModelProposer):
         logits, hidden = self._forward_with_features([r.seq_id for r in batch], ids, positions, masks, last, feats)
         for r, h in zip(batch, hidden):
             self._pred[r.seq_id] = {ROOT: h[-1]}
-        return logits
+        return logits      # no prefix caching: the K/V read features (drafter.draft_side.model_proposer)
 
     def _forward_frontier(self, work: dict[Hashable, tuple[TreeBuilder, list[int]]]) -> list[torch.Tensor]:
         seq_ids, ids, positions, masks, picks, news = self._frontier_rows(work)

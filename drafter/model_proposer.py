@@ -10,6 +10,11 @@ ancestors under the tree mask. After verification the accepted nodes that are
 cached are compacted behind the prefix and the rest rolled back; whatever was
 not cached is fed at the next proposal ("catch-up"), with the new root.
 
+With a prefix-caching cache (`models.PagedKVCache(prefix_caching=True)`) a new sequence
+starts on the longest cached prefix of its tokens (all but the root, which is always fed)
+and each catch-up registers the full blocks of what it fed: a draft K/V is a function of the
+tokens up to it, so a multi-turn conversation's draft starts from its cached history too.
+
 A draft may carry a reduced LM head (`specflash_draft.json`: `logit_rows`):
 logits are computed for those rows only and q is scattered into the full
 vocabulary, zero elsewhere.
@@ -48,6 +53,7 @@ class ModelProposer:
         self._committed: dict[Hashable, int] = {}   # committed tokens whose K/V the draft cache holds
         self._layout: dict[Hashable, list[int]] = {}   # builder node ids cached after them, in order
         self._node_ids: dict[Hashable, list[int]] = {}   # tree node index -> builder node id
+        self._tokens: dict[Hashable, list[int]] = {}     # the tokens of those committed K/V
 
     @torch.inference_mode()
     def propose(self, batch: Sequence[DraftRequest]) -> list[TokenTree]:
@@ -96,6 +102,8 @@ class ModelProposer:
         self.cache.compact(seq_id, base, offsets)
         self._committed[seq_id] = base + len(offsets)
         self._layout[seq_id] = []
+        kept = tree.token_ids[list(accepted_nodes[:len(offsets)])].tolist()
+        self._tokens[seq_id] = self._tokens[seq_id][:base] + kept
 
     def rollback(self, seq_id: Hashable, prefix_len: int) -> None:
         """Forget everything past the first `prefix_len` committed tokens (epoch change)."""
@@ -103,25 +111,56 @@ class ModelProposer:
             keep = min(self._committed[seq_id], prefix_len)
             self.cache.truncate(seq_id, keep)
             self._committed[seq_id], self._layout[seq_id] = keep, []
+            del self._tokens[seq_id][keep:]
 
     def release(self, seq_id: Hashable) -> None:
         self.cache.free(seq_id)
-        for state in (self._committed, self._layout, self._node_ids):
+        for state in (self._committed, self._layout, self._node_ids, self._tokens):
             state.pop(seq_id, None)
+
+    @torch.inference_mode()
+    def cache_committed(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """A finished sequence's whole committed tokens: leave cached the full blocks of all but
+        the last (the target's cache holds as many), feeding the tokens the draft has not seen
+        when that completes a block (one forward of a few rows), so the next turn's draft finds
+        its history cached as the target does. A no-op without prefix caching."""
+        held = self._tokens.get(seq_id)
+        if held is None or not self.cache.prefix_caching:
+            return
+        bs, keep = self.cache.block_size, 0
+        while keep < min(len(held), len(token_ids)) and held[keep] == token_ids[keep]:
+            keep += 1                       # past it the draft held assumed tokens, not committed ones
+        need = (len(token_ids) - 1) // bs * bs
+        if need // bs > keep // bs:
+            self.cache.truncate(seq_id, keep)
+            ids = torch.tensor(list(token_ids[keep:need]), dtype=torch.long)
+            n = need - keep
+            ragged_tree_forward(self.model, self.cache, [seq_id], [ids], [torch.arange(keep, need)],
+                                [torch.ones(n, n, dtype=torch.bool).tril()], [torch.tensor([n - 1])],
+                                lm_head=self.lm_head, head_pack=self.head_pack)
+            self._committed[seq_id], self._layout[seq_id] = need, []
+            self._tokens[seq_id], keep = list(token_ids[:need]), need
+        self.cache.cache_prefix(seq_id, list(token_ids[:min(keep, len(token_ids) - 1)]))
 
     def _catch_up(self, batch: Sequence[DraftRequest]) -> list[torch.Tensor]:   # n x [1, V]
         """Feed the committed tokens the draft has not seen (root last); q after the root."""
         ids, positions, masks, last = self._catch_up_rows(batch)
-        return self._forward([r.seq_id for r in batch], ids, positions, masks, last)
+        logits = self._forward([r.seq_id for r in batch], ids, positions, masks, last)
+        self._cache_prefixes(batch)
+        return logits
+
+    def _cache_prefixes(self, batch: Sequence[DraftRequest]) -> None:
+        """After a catch-up: its sequences' full blocks, now written, go into the prefix cache."""
+        for r in batch:
+            self.cache.cache_prefix(r.seq_id, r.token_ids)
 
     def _catch_up_rows(self, batch: Sequence[DraftRequest]):
         """Per sequence: the committed tokens not yet fed, their positions and causal mask, and
         the index of the root among them; the draft now counts them as seen."""
         ids, positions, masks = [], [], []
         for r in batch:
-            if r.seq_id not in self._committed:
-                self.cache.add_sequence(r.seq_id)
-                self._committed[r.seq_id] = 0
+            if r.seq_id not in self._committed:     # the root is always fed: q after it
+                self._committed[r.seq_id] = self.cache.add_sequence(r.seq_id, list(r.token_ids[:-1]))
             seen = self._committed[r.seq_id]
             self.cache.truncate(r.seq_id, seen)                 # a stale layout, if any
             n = len(r.token_ids) - seen
@@ -129,6 +168,7 @@ class ModelProposer:
             positions.append(torch.arange(seen, seen + n))
             masks.append(torch.ones(n, n, dtype=torch.bool).tril())
             self._committed[r.seq_id], self._layout[r.seq_id] = len(r.token_ids), []
+            self._tokens[r.seq_id] = list(r.token_ids)
         return ids, positions, masks, [torch.tensor([m.shape[0] - 1]) for m in masks]
 
     def _forward_frontier(self, work: dict[Hashable, tuple[TreeBuilder, list[int]]]) -> list[torch.Tensor]:

@@ -183,7 +183,7 @@ class Drafter:
                 self.drop_streams(list(self.streams))
             elif sig.kind == "leave":
                 if self.streams.pop(sig.stream, None) is not None:
-                    self.side.release(sig.stream)
+                    self.side.release(sig.stream, sig.token_ids or None)
             elif s is not None:          # "step"
                 bumped, keep, wasted = s.on_step(sig)
                 s.budget = sig.budget

@@ -213,10 +213,11 @@ class Transformer(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:   # [V, hidden]
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def new_cache(self, num_blocks: int, block_size: int = 16) -> PagedKVCache:
+    def new_cache(self, num_blocks: int, block_size: int = 16, prefix_caching: bool = False) -> PagedKVCache:
         """A cache shaped for this model, on its device and in its dtype."""
         c, w = self.config, self.embed_tokens.weight
-        return PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, w.dtype, w.device)
+        return PagedKVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_blocks, block_size, w.dtype, w.device,
+                            prefix_caching=prefix_caching)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] int64 → cos, sin [B, T, 1, D/2] in the model dtype."""

@@ -149,7 +149,7 @@ class OpenAIServer:
                     raise APIError(400, str(e), code="invalid_value") from e
                 prompt_of.append(p)
         spec = req.speculation.to_options() if req.speculation else SpeculationOptions()
-        return Prepared(prompts, sampling, prompt_of, spec, list(req.stop or []))
+        return Prepared(prompts, sampling, prompt_of, spec, list(req.stop or []), prefix_cache=req.prefix_cache)
 
     # -- admission and generation --------------------------------------------------------
     def check_admitting(self) -> None:
@@ -222,18 +222,18 @@ class OpenAIServer:
 
     async def generate_choice(self, index: int, request_id: str, prompt_ids: list[int],
                               sampling: SamplingParams, spec: SpeculationOptions,
-                              stops: list[str], deadline: float) -> AsyncIterator[Delta]:
+                              stops: list[str], deadline: float, prefix_cache: bool = True) -> AsyncIterator[Delta]:
         """Runs one choice; aborts it in the engine unless the engine finished it."""
         detok, stopper = IncrementalDetokenizer(self.tokenizer), StopStrings(stops)
         start = last = time.monotonic()
-        n_tokens = drafted = accepted = 0
+        n_tokens = drafted = accepted = cached = 0
         finished, queued, abort_reason = False, True, "client"
         cut = asyncio.get_running_loop().create_future()
         self._cuts.add(cut)
         self.stats.observe_queued(+1)
         try:
             try:
-                stream = self.engine.generate(GenerationRequest(request_id, prompt_ids, sampling, spec))
+                stream = self.engine.generate(GenerationRequest(request_id, prompt_ids, sampling, spec, prefix_cache))
                 if inspect.isawaitable(stream):
                     stream = await stream
                 iterator = stream.__aiter__()
@@ -275,21 +275,22 @@ class OpenAIServer:
                     last = now
                 n_tokens += len(chunk.token_ids)
                 drafted, accepted = chunk.num_drafted, chunk.num_accepted
+                cached = chunk.cached_tokens
                 text = stopper.feed(detok.add(chunk.token_ids))
                 ids = list(chunk.token_ids)
                 if stopper.stopped:  # a stop string: cut there, the engine need not go on
                     abort_reason = "stop_string"
-                    yield Delta(index, text, "stop", n_tokens, drafted, accepted, ids)
+                    yield Delta(index, text, "stop", n_tokens, drafted, accepted, ids, cached)
                     return
                 if chunk.finished:
                     finished = True
                     text += stopper.feed(detok.flush())
                     text += stopper.flush()
                     yield Delta(index, text, "stop" if stopper.stopped else chunk.finish_reason,
-                                n_tokens, drafted, accepted, ids)
+                                n_tokens, drafted, accepted, ids, cached)
                     return
                 if text or ids:
-                    yield Delta(index, text, None, n_tokens, drafted, accepted, ids)
+                    yield Delta(index, text, None, n_tokens, drafted, accepted, ids, cached)
         finally:
             self._cuts.discard(cut)
             if queued:
@@ -315,7 +316,7 @@ class OpenAIServer:
         deadline = time.monotonic() + self.settings.request_timeout_s
         base = uuid.uuid4().hex
         gens = [self.generate_choice(i, f"{base}-{i}", prep.prompts[prep.prompt_of[i]],
-                                     prep.sampling[i], prep.speculation, prep.stops, deadline)
+                                     prep.sampling[i], prep.speculation, prep.stops, deadline, prep.prefix_cache)
                 for i in range(n)]
         try:
             self.stats.observe_prompt(sum(len(p) for p in prep.prompts))
@@ -342,6 +343,7 @@ class OpenAIServer:
                 o.token_ids += d.token_ids
                 o.finish_reason = d.finish_reason or o.finish_reason
                 o.completion_tokens, o.drafted, o.accepted = d.completion_tokens, d.drafted, d.accepted
+                o.cached_tokens = d.cached_tokens
         except EngineError as e:
             raise engine_api_error(e, self.settings.retry_after_s) from e
         return out
@@ -365,8 +367,13 @@ class OpenAIServer:
     def usage(self, prep: Prepared, deltas: list[Delta]) -> dict:
         prompt = sum(len(p) for p in prep.prompts)
         completion = sum(d.completion_tokens for d in deltas)
+        cached: dict[int, int] = {}          # per prompt: its choices share it, counted once
+        for d in deltas:
+            p = prep.prompt_of[d.index]
+            cached[p] = max(cached.get(p, 0), d.cached_tokens)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
                 "drafted_tokens": sum(d.drafted for d in deltas),
                 "accepted_tokens": sum(d.accepted for d in deltas)}
 

@@ -103,6 +103,8 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     speculation: SpeculationModel | None = None
     return_token_ids: bool = Field(False, description="add each choice's token ids (vLLM's extension)")
+    prefix_cache: bool = Field(True, description="false: neither start on the server's cached KV blocks "
+                               "nor leave this request's own cached (where the server caches prefixes)")
     user: str | None = None
 
     @field_validator("stop")
@@ -230,6 +232,7 @@ class Delta:
     drafted: int = 0
     accepted: int = 0
     token_ids: list[int] = field(default_factory=list)   # the tokens behind `text`
+    cached_tokens: int = 0             # prompt tokens the engine found in its prefix cache
 
 
 @dataclass
@@ -242,6 +245,7 @@ class Prepared:
     speculation: SpeculationOptions
     stops: list[str]
     client: str = "anonymous"          # who asked: `key-<i>` or anonymous (serving.access)
+    prefix_cache: bool = True          # may use the engine's prefix cache (the `prefix_cache` field)
 
 
 class EngineError(Exception):

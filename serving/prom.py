@@ -29,6 +29,15 @@ SPEC_GAUGES = {
     "speculation_enabled": "1 while a live drafter feeds a verifier; 0 = decoding without speculation",
     "drafters_alive": "Drafters the verifiers heard from recently",
 }
+# Prefix caching (issue 25), engine stats by name -> `specflash_prefix_cache_<name>` gauges.
+PREFIX_CACHE_GAUGES = {
+    "prefix_hit_rate": ("target_hit_rate", "Share of prompt tokens the target's prefills found in its prefix cache"),
+    "prefix_cached_blocks": ("target_blocks", "KV blocks held in the target's prefix cache"),
+    "prefix_evictions": ("target_evictions", "Cached KV blocks of the target evicted for reuse"),
+    "draft_prefix_hit_rate": ("draft_hit_rate", "Share of prompt tokens the draft model found in its prefix cache"),
+    "draft_prefix_cached_blocks": ("draft_blocks", "KV blocks held in the draft model's prefix cache"),
+    "draft_prefix_evictions": ("draft_evictions", "Cached KV blocks of the draft model evicted for reuse"),
+}
 # Other names engines use for the same numbers.
 SPEC_ALIASES = {"mean_accepted_len": "mean_accepted_length"}
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -69,6 +78,8 @@ class ServingStats:
                                ["reason"], registry=r)
         self.engine = {k: Gauge(f"specflash_spec_{k}", doc, registry=r)
                        for k, doc in SPEC_GAUGES.items()}
+        self.prefix_cache = {k: Gauge(f"specflash_prefix_cache_{name}", doc, registry=r)
+                             for k, (name, doc) in PREFIX_CACHE_GAUGES.items()}
         self._extra: dict[str, Gauge] = {}
 
     # -- observations -------------------------------------------------------------------
@@ -110,7 +121,7 @@ class ServingStats:
         for key, value in stats.items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
-            gauge = self.engine.get(SPEC_ALIASES.get(key, key)) or self._extra.get(key)
+            gauge = self.engine.get(SPEC_ALIASES.get(key, key)) or self.prefix_cache.get(key) or self._extra.get(key)
             if gauge is None:
                 name = "specflash_engine_" + "".join(c if c.isalnum() else "_" for c in key)
                 gauge = self._extra[key] = Gauge(name, f"Engine stat {key!r}",

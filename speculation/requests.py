@@ -81,6 +81,7 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     speculation: SpeculationOptions = field(default_factory=SpeculationOptions)
+    prefix_cache: bool = True        # False: neither start on cached KV blocks nor leave its own cached
 
 
 @dataclass
@@ -94,6 +95,7 @@ class GenerationChunk:
     num_drafted: int = 0              # cumulative for the request
     num_accepted: int = 0             # cumulative for the request
     error: str | None = None          # set with finish_reason "error"; retryable errors say so
+    cached_tokens: int = 0            # prompt tokens found in the target's prefix cache
 
 
 @dataclass

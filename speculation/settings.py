@@ -94,6 +94,14 @@ class EngineSettings(SpeculationSettings):
         "Torch threads of a CPU verifier's step while its drafters have nothing to draft: -1 = its "
         "own plus the CPUs of the live drafters on its node (theirs sit idle then); 0 = its own "
         "only; n > 0 = n (`speculation.policy.plain_step_threads`)."))
+    prefix_caching: bool = Field(False, description=(
+        "Automatic prefix caching: full KV blocks of committed tokens are kept, keyed by their "
+        "tokens and all before them, and a new request starts on the longest cached prefix of its "
+        "prompt, in the target's cache and the draft model's (a request may opt out)."))
+    prefill_chunk: int = Field(0, ge=0, description=(
+        "Chunked prefill: a prompt longer than this many tokens is prefilled this many at a time, "
+        "one chunk between two steps of the running streams, so a long prompt does not stall "
+        "them; 0 = whole prompts."))
     proposers: tuple[str, ...] = Field(PROPOSERS, description=(
         "The proposers this engine's drafters hold ('model' needs a draft model); a request "
         "naming another is refused."))

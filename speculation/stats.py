@@ -79,6 +79,10 @@ class SpecStats:
     work_s_max: float = 0.0           # longest stretch between two exchanges (the verifier hears nothing)
     verifier_errors: int = 0          # calls that found the verifier dead or restarting
     resets: int = 0                   # "reset" signals (a restarted verifier) obeyed
+    # the target's prefix cache (models.PagedKVCache, prefix_caching): prompt tokens its prefills
+    # looked up (all but the last of each prompt) and of those, found cached
+    prefix_queried: int = 0
+    prefix_hits: int = 0
 
     # -- observers ---------------------------------------------------------------
     def observe_verification(self, num_nodes: int, num_accepted: int, max_depth: int,
@@ -190,6 +194,11 @@ class SpecStats:
     def observe_reset(self) -> None:
         self.resets += 1
 
+    def observe_prefix_cache(self, queried: int, cached: int) -> None:
+        """A prefill looked up `queried` prompt tokens in the prefix cache and found `cached`."""
+        self.prefix_queried += queried
+        self.prefix_hits += cached
+
     def _grow(self, depth: int) -> None:
         while len(self.depth_attempts) < depth:
             self.depth_attempts.append(0)
@@ -218,6 +227,10 @@ class SpecStats:
         walk tried, the share it passed (maximum likelihood under a constant gamma)."""
         tried = self.num_accepted + self.num_rejected_steps
         return self.num_accepted / tried if tried else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hits / self.prefix_queried if self.prefix_queried else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -256,6 +269,7 @@ class SpecStats:
             mean_ring_occupancy=self.mean_ring_occupancy,
             level_acceptance=self.level_acceptance,
             tokens_per_s=self.tokens_per_s,
+            prefix_hit_rate=self.prefix_hit_rate,
         )
         return out
 

@@ -172,7 +172,9 @@ class Signal:
     - "join": a new stream; `token_ids` is its prompt.
     - "resync": the drafter must (re)start the stream from `token_ids`, the
       whole committed prefix (after a drafter restart or re-assignment).
-    - "leave": the stream finished or was aborted; free its draft KV.
+    - "leave": the stream finished or was aborted; free its draft KV. With prefix caching,
+      `token_ids` is its whole committed sequence (else empty): the drafter completes and
+      leaves cached the full blocks of it, as the target does, for the next turn.
     - "reset": the verifier does not know this drafter (incarnation): it was
       (re)started and holds none of the drafter's streams; drop them all.
       Sent first to every drafter incarnation that attaches (`stream` is "").

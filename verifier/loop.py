@@ -61,12 +61,12 @@ class EngineLoop:
         gc_report()
 
     # -- requests ------------------------------------------------------------------------
-    async def generate(self, request_id: str, prompt: list[int], params, spec: SpeculationOptions | None
-                       ) -> AsyncIterator[GenerationChunk]:
+    async def generate(self, request_id: str, prompt: list[int], params, spec: SpeculationOptions | None,
+                       prefix_cache: bool = True) -> AsyncIterator[GenerationChunk]:
         """The request's chunks as the steps commit them; leaving early aborts it."""
         self.ensure_running()
         queue: asyncio.Queue = asyncio.Queue()
-        self.scheduler.add(request_id, prompt, params, spec, queue.put_nowait)
+        self.scheduler.add(request_id, prompt, params, spec, queue.put_nowait, prefix_cache)
         try:
             while True:
                 chunk = await queue.get()
@@ -116,7 +116,8 @@ class EngineLoop:
         await self.admit()
         active = sch.active()
         if not active:
-            await self._sleep(sch.settings.poll_s)
+            if not sch.target.partial:     # no prompt's next chunk waiting either
+                await self._sleep(sch.settings.poll_s)
             return False
         sch.members.rebalance()
         draft_s = 0.0

@@ -47,8 +47,14 @@ from verifier.membership import Membership
 from verifier.registry import DrafterRegistry
 from verifier.ring import Ring, RingEntry
 from verifier.stream import VerifyStream
+from verifier.target import PREFILLING
 
 log = logging.getLogger("specflash.verifier")
+
+
+def drafted(batch: list[StepItem]) -> list[StepItem]:
+    """The batch's trees drafted by a drafter (not prompt-lookup ones)."""
+    return [it for it in batch if it.header is not None and it.tree.num_nodes]
 
 
 class Scheduler:
@@ -75,6 +81,7 @@ class Scheduler:
         self.streams: dict[str, VerifyStream] = {}
         self.joins: deque[str] = deque()
         self.to_free: list[str] = []
+        self.freed_tokens: dict[str, list[int]] = {}   # committed tokens of those, for the prefix cache
         self.reserved_blocks: dict[str, int] = {}
         self.announced: dict[str, list[int] | None] = {}   # this step's bridge chains: their outcomes
         self.error: str | None = None
@@ -85,8 +92,10 @@ class Scheduler:
 
     # -- requests ------------------------------------------------------------------------
     def add(self, request_id: str, prompt: list[int], params: SamplingParams,
-            spec: SpeculationOptions | None, emit: Callable[[GenerationChunk], None]) -> VerifyStream:
-        """A new request; its chunks go to `emit`. Raises `InvalidRequest` for what it cannot serve."""
+            spec: SpeculationOptions | None, emit: Callable[[GenerationChunk], None],
+            prefix_cache: bool = True) -> VerifyStream:
+        """A new request; its chunks go to `emit`. Raises `InvalidRequest` for what it cannot serve.
+        `prefix_cache` False: it neither starts on cached blocks nor leaves its own cached."""
         if request_id in self.streams:
             raise InvalidRequest(f"request id {request_id!r} is already running")
         if not prompt:
@@ -103,7 +112,7 @@ class Scheduler:
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         s = VerifyStream(request_id, list(prompt), params, torch.Generator().manual_seed(seed), stop, r.mode,
                          r.spec_len, r.tree_width, ctx, proposer=r.proposer, seed=seed, emit=emit,
-                         committed=list(prompt))
+                         committed=list(prompt), prefix_cache=prefix_cache)
         s.started = time.perf_counter()
         self.streams[request_id] = s
         self.joins.append(request_id)
@@ -131,10 +140,11 @@ class Scheduler:
         self.adaptive.remove(s.request_id)
         self.lookup.remove(s.request_id)
         self.reserved_blocks.pop(s.request_id, None)
-        if s.prefilled:
+        if s.prefilled or s.request_id in self.target.partial:
             self.to_free.append(s.request_id)
+            self.freed_tokens[s.request_id] = s.committed    # the list itself: a running step extends it
         if s.drafter is not None:
-            self.registry.send(s.drafter, Signal("leave", s.request_id))
+            self.registry.send(s.drafter, Signal("leave", s.request_id, token_ids=s.cacheable(self.settings)))
         if notify and reason in ("abort", "error") and s.emit is not None:
             s.emit(s.chunk([], error=error))
         self.on_work()
@@ -187,6 +197,7 @@ class Scheduler:
             joins.append(self.joins.popleft())
         if joins:
             self._admit(joins)
+        joins += [rid for rid in self.target.partial if rid in self.streams]   # their next chunks
         # a prefill, like a plain step, may run on the idle drafters' cores
         threads = self.registry.lendable_threads() if self.members.drafters_idle() else self.threads
         return to_free, joins, threads
@@ -209,7 +220,7 @@ class Scheduler:
             s = self.streams[rid]
             s.admitted = True
             self.ring.add_stream(rid)
-            s.budget = self._budget_of(s, first[rid])
+            s.budget = s.capped(first[rid])
             self.adaptive.started(rid, s.budget[0])
             self.stats.observe_join(s.budget[0] > 0)
             if not self.features:        # a feature-conditioned drafter waits for the prefill's features
@@ -220,17 +231,19 @@ class Scheduler:
         start = time.perf_counter()
         torch.set_num_threads(threads)           # per call: the step before may have run on lent cores
         for rid in to_free:
-            self.target.release(rid)
+            self.target.release(rid, self.freed_tokens.pop(rid, None))
             if self.bridge_draft is not None:
                 self.bridge_draft.release(rid)
         features = {}
         for rid in joins:
             s = self.streams.get(rid)
-            features[rid] = self.target.prefill(rid, s.prompt if s is not None else [0])
+            features[rid] = self.target.prefill(rid, s.prompt if s is not None else [0],
+                                                s is not None and s.prefix_cache, self.settings.prefill_chunk)
         seconds = (time.perf_counter() - start) / max(1, len(joins))
         for rid in joins:
             if rid in self.streams:
-                self.streams[rid].stats.observe_time("prefill", seconds)
+                done = features[rid] is not PREFILLING
+                self.streams[rid].observe_prefill(seconds, self.target.cached_tokens(rid), self.stats, done)
         return features
 
     def prefilled(self, joins: list[str], features: dict) -> None:
@@ -238,6 +251,8 @@ class Scheduler:
             s = self.streams.get(rid)
             if s is None:                    # aborted during its prefill
                 self.to_free.append(rid)
+                continue
+            if features[rid] is PREFILLING:  # chunks of its prompt remain
                 continue
             s.prefilled = True
             if self.features:
@@ -321,14 +336,9 @@ class Scheduler:
         tree in the batch (prompt-lookup ones may be) and every sequence at budget 0, its drafter
         told so; or, in lockstep, every drafted sequence's one tree in this batch (its drafter
         waits for the step's signal)."""
-        if self.drafted(batch):
+        if drafted(batch):
             return self.registry.lendable_threads() if self.members.drafters_blocked(batch) else self.threads
         return self.registry.lendable_threads() if self.members.drafters_idle() else self.threads
-
-    @staticmethod
-    def drafted(batch: list[StepItem]) -> list[StepItem]:
-        """The batch's trees drafted by a drafter (not prompt-lookup ones)."""
-        return [it for it in batch if it.header is not None and it.tree.num_nodes]
 
     def publish(self, outcomes: list[StepOutcome], draft_s: float, verify_s: float) -> None:
         """After the forward: stream the committed tokens out, plan the next budgets, signal the
@@ -388,7 +398,7 @@ class Scheduler:
         plan = self.adaptive.plan([s.request_id for s in live], alone=extra,
                                   plain_step_s=self.costs.plain_step_s(len(live) + extra, lendable)) if live else {}
         for s, tree_id, kept in steps:
-            s.budget = self._budget_of(s, plan[s.request_id])
+            s.budget = s.capped(plan[s.request_id])
             self.stats.observe_speculation(s.budget[0] > 0)
             if s.bridge and restart_tree_depth(self.settings, s.budget[0]):
                 # no bridge: the drafter drafts a short restart tree after the committed prefix
@@ -421,16 +431,10 @@ class Scheduler:
             self.stats.observe_borrowed_step()
         rows = sum(1 + it.tree.num_nodes for it in batch)
         self.costs.observe_forward(rows, seconds, borrowed)
-        drafted = self.drafted(batch)
-        lockstep = drafted and all(self.members.lockstep(it.seq.drafter) for it in drafted)
-        levels = max(int(it.tree.depths.max()) for it in drafted) if lockstep else None
-        self.costs.observe_step(rows, step_s, levels, borrowed, bool(drafted))
-
-    @staticmethod
-    def _budget_of(s: VerifyStream, planned: tuple[int, int]) -> tuple[int, int]:
-        k, w = planned
-        k = min(k, s.max_depth())
-        return (k, w) if k > 0 else (0, 0)
+        trees = drafted(batch)
+        lockstep = trees and all(self.members.lockstep(it.seq.drafter) for it in trees)
+        levels = max(int(it.tree.depths.max()) for it in trees) if lockstep else None
+        self.costs.observe_step(rows, step_s, levels, borrowed, bool(trees))
 
     # -- reports -------------------------------------------------------------------------
     def health(self) -> dict:
@@ -438,7 +442,9 @@ class Scheduler:
                 **self.registry.report(), "cpus": self.settings.num_cpus, "gpus": self.registry.gpu_ids}
 
     def report(self) -> dict:
+        cache = self.target.cache
         return {**self.stats.as_dict(), **self.costs.report(), "drafters_live": self.registry.live_ids(),
+                "prefix_cached_blocks": cache.num_cached_blocks, "prefix_evictions": cache.evictions,
                 # CUDA graphs of the target's small forwards (None off a GPU): captures, replays, eager
                 "cuda_graphs": None if self.target.graphs is None else self.target.graphs.stats()}
 
@@ -446,5 +452,6 @@ class Scheduler:
         """KV blocks, ring slots and the other per-request state (all 0 / free when idle)."""
         cache = self.target.cache
         return {"free": cache.num_free_blocks, "total": cache.num_blocks, "ring": self.ring.total(),
+                "cached_blocks": cache.num_cached_blocks,
                 "streams": len(self.streams), "joins": len(self.joins),
                 "reserved_blocks": sum(self.reserved_blocks.values()), "to_free": len(self.to_free)}

@@ -45,6 +45,8 @@ class VerifyStream:
     # position but the last: [n_i, hidden] pieces, `features_sent` rows of them told already
     features: list = field(default_factory=list)
     features_sent: int = 0
+    prefix_cache: bool = True           # may start on cached KV blocks and leave its own cached
+    cached_tokens: int = 0              # prompt tokens its prefill found in the target's prefix cache
 
     @property
     def num_drafted(self) -> int:
@@ -61,6 +63,28 @@ class VerifyStream:
         self.finish_reason = self.finish_reason or reason
         return kept
 
+    def observe_prefill(self, seconds: float, cached: int, stats: SpecStats, done: bool = True) -> None:
+        """Its prefill (or a chunk of it, `done` at the last) took `seconds` and found `cached`
+        prompt tokens in the target's prefix cache: counted in its stats and in `stats` (the
+        scheduler's)."""
+        self.stats.observe_time("prefill", seconds)
+        if not done:
+            return
+        self.cached_tokens = cached
+        for st in (stats, self.stats):
+            st.observe_prefix_cache(len(self.prompt) - 1 if self.prefix_cache else 0, cached)
+
+    def cacheable(self, settings) -> list[int]:
+        """What its "leave" signal carries: with prefix caching, its committed tokens (its drafter
+        leaves their full blocks cached); else nothing."""
+        return list(self.committed) if settings.prefix_caching and self.prefix_cache else []
+
+    def capped(self, planned: tuple[int, int]) -> tuple[int, int]:
+        """A planned (depth, width) within what is worth verifying (`max_depth`); (0, 0) = none."""
+        k, w = planned
+        k = min(k, self.max_depth())
+        return (k, w) if k > 0 else (0, 0)
+
     def max_depth(self) -> int:
         """Deepest draft node worth verifying (tokens left - 1; context room)."""
         left = self.params.max_tokens - len(self.output)
@@ -68,7 +92,7 @@ class VerifyStream:
 
     def chunk(self, tokens: list[int], error: str | None = None) -> GenerationChunk:
         return GenerationChunk(self.request_id, tokens, self.finish_reason is not None, self.finish_reason,
-                               self.num_drafted, self.num_accepted, error)
+                               self.num_drafted, self.num_accepted, error, self.cached_tokens)
 
     def unsent_features(self):
         """The target features the drafter has not been told (None without any), and their

@@ -11,22 +11,29 @@ import torch
 
 from verifier.verifier import Verifier, VerifyRequest
 
+PREFILLING = "prefilling"     # what `TargetSide.prefill` returns while chunks of the prompt remain
+
 
 class TargetSide:
     """Target model + paged KV cache + Verifier; one forward per verification step."""
 
     def __init__(self, target: str, num_blocks: int, block_size: int = 16, device: str = "cpu",
-                 dtype: str = "float32", features: bool = False, model=None) -> None:
+                 dtype: str = "float32", features: bool = False, model=None, prefix_caching: bool = False) -> None:
         """`target`: a checkpoint directory or `random:<preset>`; `model`: an already loaded
         `models.Transformer` instead. `features`: return the target's hidden states with each
-        verification and prefill (a feature-conditioned draft reads them)."""
+        verification and prefill (a feature-conditioned draft reads them; the hidden states of
+        cached positions are not kept, so such a target caches no prefixes). `prefix_caching`:
+        automatic prefix caching in the target's KV cache."""
         from models.presets import load
 
         model = model if model is not None else load(target, device, dtype)
         self.config = model.config
         self.vocab_size = model.config.vocab_size
         self.max_context = model.config.max_position_embeddings
-        self.verifier = Verifier(model, model.new_cache(num_blocks, block_size), features=features)
+        cache = model.new_cache(num_blocks, block_size, prefix_caching=prefix_caching and not features)
+        self.verifier = Verifier(model, cache, features=features)
+        self.partial: set[str] = set()        # sequences whose chunked prefill is under way
+        self._pieces: dict[str, list] = {}    # their features so far
         self.graphs = getattr(model, "graphs", None)     # models.cuda_graphs.GraphedLayers on a GPU
 
     @property
@@ -37,10 +44,23 @@ class TargetSide:
     def model(self):
         return self.verifier.model
 
-    def prefill(self, seq_id: str, prompt: list[int]):
-        """Cache the prompt but its last token; with features, their hidden states [n - 1, hidden]."""
-        out = self.verifier.prefill_batch([seq_id], [prompt])
-        return None if out is None else out[seq_id]
+    def prefill(self, seq_id: str, prompt: list[int], use_cache: bool = True, chunk: int = 0):
+        """Cache the prompt but its last token, from the longest cached prefix on (unless
+        `use_cache` is False); with features, their hidden states [n - 1, hidden]. The prompt
+        tokens found cached: `cached_tokens(seq_id)`. `chunk` > 0: feed at most that many
+        tokens per call (chunked prefill): returns `PREFILLING` until a call completes it."""
+        out = self.verifier.prefill_batch([seq_id], [prompt], use_cache=[use_cache], limit=chunk or None)
+        if out is not None:
+            self._pieces.setdefault(seq_id, []).append(out[seq_id])
+        if self.cache.seq_len(seq_id) < len(prompt) - 1:
+            self.partial.add(seq_id)
+            return PREFILLING
+        self.partial.discard(seq_id)
+        pieces = self._pieces.pop(seq_id, None)
+        return None if pieces is None else torch.cat(pieces)
+
+    def cached_tokens(self, seq_id: str) -> int:
+        return self.verifier.cached_tokens.get(seq_id, 0)
 
     def verify(self, requests: list, threads: int | None = None) -> tuple[list, float]:
         """`requests`: verifier.VerifyRequest list. Returns (VerifyResult list, seconds).
@@ -59,8 +79,11 @@ class TargetSide:
         return self.verify([VerifyRequest(it.seq.request_id, it.seq.committed[-1], it.tree, it.seq.params,
                                           it.seq.generator) for it in items], threads)
 
-    def release(self, seq_id: str) -> None:
-        self.verifier.release(seq_id)
+    def release(self, seq_id: str, token_ids: list[int] | None = None) -> None:
+        """Free the sequence; `token_ids`: its committed tokens, whose full blocks stay cached."""
+        self.verifier.release(seq_id, token_ids)
+        self.partial.discard(seq_id)
+        self._pieces.pop(seq_id, None)
 
     def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False, width: int = 1,
                 max_len: int | None = None) -> float:
@@ -82,7 +105,7 @@ class TargetSide:
         start, sid = time.perf_counter(), "__warm_up__"
         committed = [1] * prompt_len
         params, gen = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
-        self.prefill(sid, committed)
+        self.prefill(sid, committed, use_cache=False)
         try:
             for k in [0, 0] + [k for k in range(1, spec_len + 1) for _ in (0, 1)]:
                 tree = TokenTree.empty(len(committed)) if k == 0 else TokenTree.chain([1] * k, None, len(committed))

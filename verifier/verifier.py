@@ -86,6 +86,10 @@ class Verifier:
         self.model = model      # models.Transformer (the target)
         self.cache = cache      # models.PagedKVCache sized for it
         self.features = features   # return the target's hidden states (for an EAGLE draft)
+        # prompt tokens each sequence found in the prefix cache at its prefill (models.PagedKVCache
+        # with prefix_caching), and the sequences that opted out of it
+        self.cached_tokens: dict[Hashable, int] = {}
+        self._uncached: set[Hashable] = set()
 
     def prefill(self, seq_id: Hashable, prompt_ids: Sequence[int]) -> None:
         """Cache every prompt token but the last: the last one is the first tree's root."""
@@ -93,15 +97,32 @@ class Verifier:
 
     @torch.inference_mode()
     def prefill_batch(self, seq_ids: Sequence[Hashable], prompts: Sequence[Sequence[int]],
-                      max_rows: int = 64) -> dict[Hashable, torch.Tensor] | None:
-        """`prefill` for many sequences, `max_rows` prompts per target forward.
+                      max_rows: int = 64, use_cache: Sequence[bool] | None = None, limit: int | None = None
+                      ) -> dict[Hashable, torch.Tensor] | None:
+        """`prefill` for many sequences, `max_rows` prompts per target forward. With a prefix
+        cache, each starts on the longest cached prefix of its prompt (`cached_tokens`) and
+        feeds the rest, then registers its full blocks; `use_cache[i]` False opts sequence i
+        out of both. `limit`: feed at most this many tokens of each (a chunk of a chunked
+        prefill): a sequence already in the cache goes on from where it stands.
 
-        With `features`, returns each sequence's hidden states over the cached
-        prompt tokens (all but the last) [len(prompt) - 1, hidden].
+        With `features`, returns each sequence's hidden states over the prompt tokens fed
+        now (all but the last, when whole) [n, hidden] (the target's cache then has no
+        prefix caching: `verifier.target.TargetSide`).
         """
-        for s in seq_ids:
-            self.cache.add_sequence(s)
-        todo = [(s, list(p[:-1])) for s, p in zip(seq_ids, prompts) if len(p) > 1]
+        use_cache = [True] * len(seq_ids) if use_cache is None else list(use_cache)
+        for s, p, use in zip(seq_ids, prompts, use_cache):
+            if self.cache.has_sequence(s):
+                continue                                      # the next chunk of its prompt
+            self.cached_tokens[s] = self.cache.add_sequence(s, list(p[:-1]) if use else None)
+            if not use:
+                self._uncached.add(s)
+        todo = []
+        for s, p in zip(seq_ids, prompts):
+            start = self.cache.seq_len(s)
+            end = len(p) - 1 if limit is None else min(len(p) - 1, start + limit)
+            if end > start:
+                todo.append((s, list(p[start:end])))
+        at = {s: self.cache.seq_len(s) for s, _ in todo}
         todo.sort(key=lambda item: len(item[1]))              # similar lengths pad less
         hidden: dict[Hashable, torch.Tensor] = {}
         for i in range(0, len(todo), max_rows):
@@ -109,18 +130,27 @@ class Verifier:
             out = ragged_tree_forward(
                 self.model, self.cache, [s for s, _ in chunk],
                 [torch.tensor(ids, dtype=torch.long) for _, ids in chunk],
-                [torch.arange(len(ids)) for _, ids in chunk],
+                [at[s] + torch.arange(len(ids)) for s, ids in chunk],
                 [torch.ones(len(ids), len(ids), dtype=torch.bool).tril() for _, ids in chunk],
                 [torch.zeros(0, dtype=torch.long) for _ in chunk], return_hidden=self.features)
             if self.features:
                 hidden.update({s: h.cpu() for (s, _), h in zip(chunk, out[1])})
+        for s, p in zip(seq_ids, prompts):
+            if s not in self._uncached:
+                self.cache.cache_prefix(s, list(p[:-1]))
         if not self.features:
             return None
         width = self.model.config.hidden_size
         return {s: hidden.get(s, torch.zeros(0, width)) for s in seq_ids}
 
-    def release(self, seq_id: Hashable) -> None:
+    def release(self, seq_id: Hashable, token_ids: Sequence[int] | None = None) -> None:
+        """Free the sequence; with `token_ids` (its committed tokens), first register its full
+        blocks in the prefix cache (unless it opted out), for a next turn to start on."""
+        if token_ids is not None and seq_id not in self._uncached and self.cache.has_sequence(seq_id):
+            self.cache.cache_prefix(seq_id, list(token_ids))
         self.cache.free(seq_id)
+        self.cached_tokens.pop(seq_id, None)
+        self._uncached.discard(seq_id)
 
     @torch.inference_mode()
     def verify(self, batch: Sequence[VerifyRequest]) -> list[VerifyResult]:

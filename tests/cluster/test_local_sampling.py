@@ -121,3 +121,23 @@ def test_seeds_reproduce_outputs(tiny_target, close_draft):
         first = sample(11, spec)
         assert sample(11, spec) == first
         assert any(sample(seed, spec) != first for seed in (12, 13, 14))
+
+
+def test_sampled_tokens_follow_the_target_with_the_prefix_cache(small_vocab_pair):
+    """Every request but the first starts on the prompt's cached block (blocks of 2 tokens) in the
+    target's cache and the draft's: the sampled pairs still follow the target alone."""
+    from speculation.settings import EngineSettings
+
+    target, draft = small_vocab_pair
+    settings = EngineSettings(block_size=2, prefix_caching=True, num_cpus=1)
+    cached = InProcessEngine(load_model(target), load_model(draft), settings=settings)
+    params, spec = CASES["chain-temperature"]
+    requests = [GenerationRequest(f"s{seed}", PROMPT, SamplingParams(temperature=params.temperature, seed=seed,
+                                                                     max_tokens=2, ignore_eos=True), spec)
+                for seed in range(NUM_SAMPLES)]
+    outs = cached.generate(requests)
+    assert sum(o.stats.prefix_hits for o in outs) == (NUM_SAMPLES - 1) * 2
+    assert cached.proposer.cache.prefix_stats()["hits"] > 0
+    samples = torch.tensor([o.token_ids for o in outs])
+    p = chi_square_p_value(samples, exact_joint(target, params))
+    assert p > P_VALUE_FLOOR, f"sampled pairs with the prefix cache do not follow the target (p = {p:.2e})"

@@ -67,7 +67,8 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
         va.side.verify = lambda requests, threads=None: (used.append(threads), verify(requests, threads))[1]
         prefills = []
         prefill = va.side.prefill
-        va.side.prefill = lambda sid, prompt: (prefills.append(torch.get_num_threads()), prefill(sid, prompt))[1]
+        va.side.prefill = lambda sid, prompt, *rest: (prefills.append(torch.get_num_threads()),
+                                                      prefill(sid, prompt, *rest))[1]
         va.scheduler.adaptive.plan = va.scheduler.adaptive.plan_joining = lambda streams, *_, **__: {s: plan for s in streams}
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
         tokens = []

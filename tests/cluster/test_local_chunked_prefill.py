@@ -1,0 +1,51 @@
+"""Chunked prefill in the in-process engine: a long prompt prefilled `prefill_chunk` tokens at a
+time, between the steps of the streams already decoding, gives what one-shot prefill and
+transformers' greedy `generate` give (speculation off, chained, in trees; with the prefix cache)."""
+from __future__ import annotations
+
+import pytest
+
+from cluster.local import build_engine
+from speculation.settings import EngineSettings
+from tests.cluster.test_local_greedy import hf_greedy
+from tests.cluster.test_local_prefix_cache import request
+
+LONG = list(b"def merge(a, b):\n    out = []\n    while a and b:\n        out.append(a.pop(0) if a[0] < b[0] "
+            b"else b.pop(0))\n    return out + a + b\n# now the tests\n")
+SHORT = [list(b"x = 1"), list(b"print(")]
+
+
+def engine(tiny_target, close_draft, chunk: int, caching: bool = False):
+    settings = EngineSettings(num_blocks=256, block_size=8, prefill_chunk=chunk, prefix_caching=caching, num_cpus=1)
+    return build_engine(tiny_target, close_draft, settings=settings).engine
+
+
+@pytest.mark.parametrize("mode,K,W", [("off", 1, 1), ("sync", 3, 1), ("sync", 2, 2)])
+def test_chunked_prefill_gives_the_one_shot_output_and_interleaves_with_decoding(
+        tiny_target, close_draft, hf_target, mode, K, W):
+    eng = engine(tiny_target, close_draft, chunk=16)
+    events = []
+    prefill, verify = eng.side.prefill, eng.side.verify_items
+    eng.side.prefill = lambda sid, prompt, *rest: (events.append(("prefill", sid)), prefill(sid, prompt, *rest))[1]
+    eng.side.verify_items = lambda items, *rest: (events.append(("step", len(items))), verify(items, *rest))[1]
+    prompts = SHORT + [LONG]
+    outs = eng.generate([request(f"r{i}", p, mode, K, W) for i, p in enumerate(prompts)])
+    assert [o.token_ids for o in outs] == [hf_greedy(hf_target, p, 12) for p in prompts]
+    chunks = [i for i, e in enumerate(events) if e == ("prefill", "r2")]
+    assert len(chunks) == -(-(len(LONG) - 1) // 16)
+    between = [e for e in events[chunks[0]:chunks[-1]] if e[0] == "step"]
+    # the short streams step between the long prompt's chunks (in a speculative mode a pass may
+    # also be the in-process drafter's turn, with no verification)
+    assert len(between) >= (len(chunks) - 1 if mode == "off" else 2), events
+    one_shot = engine(tiny_target, close_draft, chunk=0).generate(
+        [request(f"r{i}", p, mode, K, W) for i, p in enumerate(prompts)])
+    assert [o.token_ids for o in one_shot] == [o.token_ids for o in outs]
+
+
+def test_chunked_prefill_with_the_prefix_cache_starts_on_the_cached_blocks(tiny_target, close_draft, hf_target):
+    eng = engine(tiny_target, close_draft, chunk=16, caching=True)
+    first, = eng.generate([request("a", LONG, "sync", 3, 1)])
+    second, = eng.generate([request("b", LONG + list(b"assert merge"), "sync", 3, 1)])
+    assert second.token_ids == hf_greedy(hf_target, LONG + list(b"assert merge"), 12)
+    assert second.stats.prefix_hits == len(LONG) // 8 * 8        # the whole blocks of the shared prompt
+    assert eng.side.cache.block_states()["referenced"] == 0

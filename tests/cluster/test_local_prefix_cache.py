@@ -1,0 +1,147 @@
+"""Prefix caching in the in-process engine (target and draft caches): multi-turn conversations
+and a shared system prompt give, token for token, what transformers' greedy `generate` gives
+with the cache on, with speculation off, chained and in trees; later turns start on cached
+blocks; the hit rate under speculation equals the hit rate without it, for both caches."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from cluster.local import build_engine, speculation_for
+from models import SamplingParams
+from speculation.requests import GenerationRequest
+from speculation.settings import EngineSettings
+from tests.cluster.test_local_greedy import hf_greedy
+
+SYSTEM = list(b"You are a helpful assistant. Answer briefly.\n")
+TURNS = [list(b"User: hi\n"), list(b"User: and the next one?\n"), list(b"User: thanks\n")]
+MAX_TOKENS = 12
+MODES = [("off", 1, 1), ("sync", 3, 1), ("sync", 2, 2)]
+
+
+def engine(tiny_target, close_draft, caching: bool):
+    settings = EngineSettings(num_blocks=256, block_size=8, prefix_caching=caching, num_cpus=1)
+    return build_engine(tiny_target, close_draft, settings=settings).engine
+
+
+def request(rid, prompt, mode, K, W, prefix_cache=True):
+    return GenerationRequest(rid, prompt, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                             speculation_for(mode, K, W), prefix_cache)
+
+
+def converse(eng, mode, K, W, name="c"):
+    """Three turns, each prompt the whole history so far; returns (prompts, outputs)."""
+    history, prompts, outs = list(SYSTEM), [], []
+    for t, turn in enumerate(TURNS):
+        prompt = history + turn
+        out, = eng.generate([request(f"{name}{t}", prompt, mode, K, W)])
+        prompts.append(prompt)
+        outs.append(out)
+        history = prompt + out.token_ids
+    return prompts, outs
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target, close_draft, hf_target):
+    prompts, outs = converse(engine(tiny_target, close_draft, False), "off", 1, 1)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf_target, p, MAX_TOKENS) for p in prompts]
+    assert all(o.stats.prefix_hits == 0 for o in outs)
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("mode,K,W", MODES)
+def test_multi_turn_greedy_output_is_the_same_with_the_cache(tiny_target, close_draft, reference, mode, K, W):
+    eng = engine(tiny_target, close_draft, True)
+    prompts, outs = converse(eng, mode, K, W)
+    assert [o.token_ids for o in outs] == reference
+    hits = [o.stats.prefix_hits for o in outs]
+    bs = eng.settings.block_size
+    assert hits[0] == 0
+    # a later turn finds every full block of the previous prompt and its answer but the last token
+    for t in (1, 2):
+        known = len(prompts[t - 1]) + MAX_TOKENS - 1
+        assert hits[t] == min(known, len(prompts[t]) - 1) // bs * bs
+    if mode != "off":
+        assert sum(o.stats.num_accepted for o in outs) > 0
+
+
+def test_hit_rate_under_speculation_equals_without_it_for_target_and_draft(tiny_target, close_draft):
+    rates = {}
+    for mode, K, W in MODES:
+        eng = engine(tiny_target, close_draft, True)
+        _, outs = converse(eng, mode, K, W)
+        target = sum(o.stats.prefix_hits for o in outs) / sum(o.stats.prefix_queried for o in outs)
+        draft = eng.proposer.cache.prefix_stats()
+        rates[(mode, K, W)] = (target, None if mode == "off" else draft["hits"] / draft["queries"])
+    off = rates[MODES[0]][0]
+    assert off > 0.5
+    for key in MODES[1:]:
+        target, draft = rates[key]
+        assert target == off, rates
+        assert draft >= 0.98 * off, rates
+
+
+def test_shared_system_prompt_and_per_request_opt_out(tiny_target, close_draft, hf_target):
+    eng = engine(tiny_target, close_draft, True)
+    prompts = [SYSTEM + list(b"User: a\n"), SYSTEM + list(b"User: bb\n"), SYSTEM + list(b"User: ccc\n")]
+    outs = eng.generate([request("a", prompts[0], "sync", 3, 1), request("b", prompts[1], "sync", 3, 1),
+                         request("c", prompts[2], "sync", 3, 1, prefix_cache=False)])
+    assert [o.token_ids for o in outs] == [hf_greedy(hf_target, p, MAX_TOKENS) for p in prompts]
+    bs = eng.settings.block_size
+    common = len(os.path.commonprefix([prompts[0], prompts[1]]))      # the system prompt and "User: "
+    assert common > len(SYSTEM) and [o.stats.prefix_hits for o in outs] == [0, common // bs * bs, 0]
+    assert outs[2].stats.prefix_queried == 0
+
+
+def test_off_by_default_and_every_block_back_after_the_requests(tiny_target, close_draft):
+    assert EngineSettings().prefix_caching is False
+    eng = engine(tiny_target, close_draft, True)
+    converse(eng, "sync", 3, 1)
+    for cache in (eng.side.cache, eng.proposer.cache):
+        states = cache.block_states()
+        assert states["referenced"] == 0 and states["cached_unreferenced"] > 0
+        assert cache.num_free_blocks == cache.num_blocks
+
+
+def test_served_usage_reports_cached_tokens_and_metrics_the_hit_rate(tiny_target, close_draft, hf_target):
+    from fastapi.testclient import TestClient
+
+    from cluster.local import build_local_engine
+    from serving.openai_api import OpenAIServer, ServerSettings
+    from serving.openai_routes import build_fastapi_app
+
+    settings = EngineSettings(num_blocks=256, block_size=8, prefix_caching=True)
+    engine, tok = build_local_engine(str(tiny_target), str(close_draft), settings)
+    try:
+        client = TestClient(build_fastapi_app(OpenAIServer(engine, tok, ServerSettings(max_context=2048))))
+        prompt = "You are a helpful assistant. Answer briefly, and in English.\nUser: hi"
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "return_token_ids": True,
+                "speculation": {"mode": "chain", "spec_len": 3}}
+        first, second, opted_out = (client.post("/v1/completions", json=b).json()
+                                    for b in (body, body, {**body, "prefix_cache": False}))
+        ids = tok.encode(prompt)
+        expected = hf_greedy(hf_target, ids, 6)
+        assert [r["choices"][0]["token_ids"] for r in (first, second, opted_out)] == [expected] * 3
+        cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, second, opted_out)]
+        assert cached == [0, (len(ids) - 1) // 8 * 8, 0]
+        metrics = client.get("/metrics").text
+        rate = next(float(line.split()[-1]) for line in metrics.splitlines()
+                    if line.startswith("specflash_prefix_cache_target_hit_rate "))
+        assert rate == pytest.approx(cached[1] / (2 * (len(ids) - 1)))
+        assert "specflash_prefix_cache_draft_hit_rate " in metrics
+        assert "specflash_prefix_cache_target_blocks " in metrics
+        r = client.post("/v1/completions", json={**body, "prefix_cache": "sometimes"})
+        assert r.status_code == 400 and "prefix_cache" in r.text
+    finally:
+        engine.shutdown()
+
+
+def test_the_config_switch_reaches_the_engine_settings():
+    from cluster.config import AppArgs
+    from cluster.pipeline import settings_from_config
+
+    assert settings_from_config(AppArgs()).prefix_caching is False
+    assert settings_from_config(AppArgs.model_validate({"kv_cache": {"prefix_caching": True}})).prefix_caching
+    with pytest.raises(ValueError, match="prefix_cachin"):
+        AppArgs.model_validate({"kv_cache": {"prefix_cachin": True}})
