@@ -12,6 +12,7 @@ without `--config` uses `ClusterConfig.local_default()`, and with one layers the
     placement.py  ActorPlacement, PlacementConfig, NodeType, Toleration
     scaling.py    ReplicaScaling, DrafterScaling, AutoscalerOptions
     front.py      ServingConfig (HTTP / gRPC front)
+    monitoring.py MonitoringConfig (PodMonitor, PrometheusRule, dashboard)
     app.py        ModelPairConfig, AppArgs, ClusterConfig and the deployment-only blocks
     errors.py     ConfigError: one plain sentence per wrong field
 """
@@ -21,12 +22,13 @@ from cluster.config.base import (DEFAULT_VERIFIER_POLICY, INGRESS_DEPLOYMENT, MA
                                  RAY_BUILTIN_RESOURCES)
 from cluster.config.errors import ConfigError, explain
 from cluster.config.front import ServingConfig
+from cluster.config.monitoring import MonitoringConfig
 from cluster.config.placement import ActorPlacement, NodeType, PlacementConfig, Toleration
 from cluster.config.scaling import AutoscalerOptions, DrafterScaling, ReplicaScaling
 
 __all__ = [
     "ActorPlacement", "AppArgs", "AutoscalerOptions", "BenchmarkJob", "ClusterConfig", "ConfigError",
     "DEFAULT_VERIFIER_POLICY", "DrafterScaling", "INGRESS_DEPLOYMENT", "LauncherConfig",
-    "MAX_DRAFTERS_PER_VERIFIER", "ModelPairConfig", "ModelVolume", "NodeType", "PlacementConfig",
+    "MAX_DRAFTERS_PER_VERIFIER", "ModelPairConfig", "MonitoringConfig", "ModelVolume", "NodeType", "PlacementConfig",
     "RAY_BUILTIN_RESOURCES", "ReplicaScaling", "ServingConfig", "Toleration", "explain",
 ]

@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from cluster.config.base import MAX_DRAFTERS_PER_VERIFIER, _check_dns_1035, _Model
 from cluster.config.errors import ConfigError, explain
 from cluster.config.front import ServingConfig
+from cluster.config.monitoring import MonitoringConfig
 from cluster.config.placement import ActorPlacement, NodeType, PlacementConfig
 from cluster.config.scaling import AutoscalerOptions, DrafterScaling, ReplicaScaling
 from speculation.settings import SpeculationSettings
@@ -143,6 +144,8 @@ class ClusterConfig(AppArgs):
     )
     launcher: LauncherConfig = Field(default_factory=LauncherConfig, description="`ray up` provider settings.")
     benchmark: BenchmarkJob = Field(default_factory=BenchmarkJob, description="The RayJob's benchmark run.")
+    monitoring: MonitoringConfig = Field(
+        default_factory=MonitoringConfig, description="The PodMonitor, PrometheusRule and Grafana dashboard.")
 
     @field_validator("name")
     @classmethod
