@@ -244,7 +244,7 @@ def engine_counters(url: str) -> dict:
         return out
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        key = name.removeprefix("specflash_engine_")
+        key = name.removeprefix("specflash_engine_").removesuffix("_total")   # counters end in _total
         if key != name and (key in ENGINE_COUNTERS or key.startswith("planner_")):
             out[key] = float(value)
     return out

@@ -8,6 +8,8 @@ Outputs (DESIGN.md §7), all plain YAML so `kubectl apply -f` / `serve deploy` /
 - `rayjob-benchmark.yaml`: a RayJob that runs the benchmark on its own copy of the cluster.
 - `serve-config.yaml`: the Ray Serve config file (`serve deploy`), deployments with `autoscaling_config`.
 - `ray-cluster-launcher.yaml`: the `ray up` config with the same node types, for VMs.
+- `podmonitor.yaml`, `prometheusrule.yaml`, `grafana-dashboard.json`: scraping every replica, the
+  alerts, the dashboard (`cluster.monitoring`).
 
 KubeRay conventions followed: rayStartParams values are strings; custom resources go in rayStartParams
 `resources` as a quoted JSON string (the form Ray's docs give for KubeRay); GPUs come from the
@@ -21,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from cluster import monitoring
 from cluster.config import INGRESS_DEPLOYMENT, ClusterConfig, NodeType
 
 API_VERSION = "ray.io/v1"
@@ -34,6 +37,9 @@ FILES = {
     "rayjob-benchmark.yaml": "KubeRay RayJob running the benchmark on its own cluster",
     "serve-config.yaml": "Ray Serve config file: serve deploy serve-config.yaml",
     "ray-cluster-launcher.yaml": "Ray cluster launcher config for VMs: ray up ray-cluster-launcher.yaml",
+    "podmonitor.yaml": "Prometheus-operator PodMonitor scraping every Ray pod's metrics agent (all replicas)",
+    "prometheusrule.yaml": "Prometheus-operator PrometheusRule: the specflash alerts",
+    "grafana-dashboard.json": "Grafana dashboard of the specflash metrics (import it, pick the Prometheus)",
 }
 
 
@@ -308,14 +314,12 @@ def render(cfg: ClusterConfig, source: str = "cluster.example.yaml") -> dict[str
         "rayjob-benchmark.yaml": ray_job(cfg),
         "serve-config.yaml": serve_config(cfg),
         "ray-cluster-launcher.yaml": launcher_config(cfg),
+        "podmonitor.yaml": monitoring.pod_monitor(cfg),
+        "prometheusrule.yaml": monitoring.prometheus_rule(cfg),
     }
-    out = {}
-    for name, obj in objects.items():
-        header = (
-            f"# {FILES[name]}.\n"
-            f"# Rendered from {source} by `specflash manifests render`; edit that file, not this one.\n"
-        )
-        out[name] = header + to_yaml(obj)
+    note = f"Rendered from {source} by `specflash manifests render`; edit that file, not this one."
+    out = {name: f"# {FILES[name]}.\n# {note}\n" + to_yaml(obj) for name, obj in objects.items()}
+    out["grafana-dashboard.json"] = monitoring.dashboard_json(cfg, description=f"{FILES['grafana-dashboard.json']}. {note}")
     return out
 
 

@@ -28,10 +28,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    import pydantic
-
     from cluster import manifests
-    from cluster.config import ClusterConfig
+    from cluster.config import ClusterConfig, ConfigError
 
     config = Path(args.config)
     try:
@@ -39,9 +37,10 @@ def run(args: argparse.Namespace) -> int:
         rendered = manifests.render(cfg, source=config.name)
     except FileNotFoundError:
         return _fail(f"no cluster config at {config}")
-    except pydantic.ValidationError as e:
-        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'config'}: {err['msg']}" for err in e.errors())
-        return _fail(f"{config} is not a valid cluster config: {problems}")
+    except ConfigError as e:
+        partial = any("is missing" in p for p in e.problems)
+        return _fail(f"{e}" + (" (cluster manifests need a complete config; only `specflash serve` layers a "
+                                "partial one over the local defaults)" if partial else ""))
     except ValueError as e:
         return _fail(f"{config} is not a valid cluster config: {e}")
     out = Path(args.out)

@@ -33,6 +33,7 @@ from ray import serve
 
 from cluster.autoscaling import SignalWindow, replica_signals, start_drafter_autoscaler
 from cluster.config import INGRESS_DEPLOYMENT, AppArgs
+from cluster.metrics import mirror_forever
 
 log = logging.getLogger("specflash.serve")
 
@@ -127,6 +128,8 @@ class SpecflashIngress:
         self.grpc = GrpcService(self.server)
         self.signals = SignalWindow()
         self.drafter_scaler = start_drafter_autoscaler(self.engine, args)
+        # this replica's metrics, labelled deployment/replica, through Ray's metrics agents
+        self.metrics_mirror = asyncio.get_running_loop().create_task(mirror_forever(self.server))
 
     def __serve_build_asgi_app__(self):
         from serving.openai_routes import build_fastapi_app
@@ -165,6 +168,9 @@ class SpecflashIngress:
             raise RuntimeError(f"engine unhealthy: {h}")
 
     def __del__(self):
+        mirror = getattr(self, "metrics_mirror", None)
+        if mirror is not None:
+            mirror.cancel()
         server = getattr(self, "server", None)
         if server is not None:
             server.begin_shutdown()

@@ -2,8 +2,14 @@
 
     specflash serve [--target DIR] [--draft DIR] [--host H] [--port P] [--grpc-port P]
                     [--config FILE] [--engine auto|pipeline|local|fake] [--model-name NAME]
+                    [--api-key KEY | --api-key-file FILE] [--max-queue N] [--request-timeout S]
+                    [--spec-mode off|chain|tree|auto] [--spec-len K]
 
-Without --target it serves the embedded default pair (`models.embedded`). With
+Without --target it serves the embedded default pair (`models.embedded`). `--config` may be
+partial (only a `serving:` block, say): what it leaves out comes from the local defaults, and
+each flag overrides the config field it names (FLAG_FIELDS). A wrong config or flag ends with one
+plain sentence per field; a config asking for resources no node of a local Ray has (GPUs on a
+machine without them) ends at once with what is missing, instead of waiting forever. With
 `RAY_ADDRESS` set it deploys onto that cluster and, on exit, deletes only its
 own application; otherwise it starts a local Ray and shuts it down on exit.
 The URL is printed once `/health` answers 200. Ctrl-C or SIGTERM drains, then
@@ -44,9 +50,19 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="HTTP bind address (default: the config's, 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default: the config's, 8000)")
     p.add_argument("--grpc-port", type=int, help="gRPC port (default: the config's, 9000)")
-    p.add_argument("--config", metavar="FILE", help="ClusterConfig YAML (default: local defaults)")
-    p.add_argument("--engine", default="auto", help="auto | pipeline | local | fake | module:factory")
-    p.add_argument("--model-name", default="specflash", help="the model id clients send")
+    p.add_argument("--config", metavar="FILE",
+                   help="ClusterConfig YAML, possibly partial (e.g. only a `serving:` block): the blocks it "
+                        "leaves out come from the local defaults")
+    p.add_argument("--engine", help="auto | pipeline | local | fake | module:factory (default: the config's, auto)")
+    p.add_argument("--model-name", help="the model id clients send (default: the config's, specflash)")
+    p.add_argument("--api-key", metavar="KEY",
+                   help="clients must send `Authorization: Bearer KEY` (or set SPECFLASH_API_KEY); "
+                        "on a cluster prefer serving.api_key_env / api_key_file from a Secret")
+    p.add_argument("--api-key-file", metavar="FILE", help="file holding the API key(s), one per line")
+    p.add_argument("--max-queue", type=int, metavar="N", help="requests waiting before 429/503 (default 256)")
+    p.add_argument("--request-timeout", type=float, metavar="S", help="abort a request running longer (default 600)")
+    p.add_argument("--spec-mode", choices=("off", "chain", "tree", "auto"), help="server default speculation")
+    p.add_argument("--spec-len", type=int, metavar="K", help="draft chain length / tree depth")
     p.add_argument("--drain-timeout", type=float, default=None, metavar="S",
                    help="on SIGTERM / Ctrl-C, let in-flight requests finish for S seconds "
                         "(default: the config's serving.drain_timeout_s, 30)")
@@ -55,27 +71,83 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="give up if the app does not answer /health within S seconds")
 
 
+# flag -> the config field it sets (dotted); a flag left out keeps the config's value
+FLAG_FIELDS = {"host": "serving.host", "port": "serving.port", "grpc_port": "serving.grpc_port",
+               "drain_timeout": "serving.drain_timeout_s", "max_queue": "serving.max_queue",
+               "request_timeout": "serving.request_timeout_s", "api_key_file": "serving.api_key_file",
+               "engine": "engine", "model_name": "model_name", "spec_mode": "speculation.mode",
+               "spec_len": "speculation.spec_len"}
+API_KEY_ENV = "SPECFLASH_API_KEY"  # where `--api-key` puts the key for the replicas (a job env var)
+
+
 def app_args_from(args) -> dict:
-    """The Serve app's args: the config (or local defaults) with the flags applied."""
-    from cluster.config import ClusterConfig
+    """The Serve app's args: the config (layered over the local defaults) with the flags applied;
+    a `ConfigError` naming each wrong field (flags by their config field) if the result is invalid."""
+    from cluster.config import ClusterConfig, explain
+    from pydantic import ValidationError
     from serving.grpc_service import GENERATED_SERVICER_FUNCTION, SERVICER_FUNCTION
 
-    cfg = ClusterConfig.from_yaml(args.config) if args.config else ClusterConfig.local_default()
-    data = cfg.app_args()
+    cfg = ClusterConfig.from_yaml(args.config, layered=True) if args.config else ClusterConfig.local_default()
+    data = cfg.model_dump(mode="json")
     if args.target is not None:
         data["models"]["target"], data["models"]["draft"] = args.target, args.draft
     elif args.draft is not None:
         raise ValueError("--draft needs --target (the embedded pair is all-or-nothing)")
-    for flag, key in (("host", "host"), ("port", "port"), ("grpc_port", "grpc_port"),
-                      ("drain_timeout", "drain_timeout_s")):
-        if getattr(args, flag) is not None:
-            data["serving"][key] = getattr(args, flag)
+    for flag, dotted in FLAG_FIELDS.items():
+        if getattr(args, flag, None) is not None:
+            *path, last = dotted.split(".")
+            _at(data, path)[last] = getattr(args, flag)
+    if getattr(args, "api_key", None) is not None or getattr(args, "api_key_file", None) is not None:
+        env = API_KEY_ENV if getattr(args, "api_key", None) is not None else None
+        data["serving"]["api_key_env"], data["serving"]["api_key_file"] = env, args.api_key_file
+    try:
+        cfg = ClusterConfig.model_validate(data)
+    except ValidationError as e:
+        source = f"{args.config} with the command-line flags" if args.config else "the command-line flags"
+        raise explain(e, ClusterConfig, source) from None
+    data = cfg.app_args()
     servicers = [f for f in data["serving"]["grpc_servicer_functions"]
                  if f != GENERATED_SERVICER_FUNCTION]  # the same service, minus malformed-input care
     data["serving"]["grpc_servicer_functions"] = servicers + [SERVICER_FUNCTION] * (
         SERVICER_FUNCTION not in servicers)
-    data["engine"], data["model_name"] = args.engine, args.model_name
     return data
+
+
+def job_env(args) -> dict[str, str]:
+    """Environment variables every replica gets (through Ray's job runtime_env): the `--api-key`."""
+    if getattr(args, "api_key", None) is None:
+        return {}
+    if not args.api_key.strip():
+        raise ValueError("--api-key is empty")
+    return {API_KEY_ENV: args.api_key}
+
+
+def _at(data: dict, path: list[str]) -> dict:
+    for key in path:
+        data = data[key]
+    return data
+
+
+def check_placeable(app_args, nodes: list[dict[str, float]], joined: bool) -> None:
+    """Stop with the reason when no node can host an actor the config asks for (a local Ray never
+    grows, so Ray would keep it pending forever) or a checkpoint is not on this machine; on a joined
+    cluster only warn: its autoscaler may add such a node, and the checkpoints live on its nodes."""
+    problems = app_args.placement.unplaceable(nodes, pipeline=app_args.engine in ("auto", "pipeline"))
+    if joined:
+        if problems:
+            print("specflash: warning: " + "; ".join(problems) + "; waiting for Ray's autoscaler to add "
+                  "such a node", file=sys.stderr, flush=True)
+        return
+    if problems:
+        problems[-1] += (". This local Ray cannot grow: run it where those resources are (RAY_ADDRESS, or "
+                         "the manifests), or lower placement.* in the config (e.g. num_gpus: 0 and no "
+                         "custom resources on a machine without GPUs)")
+    for side in ("target", "draft") if app_args.engine != "fake" else ():
+        path = getattr(app_args.models, side)
+        if path is not None and not os.path.isdir(path):
+            problems.append(f"models.{side} {path!r} is not a checkpoint directory on this machine")
+    if problems:
+        raise RuntimeError("; ".join(problems))
 
 
 def wait_healthy(url: str, timeout_s: float, alive=lambda: True) -> dict:
@@ -116,6 +188,7 @@ def run(args) -> int:
         if data["models"]["target"] is None and data["engine"] != "fake":
             data["models"]["target"], data["models"]["draft"] = _embedded_pair()
         app_args, _ = split_args(data)
+        env = job_env(args)
     except (ValueError, OSError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
@@ -125,12 +198,13 @@ def run(args) -> int:
     s = app_args.serving
     joined = bool(os.environ.get("RAY_ADDRESS"))
     try:
-        _init_ray(joined, args.num_cpus)
+        _init_ray(joined, args.num_cpus, env)
     except Exception as e:
         print(f"error: cannot start or join Ray: {e}", file=sys.stderr)
         return EXIT_ERROR
     stop = _Stop()  # after ray.init, which installs its own SIGTERM handler in the driver
     try:
+        check_placeable(app_args, [n["Resources"] for n in ray.nodes() if n["Alive"]], joined)
         serve.start(http_options={"host": s.host, "port": s.port},
                     grpc_options={"port": s.grpc_port,
                                   "grpc_servicer_functions": s.grpc_servicer_functions})
@@ -138,7 +212,7 @@ def run(args) -> int:
         host = "127.0.0.1" if s.host in ("0.0.0.0", "::") else s.host
         url = f"http://{host}:{s.port}"
         health = wait_healthy(url, args.ready_timeout, alive=lambda: not stop.event.is_set())
-        print(f"specflash serving {args.model_name!r} at {url}/v1 (OpenAI-compatible), "
+        print(f"specflash serving {app_args.model_name!r} at {url}/v1 (OpenAI-compatible), "
               f"gRPC on {host}:{s.grpc_port}; speculation "
               f"{'on' if health.get('speculation') else 'off'}. Ctrl-C to stop.", flush=True)
         stop.event.wait()
@@ -193,17 +267,19 @@ def _embedded_pair() -> tuple[str, str]:
     return str(target), str(draft)
 
 
-def _init_ray(joined: bool, num_cpus: int | None, attempts: int = 3) -> None:
+def _init_ray(joined: bool, num_cpus: int | None, env: dict[str, str], attempts: int = 3) -> None:
     """Join RAY_ADDRESS, or start a local Ray; a local start that times out on an
-    overloaded machine (GCS slow to answer) is retried after a clean shutdown."""
+    overloaded machine (GCS slow to answer) is retried after a clean shutdown. `env` becomes the
+    job's runtime_env, which the Serve replicas `serve.run` starts inherit."""
     import ray
 
+    runtime_env = {"env_vars": env} if env else None
     if joined:
-        ray.init(address=os.environ["RAY_ADDRESS"])
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env)
         return
     for attempt in range(attempts):
         try:
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, runtime_env=runtime_env)
             return
         except Exception as e:
             ray.shutdown()

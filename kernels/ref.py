@@ -10,6 +10,18 @@ import math
 import torch
 
 
+def tree_depths(tree_mask: torch.Tensor) -> torch.Tensor:  # [B, T, T] bool -> [B, T] int32
+    """Each node's depth in its tree (0 = a child of the prefix's last token): its ancestors."""
+    return tree_mask.sum(-1, dtype=torch.int32) - 1
+
+
+def window_tree_mask(tree_mask: torch.Tensor, sliding_window: int) -> torch.Tensor:  # [B, T, T] bool
+    """`tree_mask` less the ancestors a sliding window hides: node i (at position P + depth i)
+    sees ancestor j (at P + depth j) only while depth i - depth j < sliding_window."""
+    d = tree_depths(tree_mask)
+    return tree_mask & ((d[:, :, None] - d[:, None, :]) < sliding_window)
+
+
 def tree_decode_attention(
     q: torch.Tensor,             # [B, T, Hq, D]
     k_cache: torch.Tensor,       # [N_blocks, block_size, Hkv, D]
@@ -19,17 +31,22 @@ def tree_decode_attention(
     tree_mask: torch.Tensor,     # [B, T, T] bool
     sm_scale: float | None = None,
     num_splits: int | None = None,  # accepted for signature parity; unused here
+    sliding_window: int | None = None,  # a query at position i sees keys at j > i - window; None = all
 ) -> torch.Tensor:               # [B, T, Hq, D]
     """Attention of T tree queries over a paged prefix plus the tree itself.
 
     Gathers the pages of each sequence, then a masked softmax in fp32: every
-    query sees the whole prefix and the tree nodes that `tree_mask` allows.
+    query sees the whole prefix (with a sliding window, the prefix positions j with
+    P + depth(i) - j < window) and the tree nodes that `tree_mask` allows.
     """
     B, T, Hq, D = q.shape
     block_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     group = Hq // Hkv
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     out = torch.empty_like(q)
+    if sliding_window is not None:
+        depths = tree_depths(tree_mask).long()                       # [B, T]
+        tree_mask = window_tree_mask(tree_mask, sliding_window)
     for b in range(B):
         P = int(prefix_lens[b])
         n_blocks = (P + T + block_size - 1) // block_size
@@ -39,6 +56,9 @@ def tree_decode_attention(
         qb = q[b].float().reshape(T, Hkv, group, D)                 # [T, Hkv, G, D]
         scores = torch.einsum("thgd,shd->hgts", qb, k) * scale     # [Hkv, G, T, P+T]
         allowed = torch.ones(T, P + T, dtype=torch.bool, device=q.device)
+        if sliding_window is not None:
+            query_pos = P + depths[b]                               # [T]
+            allowed[:, :P] = torch.arange(P, device=q.device)[None, :] > query_pos[:, None] - sliding_window
         allowed[:, P:] = tree_mask[b]
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1)

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import ref
+
 _LOG2E = 1.4426950408889634
 _MAX_BLOCK_M = 64       # query rows per program
 _MIN_SPLIT_TOKENS = 512  # no chunk shorter than this: short prefixes are not split
@@ -91,18 +93,21 @@ def _tree_attn_prefix_kernel(
     v_ptr,      # [N_blocks, PAGE_SIZE, Hkv, D]
     bt_ptr,     # [B, max_blocks] int32
     plen_ptr,   # [B] int32
+    depth_ptr,  # [B, T] int32: each node's depth (read only with HAS_WINDOW)
     po_ptr,     # [B, Hkv, S, T*GROUP, D] float32: partial output, normalised
     plse_ptr,   # [B, Hkv, S, T*GROUP] float32: partial log2-sum-exp2 (-inf if empty)
-    qk_scale, T, Hkv, num_splits,
+    qk_scale, T, Hkv, num_splits, window,
     stride_qb, stride_qt, stride_qh,
     stride_kn, stride_ks, stride_kh,
     stride_vn, stride_vs, stride_vh,
     stride_btb,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
-    """Stage 1: one (sequence, KV head, prefix chunk, row tile) per program."""
+    """Stage 1: one (sequence, KV head, prefix chunk, row tile) per program. With a sliding
+    window, row t (at position P + depth t) sees prefix positions > P + depth t - window, and
+    tiles before P - window + 1 (outside every row's window) are not read at all."""
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
     m_block = tl.program_id(2)
@@ -117,17 +122,25 @@ def _tree_attn_prefix_kernel(
     start = split * chunk
     end = tl.minimum(start + chunk, P)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    begin = start
+    if HAS_WINDOW:
+        depth = tl.load(depth_ptr + b.to(tl.int64) * T + t, mask=row_ok, other=0)   # [BLOCK_M]
+        oldest = P + depth - window                                                  # last hidden position
+        begin = tl.maximum(start, P - window + 1)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(begin, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
         kt, v = _load_kv_tile(k_ptr, v_ptr, bt_row, pos, pos_ok, offs_d, d_ok, kvh,
                               stride_kn, stride_ks, stride_kh,
                               stride_vn, stride_vs, stride_vh, PAGE_SIZE)
-        m_i, l_i, acc = _online_softmax_step(q, kt, v, pos_ok[None, :], m_i, l_i, acc,
+        allowed = pos_ok[None, :]
+        if HAS_WINDOW:
+            allowed = allowed & (pos[None, :] > oldest[:, None])
+        m_i, l_i, acc = _online_softmax_step(q, kt, v, allowed, m_i, l_i, acc,
                                              qk_scale, DOT_PRECISION, DOT_UPCAST)
 
     has = l_i > 0.0
@@ -159,7 +172,7 @@ def _tree_attn_merge_kernel(
     stride_ob, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr, HAS_WINDOW: tl.constexpr,  # stage 1 only
 ):
     """Stage 2: the tree keys under `tree_mask`, then merge the prefix partials."""
     pid_bh = tl.program_id(0)
@@ -247,11 +260,14 @@ def tree_decode_attention(
     tree_mask: torch.Tensor,     # [B, T, T] bool
     sm_scale: float | None = None,
     num_splits: int | None = None,
+    sliding_window: int | None = None,  # a query at position i sees keys at j > i - window; None = all
 ) -> torch.Tensor:               # [B, T, Hq, D], dtype of q
     """Attention of T tree nodes over their paged prefix and the tree (DESIGN.md §5).
 
     `num_splits=None` picks the split count from the shapes without a host sync:
-    the prefix length is bounded by the block table's capacity.
+    the prefix length is bounded by the block table's capacity. A node's position is
+    P + its depth (the ancestors `tree_mask` gives it); `sliding_window` hides the keys
+    more than window - 1 positions behind it, prefix and tree alike (Mistral's mask).
     """
     B, T, Hq, D = q.shape
     n_blocks, page_size, Hkv, Dk = k_cache.shape
@@ -280,6 +296,10 @@ def tree_decode_attention(
         capacity = block_tables.shape[1] * page_size
         num_splits = choose_num_splits(B, Hkv, m_blocks, capacity, _num_sms(q.device))
     assert num_splits >= 1
+    assert sliding_window is None or sliding_window >= 1, sliding_window
+    if sliding_window is not None:   # the tree part: hide the ancestors too far up; the prefix: stage 1
+        depths = ref.tree_depths(tree_mask).contiguous()
+        tree_mask = ref.window_tree_mask(tree_mask, sliding_window).contiguous()
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
     qk_scale = scale * _LOG2E
     upcast = q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
@@ -292,10 +312,11 @@ def tree_decode_attention(
                block_tables.stride(0))
     meta = dict(GROUP=group, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_M=block_m,
                 BLOCK_N=block_n, BLOCK_D=block_d, DOT_PRECISION=precision, DOT_UPCAST=upcast,
-                num_warps=4 if block_m * block_d <= 64 * 64 else 8, num_stages=2)
+                HAS_WINDOW=sliding_window is not None, num_warps=4 if block_m * block_d <= 64 * 64 else 8, num_stages=2)
     _tree_attn_prefix_kernel[(B * Hkv, num_splits, m_blocks)](
-        q, k_cache, v_cache, block_tables, prefix_lens, partial_out, partial_lse,
-        qk_scale, T, Hkv, num_splits, *strides, **meta)
+        q, k_cache, v_cache, block_tables, prefix_lens,
+        depths if sliding_window is not None else prefix_lens, partial_out, partial_lse,
+        qk_scale, T, Hkv, num_splits, sliding_window or 0, *strides, **meta)
     _tree_attn_merge_kernel[(B * Hkv, m_blocks)](
         q, k_cache, v_cache, block_tables, prefix_lens, tree_mask.view(torch.uint8),
         partial_out, partial_lse, out, qk_scale, T, Hkv, num_splits, *strides,

@@ -24,17 +24,20 @@ def tree_attention(
     tree_mask: torch.Tensor,     # [B, T, T] bool
     sm_scale: float | None = None,
     context: "CpuAttentionContext | None" = None,
+    sliding_window: int | None = None,   # this layer's window (ModelConfig.window_of); None = full
 ) -> torch.Tensor:               # [B, T, Hq, D]
     if q.is_cuda:
         from kernels import tree_decode_attention   # Triton; lazy on purpose
 
         return tree_decode_attention(
-            q.contiguous(), k_cache, v_cache, block_tables, prefix_lens, tree_mask, sm_scale=sm_scale
+            q.contiguous(), k_cache, v_cache, block_tables, prefix_lens, tree_mask, sm_scale=sm_scale,
+            sliding_window=sliding_window,
         )
     if context is not None:
-        return context.attend(q, k_cache, v_cache, sm_scale)
+        return context.attend(q, k_cache, v_cache, sm_scale, windowed=sliding_window is not None)
     return ref.tree_decode_attention(
-        q, k_cache, v_cache, block_tables, prefix_lens, tree_mask, sm_scale=sm_scale
+        q, k_cache, v_cache, block_tables, prefix_lens, tree_mask, sm_scale=sm_scale,
+        sliding_window=sliding_window,
     )
 
 
@@ -50,11 +53,12 @@ class CpuAttentionContext:
     ([B * Hkv, G * T, S]: 0 where visible, -inf elsewhere). A layer then costs
     two gathers, one baddbmm, a softmax and one bmm, whatever B is. Same
     arithmetic as the reference (fp32 scores, softmax, weighted sum), to
-    rounding.
+    rounding. With `sliding_window` (the model's; layers may or may not use it)
+    it also holds the windowed visibility, which `attend(..., windowed=True)` uses.
     """
 
     def __init__(self, block_tables: torch.Tensor, prefix_lens: torch.Tensor, tree_mask: torch.Tensor,
-                 block_size: int, num_heads: int, num_kv_heads: int) -> None:
+                 block_size: int, num_heads: int, num_kv_heads: int, sliding_window: int | None = None) -> None:
         B, T = tree_mask.shape[0], tree_mask.shape[1]
         device = tree_mask.device
         P = prefix_lens.to(device=device, dtype=torch.long)                          # [B]
@@ -66,16 +70,28 @@ class CpuAttentionContext:
         self.slots = (table.gather(1, own // block_size) * block_size + own % block_size).reshape(B * S)
         rel = pos[None, :] - P[:, None]                                              # [B, S] offset into the tree
         in_tree = (rel >= 0) & (rel < T)
-        tree_part = tree_mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, S))
-        visible = torch.where(in_tree[:, None, :], tree_part, (rel < 0)[:, None, :])    # [B, T, S]
-        bias = torch.zeros(B, T, S, device=device).masked_fill_(~visible, float("-inf"))
-        G = num_heads // num_kv_heads
-        self.bias = bias[:, None, None].expand(B, num_kv_heads, G, T, S).reshape(B * num_kv_heads, G * T, S)
+
+        def bias_of(tree_mask: torch.Tensor, prefix_visible: torch.Tensor) -> torch.Tensor:
+            tree_part = tree_mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, S))
+            visible = torch.where(in_tree[:, None, :], tree_part, prefix_visible)       # [B, T, S]
+            bias = torch.zeros(B, T, S, device=device).masked_fill_(~visible, float("-inf"))
+            G = num_heads // num_kv_heads
+            return bias[:, None, None].expand(B, num_kv_heads, G, T, S).reshape(B * num_kv_heads, G * T, S)
+
+        self.bias = bias_of(tree_mask, (rel < 0)[:, None, :])
+        self.window_bias = None
+        if sliding_window is not None:   # node i sits at P + depth i and sees positions > it - window
+            query_pos = P[:, None] + ref.tree_depths(tree_mask)                        # [B, T]
+            recent = pos[None, None, :] > (query_pos - sliding_window)[:, :, None]       # [B, T, S]
+            self.window_bias = bias_of(ref.window_tree_mask(tree_mask, sliding_window),
+                                       (rel < 0)[:, None, :] & recent)
         self.B, self.T, self.S = B, T, S
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               sm_scale: float | None = None) -> torch.Tensor:                      # [B, T, Hq, D]
+               sm_scale: float | None = None, windowed: bool = False) -> torch.Tensor:  # [B, T, Hq, D]
         B, T, S = self.B, self.T, self.S
+        assert not windowed or self.window_bias is not None, "context built without the sliding window"
+        bias = self.window_bias if windowed else self.bias
         Hq, D = q.shape[2], q.shape[3]
         Hkv = k_cache.shape[2]
         G = Hq // Hkv
@@ -85,6 +101,6 @@ class CpuAttentionContext:
         k = k.view(B, S, Hkv, D).permute(0, 2, 3, 1).reshape(B * Hkv, D, S)
         v = v.view(B, S, Hkv, D).permute(0, 2, 1, 3).reshape(B * Hkv, S, D)
         qg = q.float().reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B * Hkv, G * T, D)
-        probs = torch.softmax(torch.baddbmm(self.bias, qg, k, alpha=scale), dim=-1)  # [B*Hkv, G*T, S]
+        probs = torch.softmax(torch.baddbmm(bias, qg, k, alpha=scale), dim=-1)  # [B*Hkv, G*T, S]
         out = torch.bmm(probs, v).view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4)        # [B, T, Hkv, G, D]
         return out.reshape(B, T, Hq, D).to(q.dtype)

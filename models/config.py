@@ -1,8 +1,12 @@
 """Model shapes (`ModelConfig`) read from Hugging Face `config.json`, and RoPE frequencies.
 
 One dataclass covers the three Llama-family layouts we serve: Llama, Qwen2
-(bias on the q/k/v projections) and Mistral (may name a sliding window; our
-contexts stay inside it, so it is recorded, not applied).
+(bias on the q/k/v projections) and Mistral. Mistral, and Qwen2 with
+`use_sliding_window`, may name a sliding window (Beltagy et al. 2020, Longformer;
+Jiang et al. 2023, Mistral 7B): a query at position i sees keys at positions j with
+i - j < sliding_window, on every layer (Mistral) or on the layers `layer_types` names
+`sliding_attention` (Qwen2: those from `max_window_layers` on), exactly as transformers
+masks it. The context is still capped by `max_position_embeddings`, as the model is.
 
 RoPE (Su et al. 2021, "RoFormer") with the scalings those checkpoints use:
 `default`, `linear` (position interpolation, Chen et al. 2023), `dynamic`
@@ -49,7 +53,8 @@ class ModelConfig:
     attention_bias: bool = False         # bias on q/k/v projections (Qwen2; Llama's attention_bias)
     attention_out_bias: bool = False     # bias on o_proj (Llama's attention_bias only)
     mlp_bias: bool = False               # bias on gate/up/down (Llama's mlp_bias)
-    sliding_window: int | None = None    # recorded, not applied
+    sliding_window: int | None = None    # keys a query sees: positions i - j < sliding_window
+    window_layers: list[int] | None = None   # layers using the window; None = every layer
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -60,11 +65,19 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in ROPE_TYPES:
             raise UnsupportedModelError(
                 f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
             )
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of layer `layer`; None = full (causal) attention."""
+        if self.sliding_window is None or (self.window_layers is not None and layer not in self.window_layers):
+            return None
+        return self.sliding_window
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
@@ -76,9 +89,7 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
         rope_theta, rope_scaling = _rope_of(hf)
-        sliding = hf.get("sliding_window")
-        if arch == "qwen2" and not hf.get("use_sliding_window", False):
-            sliding = None
+        sliding, window_layers = _sliding_window_of(arch, hf)
         bias = bool(hf.get("attention_bias", False))
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -100,9 +111,26 @@ class ModelConfig:
             attention_out_bias=bias if arch == "llama" else False,
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=sliding,
+            window_layers=window_layers,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _sliding_window_of(arch: str, hf: dict[str, Any]) -> tuple[int | None, list[int] | None]:
+    """(window, the layers using it) as transformers applies them: `layer_types` when the config
+    lists them; Qwen2: only with `use_sliding_window`, on layers >= `max_window_layers`; else all."""
+    window = hf.get("sliding_window")
+    if window is None or (arch == "qwen2" and not hf.get("use_sliding_window", False)):
+        return None, None
+    n = hf["num_hidden_layers"]
+    if hf.get("layer_types"):
+        layers = [i for i, kind in enumerate(hf["layer_types"]) if kind == "sliding_attention"]
+    elif arch == "qwen2":
+        layers = list(range(hf.get("max_window_layers", 28), n))
+    else:
+        return int(window), None
+    return (int(window), layers) if layers else (None, None)
 
 
 def _unsupported_message(name: str) -> str:

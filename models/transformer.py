@@ -151,9 +151,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, sliding_window: int | None = None) -> None:
         super().__init__()
         self.c = c
+        self.sliding_window = sliding_window   # this layer's window (c.window_of(i)); None = full attention
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.attn_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.qkv_proj = Linear(c.hidden_size, q_dim + 2 * kv_dim, bias=c.attention_bias)
@@ -181,7 +182,8 @@ class DecoderLayer(nn.Module):
         v = qkv[..., (Hq + Hkv) * D :].reshape(B * T, Hkv, D)
         k_cache.view(-1, Hkv, D).index_copy_(0, slots, k.reshape(B * T, Hkv, D))
         v_cache.view(-1, Hkv, D).index_copy_(0, slots, v)
-        attn = tree_attention(q, k_cache, v_cache, block_tables, prefix_lens, tree_mask, context=context)
+        attn = tree_attention(q, k_cache, v_cache, block_tables, prefix_lens, tree_mask, context=context,
+                              sliding_window=self.sliding_window)
         h = h + self.o_proj(attn.reshape(B, T, Hq * D))
 
         gate_up = self.gate_up_proj(rms_norm(h, self.mlp_norm, c.rms_norm_eps))   # [B, T, 2I]
@@ -196,7 +198,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, config.window_of(i)) for i in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size))
         self.lm_head = (
             None if config.tie_word_embeddings
@@ -288,7 +290,7 @@ class Transformer(nn.Module):
         context = None            # on the CPU, what every layer's attention shares, built once
         if not input_ids.is_cuda:
             context = CpuAttentionContext(block_tables, prefix_lens, tree_mask, bs, self.config.num_heads,
-                                          self.config.num_kv_heads)
+                                          self.config.num_kv_heads, self.config.sliding_window)
         attn_meta = (slots, block_tables, prefix_lens, tree_mask, context)
         rope = self.rope(positions)
         h = self._inputs(input_ids, features)

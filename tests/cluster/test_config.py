@@ -8,7 +8,7 @@ import pydantic
 import pytest
 import yaml
 
-from cluster.config import ActorPlacement, AppArgs, ClusterConfig, NodeType, ReplicaScaling
+from cluster.config import ActorPlacement, AppArgs, ClusterConfig, ConfigError, NodeType, ReplicaScaling
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "manifests" / "cluster.example.yaml"
@@ -145,3 +145,78 @@ def test_app_args_are_the_serve_app_part_of_the_config():
     assert AppArgs.model_validate({}) == AppArgs()  # `serve run cluster.serve_app:build_app` with no args
     with pytest.raises(pydantic.ValidationError, match="nothing serves without a verifier"):
         AppArgs.model_validate({"verifier_scaling": {"min_replicas": 0}})
+
+
+# ---- a config a person can use (issue 26, item 7) ---------------------------------------------
+def test_a_partial_config_is_layered_over_the_local_defaults(tmp_path):
+    path = tmp_path / "serving.yaml"
+    path.write_text("serving:\n  api_key_env: MY_KEY\n  port: 8100\n")
+    cfg = ClusterConfig.from_yaml(path, layered=True)
+    local = ClusterConfig.local_default()
+    assert (cfg.serving.api_key_env, cfg.serving.port) == ("MY_KEY", 8100)
+    assert cfg.serving.max_queue == local.serving.max_queue          # the block's own defaults
+    assert cfg.model_copy(update={"serving": local.serving}) == local  # everything else is local
+    (tmp_path / "empty.yaml").write_text("")
+    assert ClusterConfig.from_yaml(tmp_path / "empty.yaml", layered=True) == local
+    # the cluster manifests still need a complete config: each missing field said once, in words
+    with pytest.raises(ConfigError) as info:
+        ClusterConfig.from_yaml(path)
+    problems = info.value.problems
+    assert problems[0] == "`image` is missing: Container image with specflash installed (same Ray version)."
+    assert [p.split("`")[1] for p in problems] == ["image", "ray_version", "head", "drafter_nodes", "verifier_nodes"]
+    assert "\n" not in str(info.value)
+
+
+def test_a_block_given_is_taken_whole(tmp_path):
+    path = tmp_path / "head.yaml"
+    path.write_text("head: {name: big}\n")
+    with pytest.raises(ConfigError, match=r"`head.cpus` is missing: CPUs of one node"):
+        ClusterConfig.from_yaml(path, layered=True)
+
+
+@pytest.mark.parametrize("yaml_text, sentence", [
+    ("serving: {prot: 8001}", "`prot` is not a setting of `serving`; did you mean `port`?"),
+    ("servng: {port: 8001}", "`servng` is not a setting at the top level; did you mean `serving`?"),
+    ("serving: {port: abc}", "`serving.port` should be a valid integer, got 'abc'."),
+    ("serving: {port: 0}", "`serving.port` should be greater than or equal to 1, got 0."),
+    ("models: {dtype: fp8}", "`models.dtype` should be 'float32', 'bfloat16' or 'float16', got 'fp8'."),
+    ("serving: {port: 9000}", "`serving`: HTTP and gRPC need different ports, both are 9000."),
+    ("verifier_scaling: {min_replicas: 0}", "the config: verifier_scaling.min_replicas must be >= 1"),
+])
+def test_config_errors_are_one_plain_sentence_per_field(tmp_path, yaml_text, sentence):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text + "\n")
+    with pytest.raises(ConfigError) as info:
+        ClusterConfig.from_yaml(path, layered=True)
+    assert len(info.value.problems) == 1 and info.value.problems[0].startswith(sentence), info.value.problems
+    assert str(info.value).startswith(f"{path} is not a valid config: ")
+
+
+def test_the_local_head_is_this_machine(monkeypatch, tmp_path):
+    import cluster.config.app as app
+
+    monkeypatch.setattr(app, "_local_gpus", lambda: 0)
+    monkeypatch.setattr(app.os, "cpu_count", lambda: 6)
+    assert ClusterConfig.local_default().head.cpus == 6
+    path = tmp_path / "gpu.yaml"
+    path.write_text("placement:\n  verifier: {num_gpus: 1}\n")
+    with pytest.raises(ConfigError, match=r"a verifier actor does not fit on node type 'local': needs GPU=1 \(offers 0\)"):
+        ClusterConfig.from_yaml(path, layered=True)
+    monkeypatch.setattr(app, "_local_gpus", lambda: 1)
+    assert ClusterConfig.from_yaml(path, layered=True).placement.verifier.num_gpus == 1
+
+
+def test_unplaceable_names_the_actor_and_what_the_nodes_offer():
+    cfg = ClusterConfig.from_yaml(EXAMPLE)
+    cpu_node = {"CPU": 2.0, "memory": 1e9, "node:10.0.0.1": 1.0, "object_store_memory": 1e8}
+    problems = cfg.placement.unplaceable([cpu_node])
+    assert problems == [
+        "placement.verifier asks for CPU=8, GPU=1, specflash_verifier=1, which no node of this Ray cluster "
+        "offers (CPU=2)",
+        "placement.drafter asks for CPU=4, GPU=1, specflash_drafter=1, which no node of this Ray cluster "
+        "offers (CPU=2)",
+    ]
+    assert cfg.placement.unplaceable([cpu_node], pipeline=False) == []  # only the ingress: CPU=1
+    gpu_nodes = [{"CPU": 8, "GPU": 1, "specflash_verifier": 1}, {"CPU": 8, "GPU": 1, "specflash_drafter": 1}]
+    assert cfg.placement.unplaceable(gpu_nodes) == []
+    assert cfg.placement.unplaceable([]) and "no alive node" in cfg.placement.unplaceable([])[0]

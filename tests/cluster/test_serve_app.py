@@ -73,3 +73,55 @@ def test_serve_flags_override_the_config(tmp_path):
 def test_draft_without_target_is_an_error():
     with pytest.raises(ValueError, match="--draft needs --target"):
         app_args_from(parse("--draft", "/d"))
+
+
+# ---- configuration a person can use (issue 26, item 7) ---------------------------------------
+def test_a_serving_only_config_and_flags_make_a_local_server(tmp_path):
+    from cluster.serve_cli import API_KEY_ENV, job_env
+
+    path = tmp_path / "serving.yaml"
+    path.write_text("serving:\n  port: 8100\n")
+    args = parse("--config", str(path), "--api-key", "sk-local", "--max-queue", "9", "--spec-mode", "off")
+    data = app_args_from(args)
+    assert data["serving"]["port"] == 8100 and data["serving"]["max_queue"] == 9
+    assert (data["serving"]["api_key_env"], data["serving"]["api_key_file"]) == (API_KEY_ENV, None)
+    assert data["speculation"]["mode"] == "off"
+    assert job_env(args) == {API_KEY_ENV: "sk-local"}       # the replicas read the key from there
+    assert data["engine"] == "auto" and data["model_name"] == "specflash"
+    split_args(data)
+    with pytest.raises(ValueError, match="--api-key is empty"):
+        job_env(parse("--api-key", " "))
+
+
+def test_flags_left_out_keep_the_configs_values():
+    from tests.cluster.test_config import EXAMPLE
+
+    data = app_args_from(parse("--config", str(EXAMPLE)))
+    assert data["engine"] == "pipeline" and data["speculation"]["tree_width"] == 2
+
+
+def test_a_bad_flag_is_explained_by_the_field_it_sets():
+    from cluster.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        app_args_from(parse("--port", "0", "--spec-len", "99"))
+    assert info.value.source == "the command-line flags"
+    assert [p.split("`")[1] for p in info.value.problems] == ["speculation.spec_len", "serving.port"]
+
+
+def test_an_unplaceable_config_fails_fast_on_a_local_ray_and_warns_on_a_cluster(capsys, tmp_path):
+    from cluster.config import AppArgs
+    from cluster.serve_cli import check_placeable
+    from tests.cluster.test_config import EXAMPLE
+
+    args = AppArgs.model_validate(app_args_from(parse("--config", str(EXAMPLE))))
+    laptop = [{"CPU": 2.0, "memory": 8e9}]
+    with pytest.raises(RuntimeError) as info:
+        check_placeable(args, laptop, joined=False)
+    message = str(info.value)
+    assert "placement.verifier asks for CPU=8, GPU=1, specflash_verifier=1" in message
+    assert "This local Ray cannot grow" in message and "not a checkpoint directory" in message
+    check_placeable(args, laptop, joined=True)
+    assert "waiting for Ray's autoscaler" in capsys.readouterr().err
+    local = AppArgs.model_validate(app_args_from(parse("--engine", "fake")))
+    check_placeable(local, laptop, joined=False)

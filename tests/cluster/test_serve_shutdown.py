@@ -26,6 +26,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_serving(proc: subprocess.Popen, log: Path, timeout_s: float = 240) -> None:
+    """Until `specflash serve` (writing to `log`) prints its URL; fails with the log's tail if it exits."""
+    deadline = time.monotonic() + timeout_s
+    while "specflash serving" not in log.read_text(errors="replace"):
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_sigterm_to_specflash_serve_drains_a_stream_in_flight(tmp_path):
     port, gport = _free_port(), _free_port()
@@ -37,10 +45,7 @@ def test_sigterm_to_specflash_serve_drains_a_stream_in_flight(tmp_path):
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
-        deadline = time.monotonic() + 240
-        while "specflash serving" not in log.read_text(errors="replace"):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.5)
+        wait_serving(proc, log)
         url = f"http://127.0.0.1:{port}"
         # the fake engine sends 3 tokens every 10 ms: ~1.6 s for this stream, past the 1 s drain
         body = {"prompt": "hi", "max_tokens": 2000, "stream": True, "ignore_eos": True}

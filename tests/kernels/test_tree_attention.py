@@ -23,8 +23,10 @@ def make_inputs(B, T, Hq, Hkv, D, page, prefix, dtype, seed=0):
     return make_paged_inputs(B, T, Hq, Hkv, D, page, prefix, dtype, seed=seed)
 
 
-def attention_f64(q, k_cache, v_cache, block_tables, prefix_lens, tree_mask, scale):
-    """Independent float64 computation: token-by-token page lookup, repeated KV heads."""
+def attention_f64(q, k_cache, v_cache, block_tables, prefix_lens, tree_mask, scale, window=None):
+    """Independent float64 computation: token-by-token page lookup, repeated KV heads. With a
+    sliding `window`, node t (at position P + its depth) sees the keys at positions within
+    window - 1 behind it: prefix positions by index, tree nodes by their own depth."""
     B, T, Hq, D = q.shape
     page, Hkv = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty(B, T, Hq, D, dtype=torch.float64)
@@ -34,8 +36,12 @@ def attention_f64(q, k_cache, v_cache, block_tables, prefix_lens, tree_mask, sca
         pages = block_tables[b].long()[pos // page]
         k = k_cache[pages, pos % page].double().repeat_interleave(Hq // Hkv, dim=1)
         v = v_cache[pages, pos % page].double().repeat_interleave(Hq // Hkv, dim=1)
+        depth = [int(tree_mask[b, t].sum()) - 1 for t in range(T)]     # ancestors of each node
+        key_pos = list(range(P)) + [P + d for d in depth]
         for t in range(T):
             visible = torch.cat([torch.ones(P, dtype=torch.bool), tree_mask[b, t]])
+            if window is not None:
+                visible &= torch.tensor([P + depth[t] - j < window for j in key_pos])
             kk, vv = k[visible], v[visible]                          # [n, Hq, D]
             s = (q[b, t].double()[None] * kk).sum(-1) * scale         # [n, Hq]
             w = torch.exp(s - s.max(0).values)
@@ -168,3 +174,32 @@ def test_cpu_context_reads_only_each_sequences_own_pages():
     assert not ctx.attend(q, nan_k, nan_v).isnan().any()
     scale = 1.0 / math.sqrt(64)
     assert rel_err(ctx.attend(q, nan_k, nan_v), attention_f64(q, kc, vc, bt, pl, tm, scale)) < 1e-5
+
+
+# ---- sliding window (issue 26): Mistral's mask, tree queries near the window's edge ------------
+WINDOW_CASES = [  # B, T, Hq, Hkv, D, page, prefix, window, num_splits
+    (1, 1, 4, 2, 64, 16, [1000], 300, 4),        # decoding; whole splits outside the window
+    (3, 17, 8, 2, 64, 16, [127, 1000, 1], 5, 2),  # window shorter than the tree: ancestors hidden
+    (2, 3, 4, 4, 80, 32, [40, 0], 41, None),     # the edge: the prefix's first key just in or out
+    (1, 17, 8, 1, 64, 32, [127], 1, None),        # window 1: each node sees only itself
+]
+
+
+@pytest.mark.parametrize("B,T,Hq,Hkv,D,page,prefix,window,splits", WINDOW_CASES)
+def test_sliding_window_matches_reference_and_float64(poisoned, B, T, Hq, Hkv, D, page, prefix, window,
+                                                      splits):
+    from models.attention import CpuAttentionContext
+
+    inputs = make_inputs(B, T, Hq, Hkv, D, page, prefix, torch.float32, seed=window + T)
+    expect = attention_f64(*inputs, 1.0 / math.sqrt(D), window=window)
+    out = kernels.tree_decode_attention(*inputs, num_splits=splits, sliding_window=window)
+    assert not out.isnan().any()
+    for b in range(B):
+        for t in range(T):
+            assert rel_err(out[b, t], expect[b, t]) < 3e-4, (b, t)
+    assert rel_err(ref.tree_decode_attention(*inputs, sliding_window=window), expect) < 1e-5
+    q, k, v, bt, pl, tm = inputs
+    ctx = CpuAttentionContext(bt, pl, tm, page, Hq, Hkv, sliding_window=window)
+    assert rel_err(ctx.attend(q, k, v, windowed=True), expect) < 1e-5
+    # mutation control: the window is not a no-op on these inputs
+    assert rel_err(ctx.attend(q, k, v), expect) > 1e-3

@@ -52,15 +52,21 @@ def run_chain(model, ids):
         return prefill(model, cache, 0, ids)
 
 
-def test_tree_logits_equal_each_path_as_a_sequence(model):
-    prefix = torch.tensor([5, 9, 2, 77, 31, 8, 1, 40, 3, 12, 6])      # 11 tokens: trees cross a block edge
-    tokens = torch.tensor([4, 18, 60, 22, 7, 51, 33, 2])
+def tree_logits(model, prefix: torch.Tensor, tokens: torch.Tensor, parents=PARENTS) -> torch.Tensor:
+    """Logits [T, V] of a tree of `tokens` (shaped by `parents`) over a freshly prefilled `prefix`."""
     cache = model.new_cache(16, 4)
     with torch.no_grad():
         prefill(model, cache, "s", prefix)
-        ids, positions, mask = tree_inputs(PARENTS, tokens, len(prefix))
-        got = model(ids, positions, cache, ["s"], mask)[0]            # [T, V]
-    assert cache.seq_len("s") == len(prefix) + len(PARENTS)
+        ids, positions, mask = tree_inputs(parents, tokens, len(prefix))
+        got = model(ids, positions, cache, ["s"], mask)[0]
+    assert cache.seq_len("s") == len(prefix) + len(parents)
+    return got
+
+
+def test_tree_logits_equal_each_path_as_a_sequence(model):
+    prefix = torch.tensor([5, 9, 2, 77, 31, 8, 1, 40, 3, 12, 6])      # 11 tokens: trees cross a block edge
+    tokens = torch.tensor([4, 18, 60, 22, 7, 51, 33, 2])
+    got = tree_logits(model, prefix, tokens)                          # [T, V]
     for i, path in enumerate(paths(PARENTS)):
         want = run_chain(model, torch.cat([prefix, tokens[path]]))[-1]
         torch.testing.assert_close(got[i], want, atol=ATOL, rtol=0, msg=f"node {i}")
