@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from serving.detokenizer import IncrementalDetokenizer, StopStrings
 from serving.openai_models import (APIError, ChatCompletionRequest, CompletionRequest, Delta, EngineError,
                                    Prepared, SamplingFields, engine_api_error, parse_body)
 from serving.prom import PrometheusExporter, ServingStats
+from serving.responses import TokenIds, sse
 from speculation.requests import Engine, GenerationRequest, InvalidRequest, SpeculationOptions
 from models.sampling import SamplingParams
 
@@ -105,7 +105,8 @@ class OpenAIServer:
         return list(prompt)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, chat_template=self.chat_template, tokenize=False,
@@ -128,6 +129,10 @@ class OpenAIServer:
             raise APIError(400, f"The request asks for {len(prompts) * req.n} generations (prompts "
                            f"x n); this server admits at most {self.settings.max_queue} at once",
                            code="invalid_value", param="n")
+        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"stop_token_ids out of range [0, {self.vocab_size}): {bad[:5]}",
+                           code="invalid_value", param="stop_token_ids")
         sampling, prompt_of = [], []
         for p, ids in enumerate(prompts):
             room = ctx - len(ids)
@@ -377,9 +382,11 @@ class OpenAIServer:
         rid, model = f"cmpl-{uuid.uuid4().hex}", self.settings.model_name
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
 
+        ids = TokenIds(prep, req.return_token_ids)
+
         def choice(d: Delta) -> dict:
-            return _with_ids({"index": d.index, "text": d.text, "logprobs": None,
-                              "finish_reason": d.finish_reason}, d, req.return_token_ids)
+            return ids.choice({"index": d.index, "text": d.text, "logprobs": None,
+                               "finish_reason": d.finish_reason}, d)
         if req.stream:
             return await sse(self, prep, head, choice, req, None)
         deltas = await self.collect(prep, is_disconnected)
@@ -391,25 +398,32 @@ class OpenAIServer:
         prep.client = client
         rid, model = f"chatcmpl-{uuid.uuid4().hex}", self.settings.model_name
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
+        ids = TokenIds(prep, req.return_token_ids)
         if req.stream:
             def choice(d: Delta) -> dict:
                 delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                return _with_ids({"index": d.index, "delta": delta, "logprobs": None,
-                                  "finish_reason": d.finish_reason}, d, req.return_token_ids)
+                return ids.choice({"index": d.index, "delta": delta, "logprobs": None,
+                                   "finish_reason": d.finish_reason}, d, with_prompt=False)
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(len(prep.sampling))]
             head = {**head, "object": "chat.completion.chunk"}
-            return await sse(self, prep, head, choice, req, first)
+            return await sse(self, prep, head, choice, req, {"choices": first, **ids.top()})
         deltas = await self.collect(prep, is_disconnected)
-        choices = [_with_ids({"index": d.index, "message": {"role": "assistant", "content": d.text},
-                              "logprobs": None, "finish_reason": d.finish_reason}, d,
-                             req.return_token_ids) for d in deltas]
-        return {**head, "choices": choices, "usage": self.usage(prep, deltas)}
+        choices = [ids.choice({"index": d.index, "message": {"role": "assistant", "content": d.text},
+                               "logprobs": None, "finish_reason": d.finish_reason}, d, with_prompt=False)
+                   for d in deltas]
+        return {**head, "choices": choices, **ids.top(), "usage": self.usage(prep, deltas)}
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{
-            "id": self.settings.model_name, "object": "model", "created": self.created,
-            "owned_by": "specflash", "max_model_len": self.settings.max_context}]}
+        return {"object": "list", "data": [self.model(self.settings.model_name)]}
+
+    def model(self, model_id: str) -> dict:
+        """`GET /v1/models/{id}`: the served model, else 404."""
+        if model_id != self.settings.model_name:
+            raise APIError(404, f"The model {model_id!r} does not exist; this server serves "
+                           f"{self.settings.model_name!r}", code="model_not_found", param="model")
+        return {"id": model_id, "object": "model", "created": self.created,
+                "owned_by": "specflash", "max_model_len": self.settings.max_context}
 
     async def health(self) -> tuple[int, dict]:
         if self.draining:
@@ -433,45 +447,6 @@ class OpenAIServer:
         return self.exporter.render(engine_stats)
 
 
-async def sse(server: OpenAIServer, prep: Prepared, head: dict, choice, req: SamplingFields,
-              first: list[dict] | None) -> AsyncIterator[str]:
-    """Server-sent events: one event per delta, then usage if asked, then [DONE].
-
-    Admission happens before the first byte, so a full queue is still a 429."""
-    gen = server.run(prep)  # a dropped stream cancels the response task: no polling needed
-    finals: dict[int, Delta] = {}
-    try:
-        first_delta = await gen.__anext__()
-    except StopAsyncIteration:
-        first_delta = None
-    except EngineError as e:
-        raise engine_api_error(e, server.settings.retry_after_s) from e
-
-    async def events() -> AsyncIterator[str]:
-        try:
-            if first:
-                yield _event({**head, "choices": first})
-            delta = first_delta
-            while delta is not None:
-                if delta.text or delta.finish_reason or (req.return_token_ids and delta.token_ids):
-                    yield _event({**head, "choices": [choice(delta)]})
-                if delta.finish_reason:
-                    finals[delta.index] = delta
-                delta = await gen.__anext__()
-        except StopAsyncIteration:
-            pass
-        except (APIError, EngineError) as e:
-            err = e if isinstance(e, APIError) else engine_api_error(
-                e, server.settings.retry_after_s)
-            yield _event(err.body())
-        finally:
-            await gen.aclose()
-        if req.include_usage:
-            yield _event({**head, "choices": [], "usage": server.usage(prep, list(finals.values()))})
-        yield "data: [DONE]\n\n"
-    return events()
-
-
 class _Cut(Exception):
     """A choice failed by `drain` at its deadline."""
 
@@ -479,14 +454,3 @@ class _Cut(Exception):
 def _finish(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
-
-
-def _with_ids(choice: dict, d: Delta, return_token_ids: bool) -> dict:
-    if return_token_ids:
-        choice["token_ids"] = d.token_ids
-    return choice
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-

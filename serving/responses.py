@@ -1,0 +1,76 @@
+"""Shaping OpenAI responses over `OpenAIServer` (serving/openai_api.py): server-sent events and the
+token-id fields of vLLM's `return_token_ids` extension."""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, AsyncIterator
+
+from serving.openai_models import APIError, Delta, EngineError, Prepared, SamplingFields, engine_api_error
+
+if TYPE_CHECKING:
+    from serving.openai_api import OpenAIServer
+
+
+async def sse(server: OpenAIServer, prep: Prepared, head: dict, choice, req: SamplingFields,
+              first: dict | None) -> AsyncIterator[str]:
+    """Server-sent events: `first` (the opening event's fields beside `head`), one event per
+    delta, then usage if asked, then [DONE].
+
+    Admission happens before the first byte, so a full queue is still a 429."""
+    gen = server.run(prep)  # a dropped stream cancels the response task: no polling needed
+    finals: dict[int, Delta] = {}
+    try:
+        first_delta = await gen.__anext__()
+    except StopAsyncIteration:
+        first_delta = None
+    except EngineError as e:
+        raise engine_api_error(e, server.settings.retry_after_s) from e
+
+    async def events() -> AsyncIterator[str]:
+        try:
+            if first:
+                yield _event({**head, **first})
+            delta = first_delta
+            while delta is not None:
+                if delta.text or delta.finish_reason or (req.return_token_ids and delta.token_ids):
+                    yield _event({**head, "choices": [choice(delta)]})
+                if delta.finish_reason:
+                    finals[delta.index] = delta
+                delta = await gen.__anext__()
+        except StopAsyncIteration:
+            pass
+        except (APIError, EngineError) as e:
+            err = e if isinstance(e, APIError) else engine_api_error(
+                e, server.settings.retry_after_s)
+            yield _event(err.body())
+        finally:
+            await gen.aclose()
+        if req.include_usage:
+            yield _event({**head, "choices": [], "usage": server.usage(prep, list(finals.values()))})
+        yield "data: [DONE]\n\n"
+    return events()
+
+
+class TokenIds:
+    """`return_token_ids`: each choice (or chunk) gets the `token_ids` behind its text, and a
+    completion choice its prompt's `prompt_token_ids` once (its first chunk when streamed);
+    chat puts the one prompt's ids beside `choices` (`top`), as vLLM does."""
+
+    def __init__(self, prep: Prepared, on: bool) -> None:
+        self.prep, self.on, self.sent = prep, on, set()
+
+    def choice(self, choice: dict, d: Delta, with_prompt: bool = True) -> dict:
+        if self.on:
+            choice["token_ids"] = d.token_ids
+            if with_prompt and d.index not in self.sent:
+                self.sent.add(d.index)
+                choice["prompt_token_ids"] = self.prep.prompts[self.prep.prompt_of[d.index]]
+        return choice
+
+    def top(self) -> dict:
+        return {"prompt_token_ids": self.prep.prompts[0]} if self.on else {}
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
