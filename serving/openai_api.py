@@ -115,6 +115,16 @@ class OpenAIServer:
             raise APIError(400, f"chat template: {e}", code="invalid_value", param="messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def _logit_bias(self, req: SamplingFields) -> list[tuple[int, float]]:
+        """`logit_bias` as (token id, bias) pairs; 400 for a key that is not a token id here."""
+        pairs = []
+        for key, value in (req.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) >= self.vocab_size:
+                raise APIError(400, f"logit_bias: {key[:20]!r} is not a token id in [0, {self.vocab_size})",
+                               code="invalid_value", param="logit_bias")
+            pairs.append((int(key), value))
+        return pairs
+
     def prepare(self, req: SamplingFields, prompts: list[list[int]], default_max: int | None,
                 max_tokens: int | None) -> Prepared:
         ctx = self.settings.max_context
@@ -129,6 +139,7 @@ class OpenAIServer:
             raise APIError(400, f"The request asks for {len(prompts) * req.n} generations (prompts "
                            f"x n); this server admits at most {self.settings.max_queue} at once",
                            code="invalid_value", param="n")
+        bias = self._logit_bias(req)
         bad = [t for t in req.stop_token_ids or [] if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(400, f"stop_token_ids out of range [0, {self.vocab_size}): {bad[:5]}",
@@ -143,13 +154,19 @@ class OpenAIServer:
                 raise APIError(400, f"This model's maximum context length is {ctx} tokens; the "
                                f"prompt ({len(ids)}) plus max_tokens ({budget}) exceeds it",
                                code="context_length_exceeded", param="max_tokens")
+            if req.min_tokens > budget:
+                raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds max_tokens ({budget})",
+                               code="invalid_value", param="min_tokens")
             for _ in range(req.n):  # choice i gets seed + i: every choice its own stream
                 seed = None if req.seed is None else req.seed + len(sampling)
                 try:
                     sampling.append(SamplingParams(
                         temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
                         seed=seed, max_tokens=budget, ignore_eos=req.ignore_eos,
-                        stop_token_ids=list(req.stop_token_ids or [])))
+                        stop_token_ids=list(req.stop_token_ids or []),
+                        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                        repetition_penalty=req.repetition_penalty, logit_bias=bias, min_p=req.min_p,
+                        min_tokens=req.min_tokens))
                 except ValueError as e:
                     raise APIError(400, str(e), code="invalid_value") from e
                 prompt_of.append(p)

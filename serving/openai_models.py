@@ -106,6 +106,17 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="a 64-bit integer")
     stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOPS)], None] = None
     stop_token_ids: list[int] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once from each token "
+                                    "already in the output")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted per occurrence in the output")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="vLLM's: > 1 discourages tokens of prompt "
+                                      "and output; 1 = off")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="token id (a string, as OpenAI's API takes it) -> bias added to its logit")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM's: drop tokens below min_p x the top "
+                                                          "token's probability; 0 = off")
+    min_tokens: int = Field(0, ge=0, description="vLLM's: EOS and stop_token_ids are masked until this "
+                                                 "many tokens are generated")
     n: int = Field(1, ge=1, le=16)
     ignore_eos: bool = False
     stream: bool = False
@@ -197,14 +208,7 @@ class Refused:
     why: str            # said in the 400
 
 
-_PENALTY = "penalties are not implemented under speculation yet"
 REFUSED_COMMON = {
-    "logit_bias": Refused((None, {}), "logit_bias is not implemented under speculation yet"),
-    "presence_penalty": Refused((None, 0, 0.0), _PENALTY),
-    "frequency_penalty": Refused((None, 0, 0.0), _PENALTY),
-    "repetition_penalty": Refused((None, 1, 1.0), _PENALTY),
-    "min_p": Refused((None, 0, 0.0), "min_p is not implemented under speculation yet"),
-    "min_tokens": Refused((None, 0), "min_tokens is not implemented under speculation yet"),
     "store": Refused((None, False), "this server stores nothing"),
     "service_tier": Refused((None, "auto", "default"), "this server has one service tier"),
 }

@@ -26,6 +26,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -98,8 +99,15 @@ class Scheduler:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidRequest(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                                 "logit_bias")
         r = resolve_speculation(spec, self.settings, self.settings.proposers)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+        # what both sides' sampling transforms read (models.sampling.process_logits)
+        params = replace(params, prompt_len=len(prompt),
+                         eos_token_ids=[] if params.ignore_eos else sorted(self.eos_ids))
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         s = VerifyStream(request_id, list(prompt), params, torch.Generator().manual_seed(seed), stop, r.mode,
                          r.spec_len, r.tree_width, ctx, proposer=r.proposer, seed=seed, emit=emit,

@@ -57,7 +57,7 @@ class TargetSide:
     def verify_items(self, items: list, threads: int | None = None) -> tuple[list, float]:
         """`verify` for a step's `speculation.step.StepItem`s: each sequence's root and tree."""
         return self.verify([VerifyRequest(it.seq.request_id, it.seq.committed[-1], it.tree, it.seq.params,
-                                          it.seq.generator) for it in items], threads)
+                                          it.seq.generator, it.seq.committed) for it in items], threads)
 
     def release(self, seq_id: str) -> None:
         self.verifier.release(seq_id)

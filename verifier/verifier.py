@@ -13,7 +13,9 @@ Exact for greedy decoding and for sampling: chains follow Leviathan et al.
 2023 / Chen et al. 2023, trees SpecInfer (Miao et al. 2023) with children
 drawn without replacement (Sequoia, Chen et al. 2024). Temperature, top-k and
 top-p are applied to p here exactly as the drafter applied them to q
-(`models.sampling.logits_to_probs`).
+(`models.sampling.logits_to_probs`), and so are the transforms that read the tokens
+before a row (penalties, `logit_bias`, `min_tokens`: `models.sampling.process_logits`),
+each node's row over the committed tokens plus its own path.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.sampling import SamplingParams, logits_to_probs
+from models.sampling import SamplingParams, TokenHistory, logits_to_probs, process_logits
 from models.tree import TokenTree, ragged_tree_forward
 
 
@@ -64,6 +66,7 @@ class VerifyRequest:
     tree: TokenTree
     params: SamplingParams
     generator: torch.Generator      # per request: reproducible uniform / exp_noise draws
+    committed: Sequence[int] = ()   # prompt + output, root last: what penalties read (params.reads_history)
 
 
 @dataclass
@@ -142,6 +145,8 @@ class Verifier:
         hidden = None
         if self.features:
             target_logits, hidden = target_logits
+        target_logits = [process_logits(logits, r.params, TokenHistory(r.committed, r.tree.row_paths()))
+                         if r.params.reads_history else logits for r, logits in zip(batch, target_logits)]
         results: list[VerifyResult | None] = [None] * len(batch)
         for greedy in (True, False):
             rows = [b for b, r in enumerate(batch) if r.params.greedy == greedy]

@@ -38,8 +38,7 @@ def refused(r, code, param):
 
 # -- refused and unknown fields ------------------------------------------------------
 # One value per refused field that asks for something this server does not do.
-ASKING = {"logit_bias": {"5": 10}, "presence_penalty": 0.5, "frequency_penalty": -1.0,
-          "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 4, "store": True,
+ASKING = {"store": True,
           "service_tier": "flex", "logprobs": 0, "echo": True, "best_of": 3, "suffix": "end",
           "top_logprobs": 2, "response_format": {"type": "json_object"},
           "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
@@ -132,6 +131,44 @@ def test_message_name_reaches_the_chat_template():
         {"role": "user", "content": "a", "name": "ann"}, {"role": "user", "content": "b"}]})
     assert r.status_code == 200, r.text
     assert engine.requests[0].prompt_token_ids == tok.encode("[ann]a[-]b")
+
+
+# -- the sampling transforms (item 3): passed on exactly, bad values refused ------------
+def test_penalties_bias_min_p_min_tokens_reach_the_engine(served):
+    engine, client = served
+    body = {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.3,
+            "logit_bias": {"7": -100, "3": 2.5}, "min_p": 0.05, "min_tokens": 2}
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        assert post(client, path, body).status_code == 200
+    for req in engine.requests:
+        sp = req.sampling
+        assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.0, 1.3)
+        assert sp.logit_bias == [(3, 2.5), (7, -100.0)] and (sp.min_p, sp.min_tokens) == (0.05, 2)
+
+
+TRANSFORM_BAD = [
+    ({"presence_penalty": 2.5}, "invalid_value", "presence_penalty"),
+    ({"frequency_penalty": -3}, "invalid_value", "frequency_penalty"),
+    ({"frequency_penalty": "high"}, "invalid_type", "frequency_penalty"),
+    ({"repetition_penalty": 0}, "invalid_value", "repetition_penalty"),
+    ({"min_p": 1.5}, "invalid_value", "min_p"),
+    ({"min_p": True}, "invalid_type", "min_p"),
+    ({"min_tokens": -1}, "invalid_value", "min_tokens"),
+    ({"min_tokens": 4, "max_tokens": 3}, "invalid_value", "min_tokens"),
+    ({"logit_bias": {"5": 101}}, "invalid_value", "logit_bias.5"),
+    ({"logit_bias": {"5": "up"}}, "invalid_type", "logit_bias.5"),
+    ({"logit_bias": {"x": 1}}, "invalid_value", "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "invalid_value", "logit_bias"),
+    ({"logit_bias": {"100000": 1}}, "invalid_value", "logit_bias"),
+    ({"logit_bias": [1, 2]}, "invalid_type", "logit_bias"),
+]
+
+
+@pytest.mark.parametrize("body,code,param", TRANSFORM_BAD)
+def test_bad_transform_values_are_400s(served, body, code, param):
+    engine, client = served
+    refused(post(client, "/v1/completions", body), code, param)
+    assert engine.requests == []
 
 
 # -- the smaller gaps (item 6) -------------------------------------------------------
