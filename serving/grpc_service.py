@@ -68,8 +68,12 @@ class GrpcService:
     def to_completion(self, req: pb.GenerateRequest) -> CompletionRequest:
         body: dict = {"prompt": list(req.prompt_token_ids) or req.prompt,
                       "max_tokens": req.max_tokens or None, "top_k": req.top_k,
-                      "stop": list(req.stop), "ignore_eos": req.ignore_eos}
-        for name in ("temperature", "top_p", "seed"):
+                      "stop": list(req.stop), "ignore_eos": req.ignore_eos,
+                      "stop_token_ids": list(req.stop_token_ids),
+                      "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+                      "logit_bias": {str(k): v for k, v in req.logit_bias.items()},
+                      "min_p": req.min_p, "min_tokens": req.min_tokens}
+        for name in ("temperature", "top_p", "seed", "repetition_penalty"):
             if req.HasField(name):
                 body[name] = getattr(req, name)
         if req.model:

@@ -58,6 +58,30 @@ def test_generate_and_stream_agree():
     assert (r.speculation.mode, r.speculation.spec_len, r.speculation.tree_width) == ("chain", 3, None)
 
 
+def test_sampling_transforms_travel_over_grpc():
+    """The fields the HTTP API takes reach the engine the same way; bad values are INVALID_ARGUMENT."""
+    async def go(stub, engine, server):
+        req = pb.GenerateRequest(prompt="hi", max_tokens=4, presence_penalty=0.5, frequency_penalty=-1.0,
+                                 repetition_penalty=1.3, logit_bias={7: -100.0, 3: 2.5}, min_p=0.05,
+                                 min_tokens=2, stop_token_ids=[9])
+        await stub.Generate(req)
+        codes = []
+        for bad in (pb.GenerateRequest(prompt="hi", presence_penalty=3.0),
+                    pb.GenerateRequest(prompt="hi", logit_bias={10**6: 1.0}),
+                    pb.GenerateRequest(prompt="hi", stop_token_ids=[10**6])):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Generate(bad)
+            codes.append(e.value.code())
+        return engine.requests, codes
+
+    requests, codes = asyncio.run(with_server(go))
+    (r,) = requests
+    sp = r.sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.0, 1.3)
+    assert sp.logit_bias == [(3, 2.5), (7, -100.0)] and (sp.min_p, sp.min_tokens) == (0.05, 2)
+    assert sp.stop_token_ids == [9] and codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+
+
 @pytest.mark.parametrize("req,code", [
     (pb.GenerateRequest(prompt="hi", top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(prompt="hi", temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT),
