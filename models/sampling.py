@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 MAX_LOGIT_BIAS = 100.0      # OpenAI's range for a logit_bias value
+MAX_LOGPROBS = 20           # OpenAI's limit on top log-probabilities per token
 
 
 @dataclass
@@ -40,6 +41,7 @@ class SamplingParams:
     logit_bias: list[tuple[int, float]] = field(default_factory=list)   # (token, bias in [-100, 100])
     min_p: float = 0.0              # drop tokens below min_p x the top token's probability; 0 = off
     min_tokens: int = 0             # EOS and stop ids are masked until this many are generated
+    logprobs: int | None = None     # None: none; k: each token's log-probability and the top k
     # Set by the engine when it admits the request (both sides read them): where the output
     # starts in the committed tokens, and the EOS ids `min_tokens` masks beside stop_token_ids.
     prompt_len: int = 0
@@ -72,6 +74,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in {'(0, inf)' if hi == math.inf else [lo, hi]}, "
                                  f"got {v!r}")
             setattr(self, name, float(v))
+        lp = self.logprobs
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
         for name in ("min_tokens", "prompt_len"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -163,3 +168,28 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+@dataclass
+class TokenLogprob:
+    """A sampled token's log-probability and the `k` most likely tokens at its position, under
+    the distribution its sampler saw: the logits after `process_logits` and temperature (1 when
+    greedy), before min-p / top-k / top-p truncation (vLLM's "processed" log-probabilities)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]    # (token id, logprob), most likely first; k of them
+
+
+def token_logprobs(logits: torch.Tensor, params: SamplingParams, token_ids: Sequence[int]
+                   ) -> list[TokenLogprob]:
+    """logits [N, V] (already through `process_logits`), the token sampled at each row [N] →
+    N `TokenLogprob`s with `params.logprobs` alternatives each."""
+    scale = params.temperature if params.temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / scale, dim=-1)                 # [N, V]
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=logp.device)
+    chosen = logp.gather(1, ids[:, None]).squeeze(1).tolist()               # [N]
+    k = params.logprobs or 0
+    top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    return [TokenLogprob(int(t), float(c), list(zip(i, v)))
+            for t, c, i, v in zip(token_ids, chosen, top_i.tolist(), top_v.tolist())]

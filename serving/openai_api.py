@@ -26,7 +26,7 @@ from serving.detokenizer import IncrementalDetokenizer, StopStrings
 from serving.openai_models import (APIError, ChatCompletionRequest, CompletionRequest, Delta, EngineError,
                                    Prepared, SamplingFields, engine_api_error, parse_body)
 from serving.prom import PrometheusExporter, ServingStats
-from serving.responses import TokenIds, sse
+from serving.responses import Logprobs, TokenIds, sse
 from speculation.requests import Engine, GenerationRequest, InvalidRequest, SpeculationOptions
 from models.sampling import SamplingParams
 
@@ -166,7 +166,7 @@ class OpenAIServer:
                         stop_token_ids=list(req.stop_token_ids or []),
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                         repetition_penalty=req.repetition_penalty, logit_bias=bias, min_p=req.min_p,
-                        min_tokens=req.min_tokens))
+                        min_tokens=req.min_tokens, logprobs=req.num_logprobs))
                 except ValueError as e:
                     raise APIError(400, str(e), code="invalid_value") from e
                 prompt_of.append(p)
@@ -298,20 +298,20 @@ class OpenAIServer:
                 n_tokens += len(chunk.token_ids)
                 drafted, accepted = chunk.num_drafted, chunk.num_accepted
                 text = stopper.feed(detok.add(chunk.token_ids))
-                ids = list(chunk.token_ids)
+                ids, lps = list(chunk.token_ids), list(chunk.logprobs or [])
                 if stopper.stopped:  # a stop string: cut there, the engine need not go on
                     abort_reason = "stop_string"
-                    yield Delta(index, text, "stop", n_tokens, drafted, accepted, ids)
+                    yield Delta(index, text, "stop", n_tokens, drafted, accepted, ids, lps)
                     return
                 if chunk.finished:
                     finished = True
                     text += stopper.feed(detok.flush())
                     text += stopper.flush()
                     yield Delta(index, text, "stop" if stopper.stopped else chunk.finish_reason,
-                                n_tokens, drafted, accepted, ids)
+                                n_tokens, drafted, accepted, ids, lps)
                     return
                 if text or ids:
-                    yield Delta(index, text, None, n_tokens, drafted, accepted, ids)
+                    yield Delta(index, text, None, n_tokens, drafted, accepted, ids, lps)
         finally:
             self._cuts.discard(cut)
             if queued:
@@ -362,6 +362,7 @@ class OpenAIServer:
                 o = out[d.index]
                 o.text += d.text
                 o.token_ids += d.token_ids
+                o.logprobs += d.logprobs
                 o.finish_reason = d.finish_reason or o.finish_reason
                 o.completion_tokens, o.drafted, o.accepted = d.completion_tokens, d.drafted, d.accepted
         except EngineError as e:
@@ -399,10 +400,10 @@ class OpenAIServer:
         rid, model = f"cmpl-{uuid.uuid4().hex}", self.settings.model_name
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
 
-        ids = TokenIds(prep, req.return_token_ids)
+        ids, lps = TokenIds(prep, req.return_token_ids), Logprobs(self.tokenizer)
 
         def choice(d: Delta) -> dict:
-            return ids.choice({"index": d.index, "text": d.text, "logprobs": None,
+            return ids.choice({"index": d.index, "text": d.text, "logprobs": lps.completion(d, req.logprobs),
                                "finish_reason": d.finish_reason}, d)
         if req.stream:
             return await sse(self, prep, head, choice, req, None)
@@ -415,11 +416,12 @@ class OpenAIServer:
         prep.client = client
         rid, model = f"chatcmpl-{uuid.uuid4().hex}", self.settings.model_name
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
-        ids = TokenIds(prep, req.return_token_ids)
+        ids, lps = TokenIds(prep, req.return_token_ids), Logprobs(self.tokenizer)
+        k = req.num_logprobs
         if req.stream:
             def choice(d: Delta) -> dict:
                 delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                return ids.choice({"index": d.index, "delta": delta, "logprobs": None,
+                return ids.choice({"index": d.index, "delta": delta, "logprobs": lps.chat(d, k),
                                    "finish_reason": d.finish_reason}, d, with_prompt=False)
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(len(prep.sampling))]
@@ -427,7 +429,8 @@ class OpenAIServer:
             return await sse(self, prep, head, choice, req, {"choices": first, **ids.top()})
         deltas = await self.collect(prep, is_disconnected)
         choices = [ids.choice({"index": d.index, "message": {"role": "assistant", "content": d.text},
-                               "logprobs": None, "finish_reason": d.finish_reason}, d, with_prompt=False)
+                               "logprobs": lps.chat(d, k), "finish_reason": d.finish_reason}, d,
+                              with_prompt=False)
                    for d in deltas]
         return {**head, "choices": choices, **ids.top(), "usage": self.usage(prep, deltas)}
 

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from speculation.requests import SpeculationOptions
 from speculation.settings import MAX_SPEC_LEN, MAX_TREE_WIDTH
-from models.sampling import SamplingParams
+from models.sampling import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
@@ -151,6 +151,12 @@ PromptType = Union[str, Annotated[list[str], Field(min_length=1)], TokenIds,
 class CompletionRequest(SamplingFields):
     refused: ClassVar[dict[str, Refused]]    # REFUSED_COMPLETION (set below it)
     prompt: PromptType
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each token's log-probability "
+                                 "and the top `logprobs` alternatives at its position")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -190,6 +196,13 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="newer name of max_tokens")
     add_generation_prompt: bool = True
+    logprobs: bool = Field(False, description="each token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives per token; "
+                                     "needs logprobs")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_budget(self) -> int | None:
@@ -214,15 +227,12 @@ REFUSED_COMMON = {
 }
 REFUSED_COMPLETION = {
     **REFUSED_COMMON,
-    "logprobs": Refused((None,), "log-probabilities are not implemented yet (0 asks for them too)"),
     "echo": Refused((None, False), "echo needs prompt log-probabilities, not implemented yet"),
     "best_of": Refused((None, 1), "best_of needs log-probabilities, not implemented yet"),
     "suffix": Refused((None, ""), "insertion (a suffix) is not supported"),
 }
 REFUSED_CHAT = {
     **REFUSED_COMMON,
-    "logprobs": Refused((None, False), "log-probabilities are not implemented yet"),
-    "top_logprobs": Refused((None, 0), "log-probabilities are not implemented yet"),
     "response_format": Refused((None, {"type": "text"}),
                                "structured output (json_object, json_schema) is not implemented yet"),
     "tools": Refused((None, []), "tool calling is not implemented yet"),
@@ -278,6 +288,8 @@ def parse_body(raw: bytes, model: type[SamplingFields]) -> SamplingFields:
         req = model.model_validate(body, strict=True)
     except ValidationError as e:
         raise validation_error(e) from e
+    if getattr(req, "top_logprobs", None) is not None and not getattr(req, "logprobs", False):
+        raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true",
                        code="invalid_value", param="stream_options")
@@ -321,6 +333,7 @@ class Delta:
     drafted: int = 0
     accepted: int = 0
     token_ids: list[int] = field(default_factory=list)   # the tokens behind `text`
+    logprobs: list = field(default_factory=list)         # a models.sampling.TokenLogprob per token
 
 
 @dataclass

@@ -32,7 +32,8 @@ async def sse(server: OpenAIServer, prep: Prepared, head: dict, choice, req: Sam
                 yield _event({**head, **first})
             delta = first_delta
             while delta is not None:
-                if delta.text or delta.finish_reason or (req.return_token_ids and delta.token_ids):
+                if delta.text or delta.finish_reason or delta.logprobs or \
+                        (req.return_token_ids and delta.token_ids):
                     yield _event({**head, "choices": [choice(delta)]})
                 if delta.finish_reason:
                     finals[delta.index] = delta
@@ -49,6 +50,42 @@ async def sse(server: OpenAIServer, prep: Prepared, head: dict, choice, req: Sam
             yield _event({**head, "choices": [], "usage": server.usage(prep, list(finals.values()))})
         yield "data: [DONE]\n\n"
     return events()
+
+
+class Logprobs:
+    """Each choice's log-probabilities (models.sampling.TokenLogprob) in OpenAI's two shapes. A
+    token's text is its own decoding (a piece of a multi-byte character decodes to U+FFFD, as in
+    vLLM); completions' `text_offset` counts those texts' characters per choice, across chunks."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.offset = tokenizer, {}
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def completion(self, d: Delta, k: int | None) -> dict | None:
+        if k is None:
+            return None
+        tokens = [self._text(lp.token_id) for lp in d.logprobs]
+        offsets, at = [], self.offset.get(d.index, 0)
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        self.offset[d.index] = at
+        tops = [{**{self._text(t): v for t, v in lp.top}, tok: lp.logprob}
+                for tok, lp in zip(tokens, d.logprobs)]
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in d.logprobs],
+                "top_logprobs": tops, "text_offset": offsets}
+
+    def chat(self, d: Delta, k: int | None) -> dict | None:
+        if k is None:
+            return None
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self._text(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+                            for lp in d.logprobs], "refusal": None}
 
 
 class TokenIds:

@@ -94,6 +94,7 @@ class GenerationChunk:
     num_drafted: int = 0              # cumulative for the request
     num_accepted: int = 0             # cumulative for the request
     error: str | None = None          # set with finish_reason "error"; retryable errors say so
+    logprobs: list | None = None      # with sampling.logprobs: a models.sampling.TokenLogprob per token
 
 
 @dataclass
@@ -106,6 +107,7 @@ class GenerationOutput:
     finish_reason: str                # "stop" | "length" | "abort" | "error"
     stats: SpecStats                  # this request's speculation and timings
     error: str | None = None
+    logprobs: list | None = None      # with sampling.logprobs: a models.sampling.TokenLogprob per token
 
 
 class Engine(Protocol):

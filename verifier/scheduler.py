@@ -361,7 +361,9 @@ class Scheduler:
             s.stats.observe_time("verify", verify_s * share)
             if res.features is not None:
                 s.features.append(res.features)
-            s.emit(s.chunk(o.kept))
+            logprobs = None if res.logprobs is None else res.logprobs[:len(o.kept)]
+            s.logprobs += logprobs or []
+            s.emit(s.chunk(o.kept, logprobs=logprobs))
             if s.finish_reason:
                 self.finish(s, s.finish_reason, notify=False)
             else:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.sampling import SamplingParams, TokenHistory, logits_to_probs, process_logits
+from models.sampling import SamplingParams, TokenHistory, logits_to_probs, process_logits, token_logprobs
 from models.tree import TokenTree, ragged_tree_forward
 
 
@@ -78,6 +78,8 @@ class VerifyResult:
     # with `Verifier(features=True)`: the target's final-norm hidden states at the root and the
     # accepted nodes [1 + num_accepted, hidden], the input a feature-conditioned draft reads
     features: torch.Tensor | None = None
+    # with `params.logprobs` set: one models.sampling.TokenLogprob per token of `token_ids`
+    logprobs: list | None = None
 
     @property
     def num_accepted(self) -> int:
@@ -158,6 +160,8 @@ class Verifier:
             # commit [root] + accepted path behind the prefix; the rest of the tree is rolled back
             base = r.tree.prefix_len - 1
             rows = [0] + [a + 1 for a in res.accepted_nodes]
+            if r.params.logprobs is not None:   # token j was sampled at row rows[j]: the same forward
+                res.logprobs = token_logprobs(target_logits[b][torch.tensor(rows)], r.params, res.token_ids)
             self.cache.compact(r.seq_id, base, rows)
             if hidden is not None:
                 res.features = hidden[b][torch.tensor(rows)].cpu()

@@ -39,8 +39,8 @@ def refused(r, code, param):
 # -- refused and unknown fields ------------------------------------------------------
 # One value per refused field that asks for something this server does not do.
 ASKING = {"store": True,
-          "service_tier": "flex", "logprobs": 0, "echo": True, "best_of": 3, "suffix": "end",
-          "top_logprobs": 2, "response_format": {"type": "json_object"},
+          "service_tier": "flex", "echo": True, "best_of": 3, "suffix": "end",
+          "response_format": {"type": "json_object"},
           "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
           "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
           "modalities": ["text", "audio"], "audio": {"voice": "alloy"},
@@ -70,15 +70,6 @@ def test_a_refused_field_at_its_off_value_is_served(served, path, name):
         r = post(client, path, {name: off})
         assert r.status_code == 200, (name, off, r.text)
     assert len(engine.requests) == len(table[name].off)
-
-
-def test_logprobs_zero_is_refused_not_answered_null(served):
-    """`logprobs: 0` asks for the sampled token's logprob; `false` for chat asks for nothing."""
-    _, client = served
-    refused(post(client, "/v1/completions", {"logprobs": 0}), "unsupported_parameter", "logprobs")
-    assert post(client, "/v1/chat/completions", {"logprobs": False}).status_code == 200
-    refused(post(client, "/v1/chat/completions", {"logprobs": True}), "unsupported_parameter",
-            "logprobs")
 
 
 def test_is_off_compares_type_and_value():
@@ -245,3 +236,70 @@ def sse_events(response) -> list[dict]:
     data = [e[len("data: "):] for e in response.text.split("\n\n") if e]
     assert data[-1] == "[DONE]"
     return [json.loads(d) for d in data[:-1]]
+
+
+# -- log-probabilities (item 2): the engine's, in OpenAI's shapes, streamed or not ----------
+def _text(t: int) -> str:
+    return TOK.decode([t])
+
+
+def test_completion_logprobs_whole_and_streamed(served):
+    from serving.testing import fake_logprob
+
+    _, client = served
+    for k in (0, 3):
+        whole = post(client, "/v1/completions", {"logprobs": k, "max_tokens": 7}).json()["choices"][0]["logprobs"]
+        assert whole["tokens"] == [_text(t) for t in OUT[:7]]
+        assert whole["token_logprobs"] == [fake_logprob(t, k).logprob for t in OUT[:7]]
+        for t, top in zip(OUT[:7], whole["top_logprobs"]):
+            lp = fake_logprob(t, k)
+            assert top == {**{_text(u): v for u, v in lp.top}, _text(t): lp.logprob}
+        assert whole["text_offset"] == [sum(len(x) for x in whole["tokens"][:j]) for j in range(7)]
+        events = [c["choices"][0]["logprobs"] for c in sse_events(
+            post(client, "/v1/completions", {"logprobs": k, "max_tokens": 7, "stream": True}))]
+        joined = {key: sum((e[key] for e in events if e), []) for key in whole}
+        assert joined == whole
+    assert post(client, "/v1/completions", {}).json()["choices"][0]["logprobs"] is None
+
+
+def test_chat_logprobs_whole_and_streamed(served):
+    from serving.testing import fake_logprob
+
+    _, client = served
+    body = {"logprobs": True, "top_logprobs": 2, "max_tokens": 5}
+    whole = post(client, "/v1/chat/completions", body).json()["choices"][0]["logprobs"]
+    assert whole["refusal"] is None
+    for t, entry in zip(OUT[:5], whole["content"], strict=True):
+        lp = fake_logprob(t, 2)
+        assert entry["token"] == _text(t) and entry["logprob"] == lp.logprob
+        assert entry["bytes"] == list(_text(t).encode())
+        assert [(e["token"], e["logprob"]) for e in entry["top_logprobs"]] == [(_text(u), v) for u, v in lp.top]
+    chunks = sse_events(post(client, "/v1/chat/completions", {**body, "stream": True}))
+    streamed = sum((c["choices"][0]["logprobs"]["content"] for c in chunks[1:] if c["choices"][0]["logprobs"]), [])
+    assert streamed == whole["content"]
+    plain = post(client, "/v1/chat/completions", {"logprobs": True}).json()["choices"][0]["logprobs"]
+    assert all(e["top_logprobs"] == [] for e in plain["content"]) and len(plain["content"]) == 3
+    assert post(client, "/v1/chat/completions", {}).json()["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("path,body,code,param", [
+    ("/v1/completions", {"logprobs": 21}, "invalid_value", "logprobs"),
+    ("/v1/completions", {"logprobs": -1}, "invalid_value", "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "invalid_type", "logprobs"),
+    ("/v1/chat/completions", {"logprobs": 2}, "invalid_type", "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "invalid_value", "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "invalid_value", "top_logprobs"),
+    ("/v1/completions", {"top_logprobs": 2}, "unknown_parameter", "top_logprobs"),
+])
+def test_bad_logprobs_are_400s(served, path, body, code, param):
+    engine, client = served
+    refused(post(client, path, body), code, param)
+    assert engine.requests == []
+
+
+def test_logprobs_reach_the_engine(served):
+    engine, client = served
+    post(client, "/v1/completions", {"logprobs": 4})
+    post(client, "/v1/chat/completions", {"logprobs": True})
+    post(client, "/v1/chat/completions", {"logprobs": False, "top_logprobs": None})
+    assert [r.sampling.logprobs for r in engine.requests] == [4, 0, None]
