@@ -42,6 +42,7 @@ class SamplingParams:
     min_p: float = 0.0              # drop tokens below min_p x the top token's probability; 0 = off
     min_tokens: int = 0             # EOS and stop ids are masked until this many are generated
     logprobs: int | None = None     # None: none; k: each token's log-probability and the top k
+    prompt_logprobs: int | None = None   # the same for the prompt's tokens (an echo); None: none
     # Set by the engine when it admits the request (both sides read them): where the output
     # starts in the committed tokens, and the EOS ids `min_tokens` masks beside stop_token_ids.
     prompt_len: int = 0
@@ -74,9 +75,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in {'(0, inf)' if hi == math.inf else [lo, hi]}, "
                                  f"got {v!r}")
             setattr(self, name, float(v))
-        lp = self.logprobs
-        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            lp = getattr(self, name)
+            if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
         for name in ("min_tokens", "prompt_len"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -181,15 +183,15 @@ class TokenLogprob:
     top: list[tuple[int, float]]    # (token id, logprob), most likely first; k of them
 
 
-def token_logprobs(logits: torch.Tensor, params: SamplingParams, token_ids: Sequence[int]
-                   ) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, params: SamplingParams, token_ids: Sequence[int],
+                   top: int | None = None) -> list[TokenLogprob]:
     """logits [N, V] (already through `process_logits`), the token sampled at each row [N] →
-    N `TokenLogprob`s with `params.logprobs` alternatives each."""
+    N `TokenLogprob`s with `top` (default `params.logprobs`) alternatives each."""
     scale = params.temperature if params.temperature > 0 else 1.0
     logp = torch.log_softmax(logits.float() / scale, dim=-1)                 # [N, V]
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=logp.device)
     chosen = logp.gather(1, ids[:, None]).squeeze(1).tolist()               # [N]
-    k = params.logprobs or 0
+    k = (params.logprobs if top is None else top) or 0
     top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
     return [TokenLogprob(int(t), float(c), list(zip(i, v)))
             for t, c, i, v in zip(token_ids, chosen, top_i.tolist(), top_v.tolist())]

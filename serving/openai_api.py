@@ -26,7 +26,7 @@ from serving.detokenizer import IncrementalDetokenizer, StopStrings
 from serving.openai_models import (APIError, ChatCompletionRequest, CompletionRequest, Delta, EngineError,
                                    Prepared, SamplingFields, engine_api_error, parse_body)
 from serving.prom import PrometheusExporter, ServingStats
-from serving.responses import Logprobs, TokenIds, sse
+from serving.responses import Echo, Logprobs, TokenIds, sse
 from speculation.requests import Engine, GenerationRequest, InvalidRequest, SpeculationOptions
 from models.sampling import SamplingParams
 
@@ -166,7 +166,8 @@ class OpenAIServer:
                         stop_token_ids=list(req.stop_token_ids or []),
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                         repetition_penalty=req.repetition_penalty, logit_bias=bias, min_p=req.min_p,
-                        min_tokens=req.min_tokens, logprobs=req.num_logprobs))
+                        min_tokens=req.min_tokens, logprobs=req.num_logprobs,
+                        prompt_logprobs=req.num_logprobs if getattr(req, "echo", False) else None))
                 except ValueError as e:
                     raise APIError(400, str(e), code="invalid_value") from e
                 prompt_of.append(p)
@@ -249,7 +250,7 @@ class OpenAIServer:
         detok, stopper = IncrementalDetokenizer(self.tokenizer), StopStrings(stops)
         start = last = time.monotonic()
         n_tokens = drafted = accepted = 0
-        finished, queued, abort_reason = False, True, "client"
+        finished, queued, abort_reason, prompt_lps = False, True, "client", None
         cut = asyncio.get_running_loop().create_future()
         self._cuts.add(cut)
         self.stats.observe_queued(+1)
@@ -299,19 +300,22 @@ class OpenAIServer:
                 drafted, accepted = chunk.num_drafted, chunk.num_accepted
                 text = stopper.feed(detok.add(chunk.token_ids))
                 ids, lps = list(chunk.token_ids), list(chunk.logprobs or [])
+                if chunk.prompt_logprobs is not None:
+                    prompt_lps = chunk.prompt_logprobs
                 if stopper.stopped:  # a stop string: cut there, the engine need not go on
                     abort_reason = "stop_string"
-                    yield Delta(index, text, "stop", n_tokens, drafted, accepted, ids, lps)
+                    yield Delta(index, text, "stop", n_tokens, drafted, accepted, ids, lps, prompt_lps)
                     return
                 if chunk.finished:
                     finished = True
                     text += stopper.feed(detok.flush())
                     text += stopper.flush()
                     yield Delta(index, text, "stop" if stopper.stopped else chunk.finish_reason,
-                                n_tokens, drafted, accepted, ids, lps)
+                                n_tokens, drafted, accepted, ids, lps, prompt_lps)
                     return
                 if text or ids:
-                    yield Delta(index, text, None, n_tokens, drafted, accepted, ids, lps)
+                    yield Delta(index, text, None, n_tokens, drafted, accepted, ids, lps, prompt_lps)
+                    prompt_lps = None
         finally:
             self._cuts.discard(cut)
             if queued:
@@ -363,6 +367,7 @@ class OpenAIServer:
                 o.text += d.text
                 o.token_ids += d.token_ids
                 o.logprobs += d.logprobs
+                o.prompt_logprobs = o.prompt_logprobs or d.prompt_logprobs
                 o.finish_reason = d.finish_reason or o.finish_reason
                 o.completion_tokens, o.drafted, o.accepted = d.completion_tokens, d.drafted, d.accepted
         except EngineError as e:
@@ -401,9 +406,12 @@ class OpenAIServer:
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
 
         ids, lps = TokenIds(prep, req.return_token_ids), Logprobs(self.tokenizer)
+        echo = Echo(prep, req.prompts(), self.tokenizer) if req.echo else None
 
         def choice(d: Delta) -> dict:
-            return ids.choice({"index": d.index, "text": d.text, "logprobs": lps.completion(d, req.logprobs),
+            prefix, prompt = echo.first(d) if echo else ("", None)
+            return ids.choice({"index": d.index, "text": prefix + d.text,
+                               "logprobs": lps.completion(d, req.logprobs, prompt),
                                "finish_reason": d.finish_reason}, d)
         if req.stream:
             return await sse(self, prep, head, choice, req, None)

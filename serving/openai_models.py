@@ -154,6 +154,9 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each token's log-probability "
                                  "and the top `logprobs` alternatives at its position")
 
+    echo: bool = Field(False, description="return the prompt before the completion (with `logprobs`, "
+                                          "its tokens' log-probabilities too)")
+
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
@@ -227,7 +230,6 @@ REFUSED_COMMON = {
 }
 REFUSED_COMPLETION = {
     **REFUSED_COMMON,
-    "echo": Refused((None, False), "echo needs prompt log-probabilities, not implemented yet"),
     "best_of": Refused((None, 1), "best_of needs log-probabilities, not implemented yet"),
     "suffix": Refused((None, ""), "insertion (a suffix) is not supported"),
 }
@@ -334,6 +336,7 @@ class Delta:
     accepted: int = 0
     token_ids: list[int] = field(default_factory=list)   # the tokens behind `text`
     logprobs: list = field(default_factory=list)         # a models.sampling.TokenLogprob per token
+    prompt_logprobs: list | None = None                  # an echo's: None, then one per prompt token
 
 
 @dataclass

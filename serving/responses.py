@@ -63,18 +63,22 @@ class Logprobs:
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    def completion(self, d: Delta, k: int | None) -> dict | None:
+    def completion(self, d: Delta, k: int | None, prompt: tuple[list[int], list] | None = None) -> dict | None:
+        """`prompt`: an echo's (prompt ids, their logprobs: None first), put before the output's."""
         if k is None:
             return None
-        tokens = [self._text(lp.token_id) for lp in d.logprobs]
+        ids, lps = [lp.token_id for lp in d.logprobs], list(d.logprobs)
+        if prompt is not None:
+            ids, lps = list(prompt[0]) + ids, list(prompt[1]) + lps
+        tokens = [self._text(t) for t in ids]
         offsets, at = [], self.offset.get(d.index, 0)
         for t in tokens:
             offsets.append(at)
             at += len(t)
         self.offset[d.index] = at
-        tops = [{**{self._text(t): v for t, v in lp.top}, tok: lp.logprob}
-                for tok, lp in zip(tokens, d.logprobs)]
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in d.logprobs],
+        tops = [None if lp is None else {**{self._text(t): v for t, v in lp.top}, tok: lp.logprob}
+                for tok, lp in zip(tokens, lps)]
+        return {"tokens": tokens, "token_logprobs": [None if lp is None else lp.logprob for lp in lps],
                 "top_logprobs": tops, "text_offset": offsets}
 
     def chat(self, d: Delta, k: int | None) -> dict | None:
@@ -86,6 +90,25 @@ class Logprobs:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
         return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
                             for lp in d.logprobs], "refusal": None}
+
+
+class Echo:
+    """`echo`: each completion choice's first chunk (its whole text, unstreamed) starts with its
+    prompt, as sent (token-id prompts decoded), and its logprobs with the prompt's."""
+
+    def __init__(self, prep: Prepared, prompts: list, tokenizer) -> None:
+        self.prep, self.prompts, self.tokenizer, self.sent = prep, prompts, tokenizer, set()
+
+    def first(self, d: Delta) -> tuple[str, tuple[list[int], list] | None]:
+        """(text to put before the choice's, (prompt ids, their logprobs) or None)."""
+        if d.index in self.sent:
+            return "", None
+        self.sent.add(d.index)
+        p = self.prep.prompt_of[d.index]
+        given = self.prompts[p]
+        text = given if isinstance(given, str) else self.tokenizer.decode(given)
+        ids = self.prep.prompts[p]
+        return text, None if d.prompt_logprobs is None else (ids, d.prompt_logprobs)
 
 
 class TokenIds:

@@ -76,9 +76,13 @@ class FakeEngine:
                     drafted += 4
                     accepted += max(len(step) - 1, 0)
                 self.active[rid] = 1 + (len(request.prompt_token_ids) + emitted) // 16
+                prompt_lps = None
+                if sp.prompt_logprobs is not None and emitted == len(step):     # the first chunk
+                    prompt_lps = [None] + [fake_logprob(t, sp.prompt_logprobs) for t in request.prompt_token_ids[1:]]
                 yield GenerationChunk(rid, step, reason is not None, reason, drafted, accepted,
                                       logprobs=None if sp.logprobs is None else [fake_logprob(t, sp.logprobs)
-                                                                                 for t in step])
+                                                                                 for t in step],
+                                      prompt_logprobs=prompt_lps)
                 if reason is not None:
                     self.finished.append(rid)
                     return

@@ -95,6 +95,7 @@ class GenerationChunk:
     num_accepted: int = 0             # cumulative for the request
     error: str | None = None          # set with finish_reason "error"; retryable errors say so
     logprobs: list | None = None      # with sampling.logprobs: a models.sampling.TokenLogprob per token
+    prompt_logprobs: list | None = None   # first chunk, with sampling.prompt_logprobs: None, then one per prompt token
 
 
 @dataclass
@@ -108,6 +109,7 @@ class GenerationOutput:
     stats: SpecStats                  # this request's speculation and timings
     error: str | None = None
     logprobs: list | None = None      # with sampling.logprobs: a models.sampling.TokenLogprob per token
+    prompt_logprobs: list | None = None   # with sampling.prompt_logprobs: None, then one per prompt token
 
 
 class Engine(Protocol):

@@ -235,6 +235,8 @@ class Scheduler:
         for rid in joins:
             s = self.streams.get(rid)
             features[rid] = self.target.prefill(rid, s.prompt if s is not None else [0])
+            if s is not None and s.params.prompt_logprobs is not None:
+                s.prompt_logprobs = self.target.prompt_logprobs(s.prompt, s.params)
         seconds = (time.perf_counter() - start) / max(1, len(joins))
         for rid in joins:
             if rid in self.streams:

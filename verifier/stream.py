@@ -30,6 +30,7 @@ class VerifyStream:
     committed: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
     logprobs: list = field(default_factory=list)          # with params.logprobs: one TokenLogprob per output token
+    prompt_logprobs: list | None = None   # with params.prompt_logprobs (the first chunk carries them)
     stats: SpecStats = field(default_factory=SpecStats)     # this request's own
     started: float = 0.0                # perf_counter seconds when it arrived
     admitted: bool = False              # has its ring, budget and drafter (set before the prefill)
@@ -69,7 +70,8 @@ class VerifyStream:
 
     def chunk(self, tokens: list[int], error: str | None = None, logprobs: list | None = None) -> GenerationChunk:
         return GenerationChunk(self.request_id, tokens, self.finish_reason is not None, self.finish_reason,
-                               self.num_drafted, self.num_accepted, error, logprobs)
+                               self.num_drafted, self.num_accepted, error, logprobs,
+                               self.prompt_logprobs if len(self.output) == len(tokens) else None)
 
     def unsent_features(self):
         """The target features the drafter has not been told (None without any), and their

@@ -42,6 +42,10 @@ class TargetSide:
         out = self.verifier.prefill_batch([seq_id], [prompt])
         return None if out is None else out[seq_id]
 
+    def prompt_logprobs(self, prompt: list[int], params) -> list:
+        """`Verifier.prompt_logprobs`: None, then a TokenLogprob per prompt token after the first."""
+        return self.verifier.prompt_logprobs(prompt, params)
+
     def verify(self, requests: list, threads: int | None = None) -> tuple[list, float]:
         """`requests`: verifier.VerifyRequest list. Returns (VerifyResult list, seconds).
 

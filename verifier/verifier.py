@@ -124,6 +124,23 @@ class Verifier:
         width = self.model.config.hidden_size
         return {s: hidden.get(s, torch.zeros(0, width)) for s in seq_ids}
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, prompt_ids: Sequence[int], params: SamplingParams) -> list:
+        """Each prompt token's log-probability after the tokens before it (the first has none: None)
+        and the top `params.logprobs` there, under temperature only (penalties read an output the
+        prompt does not have). One forward of the prompt on a scratch sequence: only an `echo`
+        with log-probabilities asks for it."""
+        scratch = ("__prompt_logprobs__", id(prompt_ids))
+        self.cache.add_sequence(scratch)
+        try:
+            n = len(prompt_ids)
+            (logits,) = ragged_tree_forward(
+                self.model, self.cache, [scratch], [torch.tensor(list(prompt_ids), dtype=torch.long)],
+                [torch.arange(n)], [torch.ones(n, n, dtype=torch.bool).tril()], [torch.arange(n - 1)])
+        finally:
+            self.cache.free(scratch)
+        return [None] + token_logprobs(logits, params, prompt_ids[1:], params.prompt_logprobs)
+
     def release(self, seq_id: Hashable) -> None:
         self.cache.free(seq_id)
 

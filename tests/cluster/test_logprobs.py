@@ -70,3 +70,20 @@ def test_no_logprobs_unless_asked(engine):
     assert out.logprobs is None
     zero = generate(engine, dict(temperature=0.0), SPECS["tree"], 0)
     assert all(lp.top == [] for lp in zero.logprobs)
+
+
+def test_prompt_logprobs_are_hugging_faces(engine, tiny_target):
+    """An echo's prompt log-probabilities: None for the first token, then the target's after the
+    tokens before each, and the top k there."""
+    from transformers import LlamaForCausalLM
+
+    params = SamplingParams(max_tokens=3, temperature=0.7, logprobs=1, prompt_logprobs=3, ignore_eos=True)
+    out = engine.generate([GenerationRequest("echo", PROMPT, params, SPECS["tree"])])[0]
+    hf = LlamaForCausalLM.from_pretrained(tiny_target).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([PROMPT])).logits[0, :-1].double() / 0.7, -1)   # [P-1, V]
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(PROMPT)
+    for j, lp in enumerate(out.prompt_logprobs[1:]):
+        assert lp.token_id == PROMPT[j + 1]
+        assert lp.logprob == pytest.approx(float(ref[j, PROMPT[j + 1]]), abs=1e-4)
+        assert [t for t, _ in lp.top] == ref[j].topk(3).indices.tolist()

@@ -39,7 +39,7 @@ def refused(r, code, param):
 # -- refused and unknown fields ------------------------------------------------------
 # One value per refused field that asks for something this server does not do.
 ASKING = {"store": True,
-          "service_tier": "flex", "echo": True, "best_of": 3, "suffix": "end",
+          "service_tier": "flex", "best_of": 3, "suffix": "end",
           "response_format": {"type": "json_object"},
           "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
           "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
@@ -303,3 +303,32 @@ def test_logprobs_reach_the_engine(served):
     post(client, "/v1/chat/completions", {"logprobs": True})
     post(client, "/v1/chat/completions", {"logprobs": False, "top_logprobs": None})
     assert [r.sampling.logprobs for r in engine.requests] == [4, 0, None]
+
+
+def test_echo_puts_the_prompt_first_with_its_logprobs(served):
+    from serving.testing import fake_logprob
+
+    _, client = served
+    text = post(client, "/v1/completions", {"echo": True, "prompt": "hé"}).json()["choices"][0]["text"]
+    assert text == "hé" + TOK.decode(OUT[:3])
+    prompt = TOK.encode("hé")
+    for stream in (False, True):
+        r = post(client, "/v1/completions", {"echo": True, "prompt": [prompt, [5, 6]], "logprobs": 1,
+                                             "stream": stream})
+        if stream:
+            events = [c["choices"][0] for c in sse_events(r)]
+            choices = []
+            for i in (0, 1):
+                mine = [e for e in events if e["index"] == i]
+                choices.append({"text": "".join(e["text"] for e in mine),
+                                "logprobs": {k: sum((e["logprobs"][k] for e in mine), [])
+                                             for k in mine[0]["logprobs"]}})
+        else:
+            choices = sorted(r.json()["choices"], key=lambda c: c["index"])
+        for c, ids in zip(choices, (prompt, [5, 6])):
+            lp = c["logprobs"]
+            assert c["text"] == TOK.decode(ids) + TOK.decode(OUT[:3])
+            assert lp["tokens"] == [_text(t) for t in ids + OUT[:3]]
+            assert lp["token_logprobs"] == [None] + [fake_logprob(t, 1).logprob for t in ids[1:] + OUT[:3]]
+            assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"][1]) >= 1
+            assert lp["text_offset"] == [sum(len(x) for x in lp["tokens"][:j]) for j in range(len(lp["tokens"]))]
