@@ -113,7 +113,9 @@ class InProcessEngine:
             await self.loop.admit()         # free what the last step finished
             self.drafters.settle(self.scheduler)
             self.loop.inline = False
-        return [GenerationOutput(s.request_id, list(s.prompt), s.output, s.finish_reason or "length", s.stats)
+        return [GenerationOutput(s.request_id, list(s.prompt), s.output, s.finish_reason or "length", s.stats,
+                                 logprobs=s.logprobs if s.params.logprobs is not None else None,
+                                 prompt_logprobs=s.prompt_logprobs)
                 for s in streams]
 
     def _size_caches(self, requests: Sequence[GenerationRequest]) -> None:

@@ -85,7 +85,7 @@ class ModelProposer:
     def _builder(self, r: DraftRequest, depth: int) -> TreeBuilder:
         width = r.tree_width or self.tree_width
         max_nodes = self.max_nodes or depth * width
-        return TreeBuilder(r.params, r.generator, width, max_nodes, self.vocab_size)
+        return TreeBuilder(r.params, r.generator, width, max_nodes, self.vocab_size, r.token_ids)
 
     def on_verified(self, seq_id: Hashable, tree: TokenTree, accepted_nodes: Sequence[int]) -> None:
         """Compact the cached part of the accepted path behind the prefix; drop the rest."""

@@ -10,6 +10,10 @@ children:
   Kool et al. 2019), kept in draw order, so that multi-step speculative
   sampling (SpecInfer; Sequoia, Chen et al. 2024) stays exact.
 
+Every node's q goes through the same transforms as the verifier's p of that node
+(`models.sampling.process_logits` over the committed tokens plus the node's path, then
+`logits_to_probs`), so penalties and biases cost no acceptance.
+
 Greedy trees are reranked at the end: the `max_nodes` best-scoring nodes are
 kept (a child never outscores its parent, so the kept set is a tree).
 Sampled trees are never pruned by value, which would bias the children a
@@ -18,18 +22,21 @@ expanded, each node's number of children fixed before its children are drawn.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from models.sampling import SamplingParams, logits_to_probs
-from models.tree import TokenTree
+from models.sampling import SamplingParams, TokenHistory, logits_to_probs, process_logits
+from models.tree import TokenTree, row_paths
 
 ROOT = -1
 
 
 class TreeBuilder:
     def __init__(self, params: SamplingParams, generator: torch.Generator, width: int,
-                 max_nodes: int, vocab_size: int) -> None:
+                 max_nodes: int, vocab_size: int, committed: Sequence[int] = ()) -> None:
         self.params, self.generator = params, generator
+        self.committed = committed                       # prompt + output, root last
         self.width, self.max_nodes, self.vocab_size = width, max_nodes, vocab_size
         self.token_ids: list[int] = []
         self.parent_ids: list[int] = []
@@ -53,6 +60,10 @@ class TreeBuilder:
 
     def expand(self, nodes: list[int], draft_logits: torch.Tensor) -> None:   # [n, V] full vocabulary
         """Give each node its children, drawn from the draft distribution after it."""
+        if self.params.reads_history:
+            paths = row_paths(self.parent_ids, self.token_ids)
+            history = TokenHistory(self.committed, [paths[node + 1] for node in nodes])
+            draft_logits = process_logits(draft_logits, self.params, history)
         for node, logits in zip(nodes, draft_logits):
             if self.params.greedy:
                 log_q = torch.log_softmax(logits.float(), -1)                     # [V]

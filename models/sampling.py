@@ -2,16 +2,28 @@
 
 Exact speculative sampling (Leviathan et al. 2023; Chen et al. 2023) holds for
 the *processed* distributions only if the target's p and the draft's q go
-through the same transform, so every caller uses `logits_to_probs`:
-temperature, then top-k, then top-p (nucleus, Holtzman et al. 2020), in float32.
-Temperature 0 is greedy: a one-hot at the argmax (the limit of temperature → 0).
+through the same transform, so every caller uses these two functions, in order:
+
+1. `process_logits` — what depends on the tokens before a row: `logit_bias`, `min_tokens`
+   (EOS and stop ids masked while fewer tokens were generated), `repetition_penalty` (over
+   prompt and output, as in vLLM / CTRL, Keskar et al. 2019), then `frequency_penalty` and
+   `presence_penalty` (over the output, as OpenAI defines them). A tree node's row reads the
+   committed tokens plus the path to it (`TokenHistory`), so p and q of every node see the
+   same context, and a rollback restores it by construction (it is recomputed from the path).
+2. `logits_to_probs` — temperature, then `min_p` (relative to the most likely token, vLLM's
+   order), then top-k, then top-p (nucleus, Holtzman et al. 2020), in float32.
+   Temperature 0 is greedy: a one-hot at the argmax of the processed logits.
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+MAX_LOGIT_BIAS = 100.0      # OpenAI's range for a logit_bias value
+MAX_LOGPROBS = 20           # OpenAI's limit on top log-probabilities per token
 
 
 @dataclass
@@ -23,6 +35,18 @@ class SamplingParams:
     max_tokens: int = 16
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
+    presence_penalty: float = 0.0   # subtracted once from a token already in the output; [-2, 2]
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output; [-2, 2]
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of prompt and output; 1 = off
+    logit_bias: list[tuple[int, float]] = field(default_factory=list)   # (token, bias in [-100, 100])
+    min_p: float = 0.0              # drop tokens below min_p x the top token's probability; 0 = off
+    min_tokens: int = 0             # EOS and stop ids are masked until this many are generated
+    logprobs: int | None = None     # None: none; k: each token's log-probability and the top k
+    prompt_logprobs: int | None = None   # the same for the prompt's tokens (an echo); None: none
+    # Set by the engine when it admits the request (both sides read them): where the output
+    # starts in the committed tokens, and the EOS ids `min_tokens` masks beside stop_token_ids.
+    prompt_len: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -43,19 +67,96 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {bad!r}")
         self.temperature, self.top_p = float(t), float(p)
         self.stop_token_ids = list(self.stop_token_ids)
+        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0),
+                             ("repetition_penalty", 0.0, math.inf), ("min_p", 0.0, 1.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                    or not lo <= v <= hi or (name == "repetition_penalty" and v == 0):
+                raise ValueError(f"{name} must be a number in {'(0, inf)' if hi == math.inf else [lo, hi]}, "
+                                 f"got {v!r}")
+            setattr(self, name, float(v))
+        for name in ("logprobs", "prompt_logprobs"):
+            lp = getattr(self, name)
+            if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {lp!r}")
+        for name in ("min_tokens", "prompt_len"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        pairs = sorted((int(tok), float(b)) for tok, b in bias)    # a dict, or pairs (the wire's form)
+        if any(tok < 0 or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for tok, b in pairs):
+            raise ValueError(f"logit_bias maps token ids >= 0 to numbers in [-100, 100], got {pairs[:5]!r}")
+        self.logit_bias = pairs
+        self.eos_token_ids = list(self.eos_token_ids)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def reads_history(self) -> bool:
+        """Whether a row's distribution depends on the tokens before it (`process_logits`)."""
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+
+@dataclass
+class TokenHistory:
+    """The tokens before each row of a logits matrix: the sequence's committed tokens (prompt
+    + output, `params.prompt_len` of them the prompt), then per row the tree path to it."""
+
+    committed: Sequence[int]         # prompt + committed output
+    paths: Sequence[Sequence[int]]   # per row: the drafted tokens after `committed` ([] = the root's row)
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams,
+                   history: TokenHistory | None) -> torch.Tensor:
+    """logits [N, V] → logits [N, V] float32 after the history-dependent transforms (module doc);
+    `logits` itself unchanged when `params.reads_history` is false."""
+    if not params.reads_history:
+        return logits
+    if history is None or len(history.paths) != logits.shape[0]:
+        raise ValueError("these sampling parameters need the tokens before each row (a TokenHistory)")
+    logits = logits.float().clone()
+    n, vocab = logits.shape
+    if params.logit_bias:
+        tokens = torch.tensor([t for t, _ in params.logit_bias if t < vocab], dtype=torch.long)
+        bias = torch.tensor([b for t, b in params.logit_bias if t < vocab])
+        logits[:, tokens] += bias.to(logits.device)
+    output = torch.tensor(list(history.committed[params.prompt_len:]), dtype=torch.long)
+    paths = [torch.tensor(list(p), dtype=torch.long) for p in history.paths]
+    if params.min_tokens:
+        stops = torch.tensor(sorted(set(params.stop_token_ids) | set(params.eos_token_ids)), dtype=torch.long)
+        stops = stops[stops < vocab]
+        short = torch.tensor([len(output) + len(p) < params.min_tokens for p in paths])   # [N]
+        if len(stops) and short.any():
+            rows = short.nonzero().squeeze(1).to(logits.device)
+            logits[rows[:, None], stops[None, :].to(logits.device)] = float("-inf")
+    if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+        counts = torch.stack([torch.bincount(torch.cat([output, p]), minlength=vocab)[:vocab]
+                              for p in paths]).float().to(logits.device)               # [N, V]
+        if params.repetition_penalty != 1.0:
+            seen = counts > 0
+            prompt = torch.tensor(list(history.committed[:params.prompt_len]), dtype=torch.long)
+            seen[:, prompt[prompt < vocab].to(logits.device)] = True
+            r = params.repetition_penalty
+            logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+    return logits
+
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [..., V] → probabilities [..., V] float32 after temperature, top-k, top-p."""
+    """logits [..., V] → probabilities [..., V] float32 after temperature, min-p, top-k, top-p
+    (the logits already through `process_logits`)."""
     logits = logits.float()
     if params.greedy:
         probs = torch.zeros_like(logits)
         return probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits / params.temperature
+    if params.min_p > 0:
+        p = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(p < params.min_p * p.amax(-1, keepdim=True), float("-inf"))
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]        # [..., 1]
@@ -69,3 +170,28 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+@dataclass
+class TokenLogprob:
+    """A sampled token's log-probability and the `k` most likely tokens at its position, under
+    the distribution its sampler saw: the logits after `process_logits` and temperature (1 when
+    greedy), before min-p / top-k / top-p truncation (vLLM's "processed" log-probabilities)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]    # (token id, logprob), most likely first; k of them
+
+
+def token_logprobs(logits: torch.Tensor, params: SamplingParams, token_ids: Sequence[int],
+                   top: int | None = None) -> list[TokenLogprob]:
+    """logits [N, V] (already through `process_logits`), the token sampled at each row [N] →
+    N `TokenLogprob`s with `top` (default `params.logprobs`) alternatives each."""
+    scale = params.temperature if params.temperature > 0 else 1.0
+    logp = torch.log_softmax(logits.float() / scale, dim=-1)                 # [N, V]
+    ids = torch.tensor(list(token_ids), dtype=torch.long, device=logp.device)
+    chosen = logp.gather(1, ids[:, None]).squeeze(1).tolist()               # [N]
+    k = (params.logprobs if top is None else top) or 0
+    top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    return [TokenLogprob(int(t), float(c), list(zip(i, v)))
+            for t, c, i, v in zip(token_ids, chosen, top_i.tolist(), top_v.tolist())]

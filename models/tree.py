@@ -74,6 +74,10 @@ class TokenTree:
         mask[1:, 1:] = self.tree_mask()
         return mask
 
+    def row_paths(self) -> list[list[int]]:
+        """Per verification row ([root] + nodes): the drafted tokens before it (`row_paths`)."""
+        return row_paths(self.parent_ids.tolist(), self.token_ids.tolist())
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root's child down to `node` (inclusive)."""
         path, parents = [], self.parent_ids.tolist()
@@ -81,6 +85,16 @@ class TokenTree:
             path.append(node)
             node = parents[node]
         return path[::-1]
+
+
+def row_paths(parent_ids: Sequence[int], token_ids: Sequence[int]) -> list[list[int]]:
+    """The tokens between the root and each row: `[[]]` for the root's row, then for node i the
+    tokens of its path, root's child to i inclusive (parents precede children). What the
+    history-dependent sampling transforms read per node (`models.sampling.TokenHistory`)."""
+    paths: list[list[int]] = [[]]
+    for parent, token in zip(parent_ids, token_ids):
+        paths.append(paths[parent + 1] + [int(token)])
+    return paths
 
 
 def ancestor_mask(parent_ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, T] bool

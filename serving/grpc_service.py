@@ -68,8 +68,12 @@ class GrpcService:
     def to_completion(self, req: pb.GenerateRequest) -> CompletionRequest:
         body: dict = {"prompt": list(req.prompt_token_ids) or req.prompt,
                       "max_tokens": req.max_tokens or None, "top_k": req.top_k,
-                      "stop": list(req.stop), "ignore_eos": req.ignore_eos}
-        for name in ("temperature", "top_p", "seed"):
+                      "stop": list(req.stop), "ignore_eos": req.ignore_eos,
+                      "stop_token_ids": list(req.stop_token_ids),
+                      "presence_penalty": req.presence_penalty, "frequency_penalty": req.frequency_penalty,
+                      "logit_bias": {str(k): v for k, v in req.logit_bias.items()},
+                      "min_p": req.min_p, "min_tokens": req.min_tokens}
+        for name in ("temperature", "top_p", "seed", "repetition_penalty", "logprobs"):
             if req.HasField(name):
                 body[name] = getattr(req, name)
         if req.model:
@@ -108,7 +112,7 @@ class GrpcService:
         try:
             prep = self._prepare(req, context)
             (d,) = await self.server.collect(prep)
-            return pb.GenerateResponse(text=d.text, token_ids=d.token_ids,
+            return pb.GenerateResponse(text=d.text, token_ids=d.token_ids, logprobs=_logprobs(d),
                                        finish_reason=d.finish_reason or "",
                                        usage=self._usage(prep, d.completion_tokens, d.drafted,
                                                          d.accepted))
@@ -124,7 +128,7 @@ class GrpcService:
         try:
             prep = self._prepare(req, context)
             async for d in self.server.run(prep):
-                msg = pb.GenerateStreamResponse(text=d.text, token_ids=d.token_ids)
+                msg = pb.GenerateStreamResponse(text=d.text, token_ids=d.token_ids, logprobs=_logprobs(d))
                 if d.finish_reason:
                     msg.finish_reason = d.finish_reason
                     msg.usage.CopyFrom(self._usage(prep, d.completion_tokens, d.drafted, d.accepted))
@@ -138,6 +142,11 @@ class GrpcService:
             _set_error(context, e)
         finally:
             self.server.stats.observe_request("grpc/GenerateStream", status, time.monotonic() - t0)
+
+
+def _logprobs(d) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]) for lp in d.logprobs]
 
 
 def _set_error(context, e: APIError) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from serving.detokenizer import IncrementalDetokenizer, StopStrings
 from serving.openai_models import (APIError, ChatCompletionRequest, CompletionRequest, Delta, EngineError,
                                    Prepared, SamplingFields, engine_api_error, parse_body)
 from serving.prom import PrometheusExporter, ServingStats
+from serving.responses import Echo, Logprobs, TokenIds, sse
 from speculation.requests import Engine, GenerationRequest, InvalidRequest, SpeculationOptions
 from models.sampling import SamplingParams
 
@@ -105,7 +105,8 @@ class OpenAIServer:
         return list(prompt)
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, chat_template=self.chat_template, tokenize=False,
@@ -113,6 +114,16 @@ class OpenAIServer:
         except Exception as e:  # a template that rejects the conversation (roles, order)
             raise APIError(400, f"chat template: {e}", code="invalid_value", param="messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _logit_bias(self, req: SamplingFields) -> list[tuple[int, float]]:
+        """`logit_bias` as (token id, bias) pairs; 400 for a key that is not a token id here."""
+        pairs = []
+        for key, value in (req.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) >= self.vocab_size:
+                raise APIError(400, f"logit_bias: {key[:20]!r} is not a token id in [0, {self.vocab_size})",
+                               code="invalid_value", param="logit_bias")
+            pairs.append((int(key), value))
+        return pairs
 
     def prepare(self, req: SamplingFields, prompts: list[list[int]], default_max: int | None,
                 max_tokens: int | None) -> Prepared:
@@ -128,6 +139,11 @@ class OpenAIServer:
             raise APIError(400, f"The request asks for {len(prompts) * req.n} generations (prompts "
                            f"x n); this server admits at most {self.settings.max_queue} at once",
                            code="invalid_value", param="n")
+        bias = self._logit_bias(req)
+        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"stop_token_ids out of range [0, {self.vocab_size}): {bad[:5]}",
+                           code="invalid_value", param="stop_token_ids")
         sampling, prompt_of = [], []
         for p, ids in enumerate(prompts):
             room = ctx - len(ids)
@@ -138,13 +154,20 @@ class OpenAIServer:
                 raise APIError(400, f"This model's maximum context length is {ctx} tokens; the "
                                f"prompt ({len(ids)}) plus max_tokens ({budget}) exceeds it",
                                code="context_length_exceeded", param="max_tokens")
+            if req.min_tokens > budget:
+                raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds max_tokens ({budget})",
+                               code="invalid_value", param="min_tokens")
             for _ in range(req.n):  # choice i gets seed + i: every choice its own stream
                 seed = None if req.seed is None else req.seed + len(sampling)
                 try:
                     sampling.append(SamplingParams(
                         temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
                         seed=seed, max_tokens=budget, ignore_eos=req.ignore_eos,
-                        stop_token_ids=list(req.stop_token_ids or [])))
+                        stop_token_ids=list(req.stop_token_ids or []),
+                        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                        repetition_penalty=req.repetition_penalty, logit_bias=bias, min_p=req.min_p,
+                        min_tokens=req.min_tokens, logprobs=req.num_logprobs,
+                        prompt_logprobs=req.num_logprobs if getattr(req, "echo", False) else None))
                 except ValueError as e:
                     raise APIError(400, str(e), code="invalid_value") from e
                 prompt_of.append(p)
@@ -227,7 +250,7 @@ class OpenAIServer:
         detok, stopper = IncrementalDetokenizer(self.tokenizer), StopStrings(stops)
         start = last = time.monotonic()
         n_tokens = drafted = accepted = cached = 0
-        finished, queued, abort_reason = False, True, "client"
+        finished, queued, abort_reason, prompt_lps = False, True, "client", None
         cut = asyncio.get_running_loop().create_future()
         self._cuts.add(cut)
         self.stats.observe_queued(+1)
@@ -277,20 +300,26 @@ class OpenAIServer:
                 drafted, accepted = chunk.num_drafted, chunk.num_accepted
                 cached = chunk.cached_tokens
                 text = stopper.feed(detok.add(chunk.token_ids))
-                ids = list(chunk.token_ids)
+                ids, lps = list(chunk.token_ids), list(chunk.logprobs or [])
+                if chunk.prompt_logprobs is not None:
+                    prompt_lps = chunk.prompt_logprobs
                 if stopper.stopped:  # a stop string: cut there, the engine need not go on
                     abort_reason = "stop_string"
-                    yield Delta(index, text, "stop", n_tokens, drafted, accepted, ids, cached)
+                    yield Delta(index, text, "stop", n_tokens, drafted, accepted, ids, logprobs=lps,
+                                prompt_logprobs=prompt_lps, cached_tokens=cached)
                     return
                 if chunk.finished:
                     finished = True
                     text += stopper.feed(detok.flush())
                     text += stopper.flush()
                     yield Delta(index, text, "stop" if stopper.stopped else chunk.finish_reason,
-                                n_tokens, drafted, accepted, ids, cached)
+                                n_tokens, drafted, accepted, ids, logprobs=lps, prompt_logprobs=prompt_lps,
+                                cached_tokens=cached)
                     return
                 if text or ids:
-                    yield Delta(index, text, None, n_tokens, drafted, accepted, ids, cached)
+                    yield Delta(index, text, None, n_tokens, drafted, accepted, ids, logprobs=lps,
+                                prompt_logprobs=prompt_lps, cached_tokens=cached)
+                    prompt_lps = None
         finally:
             self._cuts.discard(cut)
             if queued:
@@ -341,6 +370,8 @@ class OpenAIServer:
                 o = out[d.index]
                 o.text += d.text
                 o.token_ids += d.token_ids
+                o.logprobs += d.logprobs
+                o.prompt_logprobs = o.prompt_logprobs or d.prompt_logprobs
                 o.finish_reason = d.finish_reason or o.finish_reason
                 o.completion_tokens, o.drafted, o.accepted = d.completion_tokens, d.drafted, d.accepted
                 o.cached_tokens = d.cached_tokens
@@ -384,9 +415,14 @@ class OpenAIServer:
         rid, model = f"cmpl-{uuid.uuid4().hex}", self.settings.model_name
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model}
 
+        ids, lps = TokenIds(prep, req.return_token_ids), Logprobs(self.tokenizer)
+        echo = Echo(prep, req.prompts(), self.tokenizer) if req.echo else None
+
         def choice(d: Delta) -> dict:
-            return _with_ids({"index": d.index, "text": d.text, "logprobs": None,
-                              "finish_reason": d.finish_reason}, d, req.return_token_ids)
+            prefix, prompt = echo.first(d) if echo else ("", None)
+            return ids.choice({"index": d.index, "text": prefix + d.text,
+                               "logprobs": lps.completion(d, req.logprobs, prompt),
+                               "finish_reason": d.finish_reason}, d)
         if req.stream:
             return await sse(self, prep, head, choice, req, None)
         deltas = await self.collect(prep, is_disconnected)
@@ -398,25 +434,34 @@ class OpenAIServer:
         prep.client = client
         rid, model = f"chatcmpl-{uuid.uuid4().hex}", self.settings.model_name
         head = {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model}
+        ids, lps = TokenIds(prep, req.return_token_ids), Logprobs(self.tokenizer)
+        k = req.num_logprobs
         if req.stream:
             def choice(d: Delta) -> dict:
                 delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                return _with_ids({"index": d.index, "delta": delta, "logprobs": None,
-                                  "finish_reason": d.finish_reason}, d, req.return_token_ids)
+                return ids.choice({"index": d.index, "delta": delta, "logprobs": lps.chat(d, k),
+                                   "finish_reason": d.finish_reason}, d, with_prompt=False)
             first = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(len(prep.sampling))]
             head = {**head, "object": "chat.completion.chunk"}
-            return await sse(self, prep, head, choice, req, first)
+            return await sse(self, prep, head, choice, req, {"choices": first, **ids.top()})
         deltas = await self.collect(prep, is_disconnected)
-        choices = [_with_ids({"index": d.index, "message": {"role": "assistant", "content": d.text},
-                              "logprobs": None, "finish_reason": d.finish_reason}, d,
-                             req.return_token_ids) for d in deltas]
-        return {**head, "choices": choices, "usage": self.usage(prep, deltas)}
+        choices = [ids.choice({"index": d.index, "message": {"role": "assistant", "content": d.text},
+                               "logprobs": lps.chat(d, k), "finish_reason": d.finish_reason}, d,
+                              with_prompt=False)
+                   for d in deltas]
+        return {**head, "choices": choices, **ids.top(), "usage": self.usage(prep, deltas)}
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{
-            "id": self.settings.model_name, "object": "model", "created": self.created,
-            "owned_by": "specflash", "max_model_len": self.settings.max_context}]}
+        return {"object": "list", "data": [self.model(self.settings.model_name)]}
+
+    def model(self, model_id: str) -> dict:
+        """`GET /v1/models/{id}`: the served model, else 404."""
+        if model_id != self.settings.model_name:
+            raise APIError(404, f"The model {model_id!r} does not exist; this server serves "
+                           f"{self.settings.model_name!r}", code="model_not_found", param="model")
+        return {"id": model_id, "object": "model", "created": self.created,
+                "owned_by": "specflash", "max_model_len": self.settings.max_context}
 
     async def health(self) -> tuple[int, dict]:
         if self.draining:
@@ -440,45 +485,6 @@ class OpenAIServer:
         return self.exporter.render(engine_stats)
 
 
-async def sse(server: OpenAIServer, prep: Prepared, head: dict, choice, req: SamplingFields,
-              first: list[dict] | None) -> AsyncIterator[str]:
-    """Server-sent events: one event per delta, then usage if asked, then [DONE].
-
-    Admission happens before the first byte, so a full queue is still a 429."""
-    gen = server.run(prep)  # a dropped stream cancels the response task: no polling needed
-    finals: dict[int, Delta] = {}
-    try:
-        first_delta = await gen.__anext__()
-    except StopAsyncIteration:
-        first_delta = None
-    except EngineError as e:
-        raise engine_api_error(e, server.settings.retry_after_s) from e
-
-    async def events() -> AsyncIterator[str]:
-        try:
-            if first:
-                yield _event({**head, "choices": first})
-            delta = first_delta
-            while delta is not None:
-                if delta.text or delta.finish_reason or (req.return_token_ids and delta.token_ids):
-                    yield _event({**head, "choices": [choice(delta)]})
-                if delta.finish_reason:
-                    finals[delta.index] = delta
-                delta = await gen.__anext__()
-        except StopAsyncIteration:
-            pass
-        except (APIError, EngineError) as e:
-            err = e if isinstance(e, APIError) else engine_api_error(
-                e, server.settings.retry_after_s)
-            yield _event(err.body())
-        finally:
-            await gen.aclose()
-        if req.include_usage:
-            yield _event({**head, "choices": [], "usage": server.usage(prep, list(finals.values()))})
-        yield "data: [DONE]\n\n"
-    return events()
-
-
 class _Cut(Exception):
     """A choice failed by `drain` at its deadline."""
 
@@ -486,14 +492,3 @@ class _Cut(Exception):
 def _finish(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
-
-
-def _with_ids(choice: dict, d: Delta, return_token_ids: bool) -> dict:
-    if return_token_ids:
-        choice["token_ids"] = d.token_ids
-    return choice
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-

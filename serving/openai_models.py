@@ -1,22 +1,26 @@
 """Pydantic models of the OpenAI-compatible request bodies, and the API layer's data types.
 
 Requests are validated in strict mode (`"max_tokens": "5"` is a type error, as in
-OpenAI's API); unknown top-level fields are ignored, the way clients that send
-newer OpenAI fields expect. Range checks that depend on the model (context
-length, vocabulary) happen in `serving.openai_api`, which knows the model.
+OpenAI's API). Nothing a client sends is dropped: a field is implemented exactly, or
+passes as a documented no-op (`NO_OP_FIELDS`: it changes nothing a server could do),
+or is refused with a 400 naming it — an OpenAI field this server does not implement
+(`REFUSED`, unless it carries its "off" value) as `unsupported_parameter`, any other
+field as `unknown_parameter` (the field table is in docs/serving.md). Range checks that
+depend on the model (context length, vocabulary) happen in `serving.openai_api`, which
+knows the model.
 """
 from __future__ import annotations
 
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Annotated, Literal, Union
+from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from speculation.requests import SpeculationOptions
 from speculation.settings import MAX_SPEC_LEN, MAX_TREE_WIDTH
-from models.sampling import SamplingParams
+from models.sampling import MAX_LOGPROBS, SamplingParams
 
 
 class APIError(Exception):
@@ -54,6 +58,10 @@ def validation_error(exc: ValidationError) -> APIError:
     code = "invalid_type" if ("type" in kind or kind.endswith("_parsing")) else "invalid_value"
     if kind == "missing":
         code = "missing_required_parameter"
+    if kind == "extra_forbidden":
+        return APIError(400, f"{loc}: unknown field; this server does not implement it, and refuses "
+                        "it rather than ignore it (docs/serving.md lists the fields)",
+                        code="unknown_parameter", param=loc or None)
     return APIError(400, f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")),
                     code=code, param=loc or None)
 
@@ -81,13 +89,14 @@ StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1,
                                    description="default: 16 (completions), rest of context (chat)")
@@ -97,15 +106,31 @@ class SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1, description="a 64-bit integer")
     stop: Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOPS)], None] = None
     stop_token_ids: list[int] | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted once from each token "
+                                    "already in the output")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0, description="subtracted per occurrence in the output")
+    repetition_penalty: float = Field(1.0, gt=0.0, description="vLLM's: > 1 discourages tokens of prompt "
+                                      "and output; 1 = off")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(
+        None, description="token id (a string, as OpenAI's API takes it) -> bias added to its logit")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="vLLM's: drop tokens below min_p x the top "
+                                                          "token's probability; 0 = off")
+    min_tokens: int = Field(0, ge=0, description="vLLM's: EOS and stop_token_ids are masked until this "
+                                                 "many tokens are generated")
     n: int = Field(1, ge=1, le=16)
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     speculation: SpeculationModel | None = None
-    return_token_ids: bool = Field(False, description="add each choice's token ids (vLLM's extension)")
+    return_token_ids: bool = Field(False, description="add each choice's token ids and its prompt's "
+                                                      "`prompt_token_ids` (vLLM's extension)")
     prefix_cache: bool = Field(True, description="false: neither start on the server's cached KV blocks "
                                "nor leave this request's own cached (where the server caches prefixes)")
-    user: str | None = None
+    # No-ops (NO_OP_FIELDS): accepted, type-checked, and change nothing this server could do.
+    user: str | None = Field(None, description="the end user's id; not used")
+    metadata: dict[str, str] | None = Field(None, description="the client's tags; not stored")
+    safety_identifier: str | None = Field(None, description="the end user's id; not used")
+    prompt_cache_key: str | None = Field(None, description="a caching hint; not used")
 
     @field_validator("stop")
     @classmethod
@@ -126,7 +151,17 @@ PromptType = Union[str, Annotated[list[str], Field(min_length=1)], TokenIds,
 
 
 class CompletionRequest(SamplingFields):
+    refused: ClassVar[dict[str, Refused]]    # REFUSED_COMPLETION (set below it)
     prompt: PromptType
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="each token's log-probability "
+                                 "and the top `logprobs` alternatives at its position")
+
+    echo: bool = Field(False, description="return the prompt before the completion (with `logprobs`, "
+                                          "its tokens' log-probabilities too)")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -144,14 +179,16 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
+    name: str | None = Field(None, description="the participant's name, handed to the chat template")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -160,25 +197,79 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    refused: ClassVar[dict[str, Refused]]    # REFUSED_CHAT (set below it)
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, description="newer name of max_tokens")
     add_generation_prompt: bool = True
+    logprobs: bool = Field(False, description="each token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives per token; "
+                                     "needs logprobs")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_budget(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-# OpenAI fields this server does not implement: refused rather than silently ignored,
-# unless they carry their "off" value.
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
-               "echo": (None, False), "suffix": (None, ""), "tools": (None, []),
-               "functions": (None, []), "logit_bias": (None, {})}
+NO_OP_FIELDS = ("user", "metadata", "safety_identifier", "prompt_cache_key")
+
+
+@dataclass(frozen=True)
+class Refused:
+    """An OpenAI field this server does not implement: a 400 naming it, unless it carries one
+    of its "off" values (then it asks for nothing, and is dropped before validation)."""
+
+    off: tuple          # values that ask for nothing; compared by type and value (0 is not False)
+    why: str            # said in the 400
+
+
+REFUSED_COMMON = {
+    "store": Refused((None, False), "this server stores nothing"),
+    "service_tier": Refused((None, "auto", "default"), "this server has one service tier"),
+}
+REFUSED_COMPLETION = {
+    **REFUSED_COMMON,
+    "best_of": Refused((None, 1), "best_of needs log-probabilities, not implemented yet"),
+    "suffix": Refused((None, ""), "insertion (a suffix) is not supported"),
+}
+REFUSED_CHAT = {
+    **REFUSED_COMMON,
+    "response_format": Refused((None, {"type": "text"}),
+                               "structured output (json_object, json_schema) is not implemented yet"),
+    "tools": Refused((None, []), "tool calling is not implemented yet"),
+    "tool_choice": Refused((None, "none"), "tool calling is not implemented yet"),
+    "parallel_tool_calls": Refused((None,), "tool calling is not implemented yet"),
+    "functions": Refused((None, []), "function calling is not implemented"),
+    "function_call": Refused((None, "none"), "function calling is not implemented"),
+    "modalities": Refused((None, ["text"]), "this server answers text only"),
+    "audio": Refused((None,), "this server answers text only"),
+    "prediction": Refused((None,), "predicted outputs are not supported"),
+    "reasoning_effort": Refused((None,), "the model has no reasoning setting"),
+    "verbosity": Refused((None,), "the model has no verbosity setting"),
+    "web_search_options": Refused((None,), "this server has no web search"),
+}
+
+
+CompletionRequest.refused, ChatCompletionRequest.refused = REFUSED_COMPLETION, REFUSED_CHAT
+
+
+def is_off(value, offs: tuple) -> bool:
+    """Whether `value` is one of `offs`, by type and value: `0` is not `False`, `1.0` is `1`."""
+    def same(a, b) -> bool:
+        if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None:
+            return a is b
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            return a == b
+        return type(a) is type(b) and a == b
+    return any(same(value, o) for o in offs)
 
 
 def parse_body(raw: bytes, model: type[SamplingFields]) -> SamplingFields:
     """A request body as `model`, validated strictly; 400 for malformed JSON, unpaired UTF-16
-    surrogates, unsupported fields, and whatever the model refuses."""
+    surrogates, refused or unknown fields, and whatever the model refuses."""
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -190,14 +281,28 @@ def parse_body(raw: bytes, model: type[SamplingFields]) -> SamplingFields:
     if _has_lone_surrogate(body):  # "\ud800" escapes: not text any tokenizer can take
         raise APIError(400, "malformed JSON body: a string holds an unpaired UTF-16 surrogate",
                        code="invalid_json")
-    for name, allowed in UNSUPPORTED.items():
-        if body.get(name) not in allowed:
-            raise APIError(400, f"{name}={body[name]!r} is not supported by this server",
-                           code="unsupported_parameter", param=name)
+    for name, refused in model.refused.items():
+        if name not in body:
+            continue
+        if not is_off(body[name], refused.off):
+            raise APIError(400, f"{name}={_short(body[name])} is not supported by this server: "
+                           f"{refused.why}", code="unsupported_parameter", param=name)
+        del body[name]
     try:
-        return model.model_validate(body, strict=True)
+        req = model.model_validate(body, strict=True)
     except ValidationError as e:
         raise validation_error(e) from e
+    if getattr(req, "top_logprobs", None) is not None and not getattr(req, "logprobs", False):
+        raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true",
+                       code="invalid_value", param="stream_options")
+    return req
+
+
+def _short(value) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -233,6 +338,8 @@ class Delta:
     accepted: int = 0
     token_ids: list[int] = field(default_factory=list)   # the tokens behind `text`
     cached_tokens: int = 0             # prompt tokens the engine found in its prefix cache
+    logprobs: list = field(default_factory=list)         # a models.sampling.TokenLogprob per token
+    prompt_logprobs: list | None = None                  # an echo's: None, then one per prompt token
 
 
 @dataclass

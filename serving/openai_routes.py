@@ -39,6 +39,7 @@ class ErrorBody(BaseModel):
 def _errors(*statuses: int) -> dict:
     what = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model",
             408: "request timed out", 413: "body over `serving.max_request_bytes`",
+            415: "the body is not sent as JSON (`Content-Type: application/json`)",
             429: "queue full or the key's concurrency limit reached (Retry-After)",
             500: "engine error", 503: "shutting down, draining or unavailable (Retry-After)"}
     return {s: {"model": ErrorBody, "description": what[s]} for s in statuses}
@@ -47,7 +48,7 @@ def _errors(*statuses: int) -> dict:
 GENERATE_RESPONSES = {
     200: {"description": "the completion, or server-sent events when `stream` is true",
           "content": {"application/json": {}, "text/event-stream": {}}},
-    **_errors(400, 401, 404, 408, 413, 429, 500, 503),
+    **_errors(400, 401, 404, 408, 413, 415, 429, 500, 503),
 }
 
 
@@ -67,6 +68,16 @@ async def read_body(request: Request, limit: int) -> bytes:
         if len(body) > limit:
             raise _too_large(limit)
     return bytes(body)
+
+
+def check_json_content_type(request: Request) -> None:
+    """415 unless the body is declared JSON (`application/json`, or a `+json` type): a form
+    post of a JSON-looking body is not served as if it were JSON."""
+    declared = request.headers.get("content-type", "")
+    media = declared.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        raise APIError(415, f"The body must be JSON sent as Content-Type: application/json, not "
+                       f"{declared or 'no Content-Type'!r}", code="unsupported_media_type")
 
 
 def _too_large(limit: int) -> APIError:
@@ -127,6 +138,7 @@ def build_fastapi_app(server: OpenAIServer) -> FastAPI:
         t0 = time.monotonic()
         client = server.check_api_key(request.headers.get("authorization"))
         server.check_admitting()
+        check_json_content_type(request)
         req = server.parse(await read_body(request, s.max_request_bytes), model)
         result = await handler(req, request.is_disconnected, client)
         if isinstance(result, dict):
@@ -154,6 +166,11 @@ def build_fastapi_app(server: OpenAIServer) -> FastAPI:
     async def models(request: Request):
         server.check_api_key(request.headers.get("authorization"))
         return server.models()
+
+    @app.get("/v1/models/{model_id}", responses=_errors(401, 404))
+    async def model(model_id: str, request: Request):
+        server.check_api_key(request.headers.get("authorization"))
+        return server.model(model_id)
 
     @app.get("/health", responses={**_errors(401),
                                    503: {"description": "not ready, or draining for shutdown"}})

@@ -76,7 +76,13 @@ class FakeEngine:
                     drafted += 4
                     accepted += max(len(step) - 1, 0)
                 self.active[rid] = 1 + (len(request.prompt_token_ids) + emitted) // 16
-                yield GenerationChunk(rid, step, reason is not None, reason, drafted, accepted)
+                prompt_lps = None
+                if sp.prompt_logprobs is not None and emitted == len(step):     # the first chunk
+                    prompt_lps = [None] + [fake_logprob(t, sp.prompt_logprobs) for t in request.prompt_token_ids[1:]]
+                yield GenerationChunk(rid, step, reason is not None, reason, drafted, accepted,
+                                      logprobs=None if sp.logprobs is None else [fake_logprob(t, sp.logprobs)
+                                                                                 for t in step],
+                                      prompt_logprobs=prompt_lps)
                 if reason is not None:
                     self.finished.append(rid)
                     return
@@ -95,6 +101,14 @@ class FakeEngine:
         return {"acceptance_rate": 0.75, "mean_accepted_length": 3.25,
                 "verifier_idle_fraction": 0.125, "num_running": len(self.active),
                 "kv_blocks_used": used, "kv_blocks_free": self.num_kv_blocks - used}
+
+
+def fake_logprob(token_id: int, k: int):
+    """A scripted token's log-probability: -(id % 5) / 4, its top k the ids after it, each less likely."""
+    from models.sampling import TokenLogprob
+
+    lp = -(token_id % 5) / 4
+    return TokenLogprob(token_id, lp, [(token_id + 1 + i, lp - 1 - i) for i in range(k)])
 
 
 def tiny_byte_tokenizer(vocab_size: int = 320):

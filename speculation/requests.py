@@ -96,6 +96,8 @@ class GenerationChunk:
     num_accepted: int = 0             # cumulative for the request
     error: str | None = None          # set with finish_reason "error"; retryable errors say so
     cached_tokens: int = 0            # prompt tokens found in the target's prefix cache
+    logprobs: list | None = None      # with sampling.logprobs: a models.sampling.TokenLogprob per token
+    prompt_logprobs: list | None = None   # first chunk, with sampling.prompt_logprobs: None, then one per prompt token
 
 
 @dataclass
@@ -108,6 +110,8 @@ class GenerationOutput:
     finish_reason: str                # "stop" | "length" | "abort" | "error"
     stats: SpecStats                  # this request's speculation and timings
     error: str | None = None
+    logprobs: list | None = None      # with sampling.logprobs: a models.sampling.TokenLogprob per token
+    prompt_logprobs: list | None = None   # with sampling.prompt_logprobs: None, then one per prompt token
 
 
 class Engine(Protocol):

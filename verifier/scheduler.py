@@ -26,6 +26,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -107,8 +108,15 @@ class Scheduler:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
+        bad = [t for t, _ in params.logit_bias if t >= vocab]
+        if bad:
+            raise InvalidRequest(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
+                                 "logit_bias")
         r = resolve_speculation(spec, self.settings, self.settings.proposers)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+        # what both sides' sampling transforms read (models.sampling.process_logits)
+        params = replace(params, prompt_len=len(prompt),
+                         eos_token_ids=[] if params.ignore_eos else sorted(self.eos_ids))
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
         s = VerifyStream(request_id, list(prompt), params, torch.Generator().manual_seed(seed), stop, r.mode,
                          r.spec_len, r.tree_width, ctx, proposer=r.proposer, seed=seed, emit=emit,
@@ -239,6 +247,8 @@ class Scheduler:
             s = self.streams.get(rid)
             features[rid] = self.target.prefill(rid, s.prompt if s is not None else [0],
                                                 s is not None and s.prefix_cache, self.settings.prefill_chunk)
+            if s is not None and s.params.prompt_logprobs is not None:
+                s.prompt_logprobs = self.target.prompt_logprobs(s.prompt, s.params)
         seconds = (time.perf_counter() - start) / max(1, len(joins))
         for rid in joins:
             if rid in self.streams:
@@ -363,7 +373,9 @@ class Scheduler:
             s.stats.observe_time("verify", verify_s * share)
             if res.features is not None:
                 s.features.append(res.features)
-            s.emit(s.chunk(o.kept))
+            logprobs = None if res.logprobs is None else res.logprobs[:len(o.kept)]
+            s.logprobs += logprobs or []
+            s.emit(s.chunk(o.kept, logprobs=logprobs))
             if s.finish_reason:
                 self.finish(s, s.finish_reason, notify=False)
             else:

@@ -29,6 +29,8 @@ class VerifyStream:
     drafter: int | None = None          # index of the drafter feeding it
     committed: list[int] = field(default_factory=list)
     output: list[int] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)          # with params.logprobs: one TokenLogprob per output token
+    prompt_logprobs: list | None = None   # with params.prompt_logprobs (the first chunk carries them)
     stats: SpecStats = field(default_factory=SpecStats)     # this request's own
     started: float = 0.0                # perf_counter seconds when it arrived
     admitted: bool = False              # has its ring, budget and drafter (set before the prefill)
@@ -90,9 +92,11 @@ class VerifyStream:
         left = self.params.max_tokens - len(self.output)
         return max(0, min(left - 1, self.max_context - len(self.committed) - 1))
 
-    def chunk(self, tokens: list[int], error: str | None = None) -> GenerationChunk:
+    def chunk(self, tokens: list[int], error: str | None = None, logprobs: list | None = None) -> GenerationChunk:
         return GenerationChunk(self.request_id, tokens, self.finish_reason is not None, self.finish_reason,
-                               self.num_drafted, self.num_accepted, error, self.cached_tokens)
+                               self.num_drafted, self.num_accepted, error, cached_tokens=self.cached_tokens,
+                               logprobs=logprobs,
+                               prompt_logprobs=self.prompt_logprobs if len(self.output) == len(tokens) else None)
 
     def unsent_features(self):
         """The target features the drafter has not been told (None without any), and their

@@ -62,6 +62,10 @@ class TargetSide:
     def cached_tokens(self, seq_id: str) -> int:
         return self.verifier.cached_tokens.get(seq_id, 0)
 
+    def prompt_logprobs(self, prompt: list[int], params) -> list:
+        """`Verifier.prompt_logprobs`: None, then a TokenLogprob per prompt token after the first."""
+        return self.verifier.prompt_logprobs(prompt, params)
+
     def verify(self, requests: list, threads: int | None = None) -> tuple[list, float]:
         """`requests`: verifier.VerifyRequest list. Returns (VerifyResult list, seconds).
 
@@ -77,7 +81,7 @@ class TargetSide:
     def verify_items(self, items: list, threads: int | None = None) -> tuple[list, float]:
         """`verify` for a step's `speculation.step.StepItem`s: each sequence's root and tree."""
         return self.verify([VerifyRequest(it.seq.request_id, it.seq.committed[-1], it.tree, it.seq.params,
-                                          it.seq.generator) for it in items], threads)
+                                          it.seq.generator, it.seq.committed) for it in items], threads)
 
     def release(self, seq_id: str, token_ids: list[int] | None = None) -> None:
         """Free the sequence; `token_ids`: its committed tokens, whose full blocks stay cached."""

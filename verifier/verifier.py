@@ -13,7 +13,9 @@ Exact for greedy decoding and for sampling: chains follow Leviathan et al.
 2023 / Chen et al. 2023, trees SpecInfer (Miao et al. 2023) with children
 drawn without replacement (Sequoia, Chen et al. 2024). Temperature, top-k and
 top-p are applied to p here exactly as the drafter applied them to q
-(`models.sampling.logits_to_probs`).
+(`models.sampling.logits_to_probs`), and so are the transforms that read the tokens
+before a row (penalties, `logit_bias`, `min_tokens`: `models.sampling.process_logits`),
+each node's row over the committed tokens plus its own path.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.sampling import SamplingParams, logits_to_probs
+from models.sampling import SamplingParams, TokenHistory, logits_to_probs, process_logits, token_logprobs
 from models.tree import TokenTree, ragged_tree_forward
 
 
@@ -64,6 +66,7 @@ class VerifyRequest:
     tree: TokenTree
     params: SamplingParams
     generator: torch.Generator      # per request: reproducible uniform / exp_noise draws
+    committed: Sequence[int] = ()   # prompt + output, root last: what penalties read (params.reads_history)
 
 
 @dataclass
@@ -75,6 +78,8 @@ class VerifyResult:
     # with `Verifier(features=True)`: the target's final-norm hidden states at the root and the
     # accepted nodes [1 + num_accepted, hidden], the input a feature-conditioned draft reads
     features: torch.Tensor | None = None
+    # with `params.logprobs` set: one models.sampling.TokenLogprob per token of `token_ids`
+    logprobs: list | None = None
 
     @property
     def num_accepted(self) -> int:
@@ -143,6 +148,23 @@ class Verifier:
         width = self.model.config.hidden_size
         return {s: hidden.get(s, torch.zeros(0, width)) for s in seq_ids}
 
+    @torch.inference_mode()
+    def prompt_logprobs(self, prompt_ids: Sequence[int], params: SamplingParams) -> list:
+        """Each prompt token's log-probability after the tokens before it (the first has none: None)
+        and the top `params.logprobs` there, under temperature only (penalties read an output the
+        prompt does not have). One forward of the prompt on a scratch sequence: only an `echo`
+        with log-probabilities asks for it."""
+        scratch = ("__prompt_logprobs__", id(prompt_ids))
+        self.cache.add_sequence(scratch)
+        try:
+            n = len(prompt_ids)
+            (logits,) = ragged_tree_forward(
+                self.model, self.cache, [scratch], [torch.tensor(list(prompt_ids), dtype=torch.long)],
+                [torch.arange(n)], [torch.ones(n, n, dtype=torch.bool).tril()], [torch.arange(n - 1)])
+        finally:
+            self.cache.free(scratch)
+        return [None] + token_logprobs(logits, params, prompt_ids[1:], params.prompt_logprobs)
+
     def release(self, seq_id: Hashable, token_ids: Sequence[int] | None = None) -> None:
         """Free the sequence; with `token_ids` (its committed tokens), first register its full
         blocks in the prefix cache (unless it opted out), for a next turn to start on."""
@@ -172,6 +194,8 @@ class Verifier:
         hidden = None
         if self.features:
             target_logits, hidden = target_logits
+        target_logits = [process_logits(logits, r.params, TokenHistory(r.committed, r.tree.row_paths()))
+                         if r.params.reads_history else logits for r, logits in zip(batch, target_logits)]
         results: list[VerifyResult | None] = [None] * len(batch)
         for greedy in (True, False):
             rows = [b for b, r in enumerate(batch) if r.params.greedy == greedy]
@@ -183,6 +207,8 @@ class Verifier:
             # commit [root] + accepted path behind the prefix; the rest of the tree is rolled back
             base = r.tree.prefix_len - 1
             rows = [0] + [a + 1 for a in res.accepted_nodes]
+            if r.params.logprobs is not None:   # token j was sampled at row rows[j]: the same forward
+                res.logprobs = token_logprobs(target_logits[b][torch.tensor(rows)], r.params, res.token_ids)
             self.cache.compact(r.seq_id, base, rows)
             if hidden is not None:
                 res.features = hidden[b][torch.tensor(rows)].cpu()

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from models import SamplingParams
-from models.sampling import logits_to_probs
+from models.sampling import TokenHistory, logits_to_probs, process_logits
 
 
 @pytest.mark.parametrize(
@@ -73,3 +73,37 @@ def test_top_k_then_top_p_compose_per_row():
     kept = p3[:2] / p3[:2].sum()
     torch.testing.assert_close(got[0], torch.tensor([0.0, 0.0, kept[1], kept[0]]))
     torch.testing.assert_close(got[1], torch.tensor([kept[0], kept[1], 0.0, 0.0]))
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.1}, "frequency_penalty"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"min_p": 1.1}, "min_p"),
+    ({"min_tokens": -1}, "min_tokens"), ({"logit_bias": {3: 101.0}}, "logit_bias"),
+    ({"logit_bias": [(-1, 1.0)]}, "logit_bias"), ({"min_p": True}, "min_p"),
+])
+def test_invalid_transform_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_history_transforms_need_a_history_and_read_each_rows_path():
+    logits = torch.zeros(3, 6)
+    params = SamplingParams(frequency_penalty=1.0, prompt_len=2)
+    assert process_logits(logits, SamplingParams(), None) is logits     # nothing to read: unchanged
+    with pytest.raises(ValueError, match="TokenHistory"):
+        process_logits(logits, params, None)
+    # committed = prompt [4, 4] + output [1]; rows: the root's, then paths [2] and [2, 1]
+    out = process_logits(logits, params, TokenHistory([4, 4, 1], [[], [2], [2, 1]]))
+    assert out[0].tolist() == [0, -1, 0, 0, 0, 0]          # prompt tokens are not output
+    assert out[1].tolist() == [0, -1, -1, 0, 0, 0]
+    assert out[2].tolist() == [0, -2, -1, 0, 0, 0]
+    assert logits.abs().sum() == 0                         # the input is not modified
+
+
+def test_logit_bias_pairs_survive_the_wire_form():
+    from dataclasses import asdict
+
+    p = SamplingParams(logit_bias={7: -100, 3: 2.5}, min_tokens=2)
+    assert p.logit_bias == [(3, 2.5), (7, -100.0)]
+    again = SamplingParams(**{**asdict(p), "logit_bias": [list(x) for x in asdict(p)["logit_bias"]]})
+    assert again == p

@@ -38,7 +38,8 @@ def test_fuzz_the_http_api_from_its_openapi_schema():
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {op.label for op in operations} == {
-        "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health",
+        "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models",
+        "GET /v1/models/{model_id}", "GET /health",
         "GET /metrics"}
     tally: Counter = Counter()
     for op in operations:

@@ -58,6 +58,39 @@ def test_generate_and_stream_agree():
     assert (r.speculation.mode, r.speculation.spec_len, r.speculation.tree_width) == ("chain", 3, None)
 
 
+def test_sampling_transforms_travel_over_grpc():
+    """The fields the HTTP API takes reach the engine the same way; bad values are INVALID_ARGUMENT."""
+    async def go(stub, engine, server):
+        req = pb.GenerateRequest(prompt="hi", max_tokens=4, presence_penalty=0.5, frequency_penalty=-1.0,
+                                 repetition_penalty=1.3, logit_bias={7: -100.0, 3: 2.5}, min_p=0.05,
+                                 min_tokens=2, stop_token_ids=[9])
+        await stub.Generate(req)
+        lp_req = pb.GenerateRequest(prompt="hi", max_tokens=5, logprobs=2)
+        whole = await stub.Generate(lp_req)
+        pieces = [m async for m in stub.GenerateStream(lp_req)]
+        codes = []
+        for bad in (pb.GenerateRequest(prompt="hi", presence_penalty=3.0),
+                    pb.GenerateRequest(prompt="hi", logprobs=21),
+                    pb.GenerateRequest(prompt="hi", logit_bias={10**6: 1.0}),
+                    pb.GenerateRequest(prompt="hi", stop_token_ids=[10**6])):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Generate(bad)
+            codes.append(e.value.code())
+        return engine.requests, codes, whole, pieces
+
+    requests, codes, whole, pieces = asyncio.run(with_server(go))
+    from serving.testing import fake_logprob
+    assert [(x.token_id, x.logprob, [(t.token_id, t.logprob) for t in x.top]) for x in whole.logprobs] == \
+        [(t, fake_logprob(t, 2).logprob, fake_logprob(t, 2).top) for t in OUT[:5]]
+    assert [x for p in pieces for x in p.logprobs] == list(whole.logprobs)
+    r = requests[0]
+    assert requests[1].sampling.logprobs == 2 and requests[0].sampling.logprobs is None
+    sp = r.sampling
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.5, -1.0, 1.3)
+    assert sp.logit_bias == [(3, 2.5), (7, -100.0)] and (sp.min_p, sp.min_tokens) == (0.05, 2)
+    assert sp.stop_token_ids == [9] and codes == [grpc.StatusCode.INVALID_ARGUMENT] * 4
+
+
 @pytest.mark.parametrize("req,code", [
     (pb.GenerateRequest(prompt="hi", top_p=0.0), grpc.StatusCode.INVALID_ARGUMENT),
     (pb.GenerateRequest(prompt="hi", temperature=-1.0), grpc.StatusCode.INVALID_ARGUMENT),

@@ -191,8 +191,8 @@ BAD = [
     ({"prompt": ""}, 400, "invalid_value", "prompt"),
     ({"prompt": "hi", "speculation": {"mode": "sideways"}}, 400, "invalid_value", "speculation.mode"),
     ({"prompt": "hi", "speculation": {"spec_len": 99}}, 400, "invalid_value", "speculation.spec_len"),
-    ({"prompt": "hi", "logprobs": 2}, 400, "unsupported_parameter", "logprobs"),
-    ({"prompt": "hi", "echo": True}, 400, "unsupported_parameter", "echo"),
+    ({"prompt": "hi", "logprobs": 21}, 400, "invalid_value", "logprobs"),
+    ({"prompt": "hi", "echo": "yes"}, 400, "invalid_type", "echo"),
     ({"prompt": "hi", "best_of": 3}, 400, "unsupported_parameter", "best_of"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model_not_found", "model"),
 ]
