@@ -250,14 +250,19 @@ def engine_counters(url: str) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """--url, or --start and what the started server runs (`start_server` reads them)."""
     p.add_argument("--url", help="a running server (default: start one with --start)")
     p.add_argument("--start", action="store_true", help="start python -m cluster.serve_cli")
     common.add_model_pair(p, default="the server's own")
     p.add_argument("--engine", default="auto")
     p.add_argument("--config", help="ClusterConfig YAML for the started server (specflash serve --config)")
     p.add_argument("--port", type=common.positive_int, default=8321)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_server_args(p)
     p.add_argument("--concurrency", type=common.comma_list(common.positive_int), default="1,4,16,64")
     p.add_argument("--modes", type=common.comma_list(), default="off,auto",
                    help="speculation modes; 'off' is the baseline")

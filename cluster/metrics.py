@@ -12,7 +12,9 @@ from a single-process `specflash serve` (`specflash_requests_total`, ...).
 Counters go over as increments (a counter that went down, a restarted verifier, restarts the
 increments from its new value), gauges as values, histograms bucket by bucket: each new
 observation of a bucket is replayed at the bucket's upper bound, so the bucket counts (what
-`histogram_quantile` reads) are exact and `_sum` is an upper bound.
+`histogram_quantile` reads) are exact and `_sum` is an upper bound. A counter still at 0 has no
+series through Ray (Ray's `Counter.inc` refuses 0) until it first grows: queries that must see
+a zero (an error ratio) add `or vector(0)`, as the rendered alerts do.
 """
 from __future__ import annotations
 

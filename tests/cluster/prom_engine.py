@@ -21,7 +21,8 @@ class SpeculatingFakeEngine(FakeEngine):
         s.observe_batch(0.03), s.observe_idle(0.01), s.observe_wall(0.05), s.observe_ring(1, 2)
         d.observe_drafted(4)
         d.resets += 1
-        out = {**s.as_dict(), **await super().stats()}
+        out = {**await super().stats(), **s.as_dict()}   # the ratios of these counts, not the fake's constants
+        out["mean_accepted_length"] = out.pop("mean_accepted_len")
         out.update(kv_blocks_total=self.num_kv_blocks, drafters_alive=1, speculation_enabled=1,
                    drafters=[{"index": 0, **d.as_dict()}])
         return out
