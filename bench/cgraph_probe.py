@@ -11,7 +11,11 @@ graph method hands each call to its event loop. It measures the median round tri
 message through both paths (`--rounds` each), then asks what the pipeline's faults need: the
 drafter that compiled the graph is killed, a new drafter compiles a graph to the same verifier,
 and the probe reports whether that graph runs and whether the verifier still answers a plain
-call. Prints a line per finding; `--out` writes them as JSON.
+call. It then tries Ray's channel API without a graph (`ray.experimental.channel`): the drafter
+writes each message into a shared-memory channel the verifier's thread reads, the reply comes
+back through a second channel; it measures that round trip, kills the drafter, reports what the
+verifier's reader saw, and connects a second drafter the same way. Prints a line per finding;
+`--out` writes them as JSON.
 """
 from __future__ import annotations
 
@@ -42,6 +46,36 @@ def actors():
         async def exchange(self, msg):
             return msg
 
+        async def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+        def open_channel(self, req, drafter, node: str):
+            """Serve `req` (drafter -> us) on a thread, answering through a new channel (us -> drafter)."""
+            import threading
+
+            from ray.experimental.channel.shared_memory_channel import Channel
+
+            resp = Channel(ray.get_runtime_context().current_actor, [(drafter, node)])
+            req.ensure_registered_as_reader()
+            resp.ensure_registered_as_writer()
+            self.reader_end = None
+            threading.Thread(target=self._serve, args=(req, resp), daemon=True).start()
+            return resp
+
+        def _serve(self, req, resp) -> None:
+            while True:
+                try:
+                    msg = req.read(timeout=1.0)
+                except ray.exceptions.RayChannelTimeoutError:
+                    continue                      # an idle writer: keep reading
+                except Exception as e:            # the writer's end is gone
+                    self.reader_end = type(e).__name__
+                    return
+                resp.write(asyncio.run_coroutine_threadsafe(self.exchange(msg), self.loop).result())
+
+        async def channel_state(self):
+            return self.reader_end
+
     @ray.remote(max_concurrency=4)
     class Drafter:
         def compile(self, verifier) -> bool:
@@ -50,11 +84,26 @@ def actors():
             self.graph, self.verifier = dag.experimental_compile(), verifier
             return True
 
-        def round_trips(self, rounds: int, graph: bool, timeout_s: float = 30.0) -> float:
+        def connect(self, verifier) -> bool:
+            from ray.experimental.channel.shared_memory_channel import Channel
+
+            ctx = ray.get_runtime_context()
+            node = ray.get(verifier.node.remote())
+            self.req = Channel(ctx.current_actor, [(verifier, node)])
+            self.resp = ray.get(verifier.open_channel.remote(self.req, ctx.current_actor, ctx.get_node_id()))
+            self.req.ensure_registered_as_writer()
+            self.resp.ensure_registered_as_reader()
+            self.verifier = verifier
+            return True
+
+        def round_trips(self, rounds: int, graph: bool | str, timeout_s: float = 30.0) -> float:
             msg, times = (b"header", list(range(16))), []
             for _ in range(rounds):
                 start = time.perf_counter()
-                if graph:
+                if graph == "channel":
+                    self.req.write(msg, timeout=timeout_s)
+                    self.resp.read(timeout=timeout_s)
+                elif graph:
                     ray.get(self.graph.execute(msg), timeout=timeout_s)
                 else:
                     ray.get(self.verifier.exchange.remote(msg), timeout=timeout_s)
@@ -86,6 +135,33 @@ def probe(rounds: int) -> dict:
     except Exception as e:                        # what Ray 2.60 did here: see the module doc
         out["second_graph"] = f"fails: {type(e).__name__}"
     out["verifier_answers_after_the_second_graph"] = _answers(verifier)
+    out.update(channel_probe(Verifier, Drafter, rounds))
+    return out
+
+
+def channel_probe(Verifier, Drafter, rounds: int) -> dict:
+    """Channels without a graph, on a fresh verifier: the round trip, then a drafter's death and a
+    second drafter connecting the same way."""
+    import ray
+
+    out = {}
+    verifier = Verifier.remote()
+    ray.get(verifier.ready.remote())
+    first = Drafter.remote()
+    ray.get(first.connect.remote(verifier), timeout=120)
+    out["channel_round_trip_ms"] = ray.get(first.round_trips.remote(rounds, "channel"))
+    out["call_round_trip_ms_beside_channels"] = ray.get(first.round_trips.remote(rounds, False))
+    ray.kill(first)
+    time.sleep(5.0)
+    out["channel_reader_after_the_death"] = ray.get(verifier.channel_state.remote(), timeout=20) or "still reading"
+    second = Drafter.remote()
+    try:
+        ray.get(second.connect.remote(verifier), timeout=120)
+        ray.get(second.round_trips.remote(1, "channel", 20.0), timeout=60)
+        out["second_channel"] = "runs"
+    except Exception as e:
+        out["second_channel"] = f"fails: {type(e).__name__}"
+    out["verifier_answers_after_the_second_channel"] = _answers(verifier)
     return out
 
 
@@ -106,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import ray
 
-    ray.init(address="local", num_cpus=3, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(address="local", num_cpus=5, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         found = probe(args.rounds)
     finally:

@@ -13,10 +13,15 @@ changes (one bad header or frame refuses the whole call with `WireError`). A put
 carry the ObjectRef of a frame in the object store (the form before frames travelled
 inline; `fetch_tree` pulls it while the target runs).
 
-A Ray compiled graph carried a round trip between two actors here in 0.5 ms against 2.0 ms
+A Ray compiled graph carried a round trip between two actors here in 0.5 ms against 1.5 ms
 for an actor call (`bench/cgraph_probe.py`), but in Ray 2.60 an actor whose graph's
 compiling process died joins no new graph (the next one wedged it), and a drafter or
-verifier restart is routine for this pipeline: the exchange stays on actor calls.
+verifier restart is routine for this pipeline. Ray's channels used without a graph
+(`ray.experimental.channel`, a channel each way, the verifier reading on a thread) carried it
+in 0.2 ms, kept the verifier answering after the drafter's death and let a second drafter
+connect the same way (same probe): the carrier to build next behind `VerifierLink`, with the
+channel buffer sized for sampled trees' draft distributions. The exchange stays on actor calls
+until then.
 """
 from __future__ import annotations
 
