@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from cluster.local import build_engine, speculation_for
 from models import SamplingParams
@@ -145,3 +146,22 @@ def test_the_config_switch_reaches_the_engine_settings():
     assert settings_from_config(AppArgs.model_validate({"kv_cache": {"prefix_caching": True}})).prefix_caching
     with pytest.raises(ValueError, match="prefix_cachin"):
         AppArgs.model_validate({"kv_cache": {"prefix_cachin": True}})
+
+
+def test_an_eagle_head_reads_the_features_of_cached_positions(tiny_target, eagle_draft, hf_target):
+    """The target keeps its hidden states of cached blocks: a later turn starting on them hands
+    the EAGLE head the same features a full prefill would (greedy output the target's own)."""
+    eng = engine(tiny_target, eagle_draft, True)
+    prompts, outs = converse(eng, "sync", 3, 1)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf_target, p, MAX_TOKENS) for p in prompts]
+    assert outs[2].stats.prefix_hits > 0 and sum(o.stats.num_drafted for o in outs) > 0
+    full = engine(tiny_target, eagle_draft, False).side          # the features of a full prefill
+    for p in prompts[1:]:
+        rid = f"f{len(p)}"
+        cached = eng.side.prefill(rid, p)
+        assert eng.side.cached_tokens(rid) > 0
+        reference = full.prefill(rid, p)
+        assert cached.shape == reference.shape == (len(p) - 1, reference.shape[1])
+        assert torch.allclose(cached, reference, atol=1e-4), (cached - reference).abs().max()
+        eng.side.release(rid)
+        full.release(rid)
