@@ -51,6 +51,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM / Ctrl-C, let in-flight requests finish for S seconds "
                         "(default: the config's serving.drain_timeout_s, 30)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of a locally started Ray")
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="automatic prefix caching (the config's kv_cache.prefix_caching; default off)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prefill prompts N tokens at a time between other streams' steps (kv_cache.prefill_chunk)")
     p.add_argument("--ready-timeout", type=float, default=900.0, metavar="S",
                    help="give up if the app does not answer /health within S seconds")
 
@@ -70,6 +74,9 @@ def app_args_from(args) -> dict:
                       ("drain_timeout", "drain_timeout_s")):
         if getattr(args, flag) is not None:
             data["serving"][key] = getattr(args, flag)
+    for flag in ("prefix_caching", "prefill_chunk"):
+        if getattr(args, flag, None) is not None:
+            data["kv_cache"][flag] = getattr(args, flag)
     servicers = [f for f in data["serving"]["grpc_servicer_functions"]
                  if f != GENERATED_SERVICER_FUNCTION]  # the same service, minus malformed-input care
     data["serving"]["grpc_servicer_functions"] = servicers + [SERVICER_FUNCTION] * (
