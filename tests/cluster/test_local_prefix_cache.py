@@ -165,3 +165,50 @@ def test_an_eagle_head_reads_the_features_of_cached_positions(tiny_target, eagle
         assert torch.allclose(cached, reference, atol=1e-4), (cached - reference).abs().max()
         eng.side.release(rid)
         full.release(rid)
+
+
+def test_a_served_soak_with_aborts_and_evictions_leaves_every_block_free_or_cached(tiny_target, close_draft):
+    """Concurrent turns over shared histories in a small cache (so blocks get evicted), some
+    aborted after their first tokens: the finished ones give what the engine gives with the
+    cache off, and afterwards no block of either cache is referenced."""
+    import asyncio
+    import random
+    import time
+
+    from cluster.local import build_local_engine
+
+    rng = random.Random(3)
+    prompts = [SYSTEM[: rng.randrange(20, len(SYSTEM))] + list(bytes(rng.randrange(97, 123) for _ in range(16)))
+               for _ in range(12)]
+    aborted = {2, 5, 9}
+
+    async def serve(engine):
+        async def one(i, prompt):
+            tokens = []
+            async for chunk in engine.generate(request(f"s{i}", prompt, "sync", 3, 1)):
+                tokens += chunk.token_ids
+                if i in aborted and tokens:
+                    await engine.abort(f"s{i}")
+                    return None
+            return tokens
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    outs = {}
+    for caching in (False, True):
+        settings = EngineSettings(num_blocks=30, block_size=8, prefix_caching=caching, max_batch_size=3)
+        engine, _ = build_local_engine(str(tiny_target), str(close_draft), settings)
+        try:
+            outs[caching] = asyncio.run(serve(engine))
+            caches = (engine.engine.side.cache, engine.engine.proposer.cache)
+            deadline = time.monotonic() + 20                  # the last frees run on the engine's loop
+            while any(c.block_states()["referenced"] for c in caches) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for cache in caches:
+                assert cache.block_states()["referenced"] == 0, (cache is caches[1], cache.block_states())
+                assert cache.num_free_blocks == cache.num_blocks
+            if caching:
+                assert caches[0].evictions > 0 and caches[0].prefix_hits > 0
+        finally:
+            engine.shutdown()
+    assert [o for i, o in enumerate(outs[True]) if i not in aborted] == \
+        [o for i, o in enumerate(outs[False]) if i not in aborted]
