@@ -116,7 +116,8 @@ class EngineLoop:
         await self.admit()
         active = sch.active()
         if not active:
-            if self.pump is not None and any(sch.registry.outbox.values()):
+            if self.pump is not None and any(sch.registry.outbox.get(d.index)
+                                             for d in getattr(self.pump, "drafters", ())):
                 # in-process drafters hear their streams' "leave"s now, not at the next request:
                 # their draft KV is freed (and, with prefix caching, left cached) while idle
                 await self.pump(sch, self.run_model, sch.registry.lendable_threads())
