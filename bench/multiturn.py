@@ -57,11 +57,13 @@ def engine_for(target: str, draft: str | None, caching: bool, chunk: int, args):
     return build_local_engine(target, draft, settings)
 
 
-async def timed(engine, request) -> dict:
+async def timed(engine, request, stamps: list | None = None) -> dict:
     """One request: its tokens, TTFT, the gaps between tokens (a chunk of k tokens d seconds
-    after the previous one counts k gaps of d / k, as /metrics does) and its cached tokens."""
+    after the previous one counts k gaps of d / k, as /metrics does) and its cached tokens.
+    `stamps`: a list the arrival time of each token is appended to as it comes."""
     start = time.perf_counter()
-    first, last, tokens, gaps, cached, stamps = None, None, [], [], 0, []
+    first, last, tokens, gaps, cached = None, None, [], [], 0
+    stamps = [] if stamps is None else stamps
     async for chunk in engine.generate(request):
         if chunk.finish_reason == "error":
             raise RuntimeError(f"{request.request_id}: {chunk.error}")
@@ -110,8 +112,11 @@ async def interference(engine, tokenizer, args) -> dict:
     """`--streams` decoding streams and one long prompt arriving among them (module doc, 2.)."""
     rng = random.Random(args.seed + 1)
     prompts = [text_tokens(tokenizer, rng, 32) for _ in range(args.streams)]
-    decoding = [asyncio.create_task(timed(engine, request(f"d{i}", p, args.decode_tokens, "off", 1)))
+    live = [[] for _ in prompts]
+    decoding = [asyncio.create_task(timed(engine, request(f"d{i}", p, args.decode_tokens, "off", 1), live[i]))
                 for i, p in enumerate(prompts)]
+    while not all(len(s) >= 2 for s in live):       # every stream decoding, then a settled stretch
+        await asyncio.sleep(0.01)
     await asyncio.sleep(args.settle_s)
     long = await timed(engine, request("long", text_tokens(tokenizer, rng, args.long_prompt), 2, "off", 1))
     streams = await asyncio.gather(*decoding)

@@ -27,6 +27,7 @@ import torch
 
 from speculation.proposal import DraftRequest
 from drafter.tree_search import ROOT, TreeBuilder
+from models.kv_cache import OutOfBlocks
 from models.transformer import PackedWeight, use_half_weights
 from models.tree import TokenTree, ragged_tree_forward
 
@@ -133,13 +134,16 @@ class ModelProposer:
         need = (len(token_ids) - 1) // bs * bs
         if need // bs > keep // bs:
             self.cache.truncate(seq_id, keep)
+            self._committed[seq_id], self._layout[seq_id], self._tokens[seq_id] = keep, [], held[:keep]
             ids = torch.tensor(list(token_ids[keep:need]), dtype=torch.long)
             n = need - keep
-            ragged_tree_forward(self.model, self.cache, [seq_id], [ids], [torch.arange(keep, need)],
-                                [torch.ones(n, n, dtype=torch.bool).tril()], [torch.tensor([n - 1])],
-                                lm_head=self.lm_head, head_pack=self.head_pack)
-            self._committed[seq_id], self._layout[seq_id] = need, []
-            self._tokens[seq_id], keep = list(token_ids[:need]), need
+            try:
+                ragged_tree_forward(self.model, self.cache, [seq_id], [ids], [torch.arange(keep, need)],
+                                    [torch.ones(n, n, dtype=torch.bool).tril()], [torch.tensor([n - 1])],
+                                    lm_head=self.lm_head, head_pack=self.head_pack)
+                self._committed[seq_id], self._tokens[seq_id], keep = need, list(token_ids[:need]), need
+            except OutOfBlocks:             # no room to complete them: cache what is there
+                pass
         self.cache.cache_prefix(seq_id, list(token_ids[:min(keep, len(token_ids) - 1)]))
 
     def _catch_up(self, batch: Sequence[DraftRequest]) -> list[torch.Tensor]:   # n x [1, V]

@@ -193,6 +193,14 @@ class PagedKVCache:
         return {"queries": self.prefix_queries, "hits": self.prefix_hits, "evictions": self.evictions,
                 "cached_blocks": self.num_cached_blocks}
 
+    def block_keys(self, seq_id: Hashable) -> list[bytes]:
+        """The chain keys of the sequence's leading full blocks, as far as `add_sequence` and
+        `cache_prefix` computed them (registered, or private copies of registered content)."""
+        return list(self._keys[self._known(seq_id)])
+
+    def is_cached(self, key: bytes) -> bool:
+        return key in self._by_key
+
     def is_shared(self, block: int) -> bool:
         """Registered (read-only): no sequence may write it."""
         return block in self._key_of

@@ -74,7 +74,21 @@ class SpeculationSettings(BaseModel):
         return self
 
 
-class EngineSettings(SpeculationSettings):
+class KVCacheSettings(BaseModel):
+    """The engines' KV caches, target and draft model alike: the config's `kv_cache:` block."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    prefix_caching: bool = Field(False, description=(
+        "Automatic prefix caching: a request starts on the cached KV blocks of the longest prefix "
+        "of its prompt that an earlier request left (a multi-turn history, a shared system prompt), "
+        "in the target's cache and the draft model's; a request may opt out (`prefix_cache: false`)."))
+    prefill_chunk: int = Field(0, ge=0, description=(
+        "Chunked prefill: a prompt longer than this many tokens is prefilled this many at a time, "
+        "one chunk between two steps of the running streams, so a long prompt does not stall "
+        "them; 0 = whole prompts in one forward."))
+
+
+class EngineSettings(SpeculationSettings, KVCacheSettings):
     """What one engine (a scheduler, its target and its drafters) runs with, beside the defaults.
 
     Built from the cluster config (`cluster.pipeline.settings_from_config`) and handed to every
@@ -94,14 +108,6 @@ class EngineSettings(SpeculationSettings):
         "Torch threads of a CPU verifier's step while its drafters have nothing to draft: -1 = its "
         "own plus the CPUs of the live drafters on its node (theirs sit idle then); 0 = its own "
         "only; n > 0 = n (`speculation.policy.plain_step_threads`)."))
-    prefix_caching: bool = Field(False, description=(
-        "Automatic prefix caching: full KV blocks of committed tokens are kept, keyed by their "
-        "tokens and all before them, and a new request starts on the longest cached prefix of its "
-        "prompt, in the target's cache and the draft model's (a request may opt out)."))
-    prefill_chunk: int = Field(0, ge=0, description=(
-        "Chunked prefill: a prompt longer than this many tokens is prefilled this many at a time, "
-        "one chunk between two steps of the running streams, so a long prompt does not stall "
-        "them; 0 = whole prompts."))
     proposers: tuple[str, ...] = Field(PROPOSERS, description=(
         "The proposers this engine's drafters hold ('model' needs a draft model); a request "
         "naming another is refused."))

@@ -116,6 +116,11 @@ class EngineLoop:
         await self.admit()
         active = sch.active()
         if not active:
+            if self.pump is not None and any(sch.registry.outbox.get(d.index)
+                                             for d in getattr(self.pump, "drafters", ())):
+                # in-process drafters hear their streams' "leave"s now, not at the next request:
+                # their draft KV is freed (and, with prefix caching, left cached) while idle
+                await self.pump(sch, self.run_model, sch.registry.lendable_threads())
             if not sch.target.partial:     # no prompt's next chunk waiting either
                 await self._sleep(sch.settings.poll_s)
             return False

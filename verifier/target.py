@@ -21,16 +21,16 @@ class TargetSide:
                  dtype: str = "float32", features: bool = False, model=None, prefix_caching: bool = False) -> None:
         """`target`: a checkpoint directory or `random:<preset>`; `model`: an already loaded
         `models.Transformer` instead. `features`: return the target's hidden states with each
-        verification and prefill (a feature-conditioned draft reads them; the hidden states of
-        cached positions are not kept, so such a target caches no prefixes). `prefix_caching`:
-        automatic prefix caching in the target's KV cache."""
+        verification and prefill (a feature-conditioned draft reads them; with prefix caching
+        the Verifier keeps those of cached blocks). `prefix_caching`: automatic prefix caching
+        in the target's KV cache."""
         from models.presets import load
 
         model = model if model is not None else load(target, device, dtype)
         self.config = model.config
         self.vocab_size = model.config.vocab_size
         self.max_context = model.config.max_position_embeddings
-        cache = model.new_cache(num_blocks, block_size, prefix_caching=prefix_caching and not features)
+        cache = model.new_cache(num_blocks, block_size, prefix_caching=prefix_caching)
         self.verifier = Verifier(model, cache, features=features)
         self.partial: set[str] = set()        # sequences whose chunked prefill is under way
         self._pieces: dict[str, list] = {}    # their features so far

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from models.kv_cache import chain_hash
 from models.sampling import SamplingParams, TokenHistory, logits_to_probs, process_logits, token_logprobs
 from models.tree import TokenTree, ragged_tree_forward
 
@@ -95,6 +96,11 @@ class Verifier:
         # with prefix_caching), and the sequences that opted out of it
         self.cached_tokens: dict[Hashable, int] = {}
         self._uncached: set[Hashable] = set()
+        # with features and a prefix cache: the target's hidden states of each cached block (by
+        # its chain key) and of each sequence's cached positions so far, so that a sequence
+        # starting on cached blocks gets their features too (an EAGLE head reads them)
+        self._block_features: dict[bytes, torch.Tensor] = {}     # key -> [block_size, hidden]
+        self._seq_features: dict[Hashable, list[torch.Tensor]] = {}
 
     def prefill(self, seq_id: Hashable, prompt_ids: Sequence[int]) -> None:
         """Cache every prompt token but the last: the last one is the first tree's root."""
@@ -118,9 +124,11 @@ class Verifier:
         for s, p, use in zip(seq_ids, prompts, use_cache):
             if self.cache.has_sequence(s):
                 continue                                      # the next chunk of its prompt
-            self.cached_tokens[s] = self.cache.add_sequence(s, list(p[:-1]) if use else None)
+            self.cached_tokens[s] = self.cache.add_sequence(s, self._lookup(p) if use else None)
             if not use:
                 self._uncached.add(s)
+            if self._keeps_features:
+                self._seq_features[s] = [self._block_features[k] for k in self.cache.block_keys(s)]
         todo = []
         for s, p in zip(seq_ids, prompts):
             start = self.cache.seq_len(s)
@@ -140,12 +148,21 @@ class Verifier:
                 [torch.zeros(0, dtype=torch.long) for _ in chunk], return_hidden=self.features)
             if self.features:
                 hidden.update({s: h.cpu() for (s, _), h in zip(chunk, out[1])})
+        width = self.model.config.hidden_size
         for s, p in zip(seq_ids, prompts):
+            if self._keeps_features:      # the first call's output starts with the cached blocks'
+                first = at.get(s, self.cache.seq_len(s)) == self.cached_tokens[s]
+                pieces = self._seq_features[s] if first else []
+                hidden[s] = torch.cat(pieces + [hidden.get(s, torch.zeros(0, width))])
+                if first:
+                    self._seq_features[s] = [hidden[s]]
+                else:
+                    self._seq_features[s].append(hidden[s])
             if s not in self._uncached:
                 self.cache.cache_prefix(s, list(p[:-1]))
+                self._keep_block_features(s)
         if not self.features:
             return None
-        width = self.model.config.hidden_size
         return {s: hidden.get(s, torch.zeros(0, width)) for s in seq_ids}
 
     @torch.inference_mode()
@@ -165,12 +182,43 @@ class Verifier:
             self.cache.free(scratch)
         return [None] + token_logprobs(logits, params, prompt_ids[1:], params.prompt_logprobs)
 
+    @property
+    def _keeps_features(self) -> bool:
+        return self.features and self.cache.prefix_caching
+
+    def _lookup(self, prompt: Sequence[int]) -> list[int]:
+        """The prompt tokens (all but the last) a new sequence may look up in the prefix cache:
+        with features, only as far as the cached blocks' features are kept."""
+        if not self._keeps_features:
+            return list(prompt[:-1])
+        bs, key, n = self.cache.block_size, None, 0
+        while (n + 1) * bs <= len(prompt) - 1:
+            key = chain_hash(key, prompt[n * bs:(n + 1) * bs])
+            if not self.cache.is_cached(key) or key not in self._block_features:
+                break
+            n += 1
+        return list(prompt[:n * bs])
+
+    def _keep_block_features(self, seq_id: Hashable) -> None:
+        """Keep the features of the sequence's cached blocks (and forget evicted blocks')."""
+        if not self._keeps_features:
+            return
+        for key in [k for k in self._block_features if not self.cache.is_cached(k)]:
+            del self._block_features[key]
+        feats, bs = torch.cat(self._seq_features[seq_id]) if self._seq_features[seq_id] else None, self.cache.block_size
+        for i, key in enumerate(self.cache.block_keys(seq_id)):
+            if key not in self._block_features and self.cache.is_cached(key) and feats is not None \
+                    and feats.shape[0] >= (i + 1) * bs:
+                self._block_features[key] = feats[i * bs:(i + 1) * bs].clone()
+
     def release(self, seq_id: Hashable, token_ids: Sequence[int] | None = None) -> None:
         """Free the sequence; with `token_ids` (its committed tokens), first register its full
         blocks in the prefix cache (unless it opted out), for a next turn to start on."""
         if token_ids is not None and seq_id not in self._uncached and self.cache.has_sequence(seq_id):
             self.cache.cache_prefix(seq_id, list(token_ids))
+            self._keep_block_features(seq_id)
         self.cache.free(seq_id)
+        self._seq_features.pop(seq_id, None)
         self.cached_tokens.pop(seq_id, None)
         self._uncached.discard(seq_id)
 
@@ -212,6 +260,8 @@ class Verifier:
             self.cache.compact(r.seq_id, base, rows)
             if hidden is not None:
                 res.features = hidden[b][torch.tensor(rows)].cpu()
+                if r.seq_id in self._seq_features:        # kept for the prefix cache
+                    self._seq_features[r.seq_id].append(res.features)
         return results
 
     @staticmethod

@@ -16,8 +16,8 @@ without `--config` uses `ClusterConfig.local_default()`, and with one layers the
     app.py        ModelPairConfig, AppArgs, ClusterConfig and the deployment-only blocks
     errors.py     ConfigError: one plain sentence per wrong field
 """
-from cluster.config.app import (AppArgs, BenchmarkJob, ClusterConfig, KVCacheConfig, LauncherConfig,
-                                ModelPairConfig, ModelVolume)
+from cluster.config.app import (AppArgs, BenchmarkJob, ClusterConfig, LauncherConfig, ModelPairConfig,
+                                ModelVolume)
 from cluster.config.base import (DEFAULT_VERIFIER_POLICY, INGRESS_DEPLOYMENT, MAX_DRAFTERS_PER_VERIFIER,
                                  RAY_BUILTIN_RESOURCES)
 from cluster.config.errors import ConfigError, explain
@@ -28,7 +28,7 @@ from cluster.config.scaling import AutoscalerOptions, DrafterScaling, ReplicaSca
 
 __all__ = [
     "ActorPlacement", "AppArgs", "AutoscalerOptions", "BenchmarkJob", "ClusterConfig", "ConfigError",
-    "DEFAULT_VERIFIER_POLICY", "DrafterScaling", "INGRESS_DEPLOYMENT", "KVCacheConfig", "LauncherConfig",
+    "DEFAULT_VERIFIER_POLICY", "DrafterScaling", "INGRESS_DEPLOYMENT", "LauncherConfig",
     "MAX_DRAFTERS_PER_VERIFIER", "ModelPairConfig", "MonitoringConfig", "ModelVolume", "NodeType", "PlacementConfig",
     "RAY_BUILTIN_RESOURCES", "ReplicaScaling", "ServingConfig", "Toleration", "explain",
 ]

@@ -19,7 +19,7 @@ from cluster.config.front import ServingConfig
 from cluster.config.monitoring import MonitoringConfig
 from cluster.config.placement import ActorPlacement, NodeType, PlacementConfig
 from cluster.config.scaling import AutoscalerOptions, DrafterScaling, ReplicaScaling
-from speculation.settings import SpeculationSettings
+from speculation.settings import KVCacheSettings, SpeculationSettings
 
 
 class ModelPairConfig(_Model):
@@ -77,18 +77,6 @@ class BenchmarkJob(_Model):
     ttl_seconds_after_finished: int = Field(600, ge=0, description="Delete the job's cluster this long after.")
 
 
-class KVCacheConfig(_Model):
-    """The engines' KV caches (target and draft model alike)."""
-
-    prefix_caching: bool = Field(False, description=(
-        "Automatic prefix caching: a request starts on the cached KV blocks of the longest prefix "
-        "of its prompt that an earlier request left (a multi-turn history, a shared system prompt), "
-        "in the target's cache and the draft model's; a request may opt out (`prefix_cache: false`)."))
-    prefill_chunk: int = Field(0, ge=0, description=(
-        "Chunked prefill: prompts longer than this many tokens are prefilled this many at a time, "
-        "between the running streams' steps (0 = whole prompts in one forward)."))
-
-
 class AppArgs(_Model):
     """The `args` of `cluster.serve_app:build_app`: the part of ClusterConfig the running app reads.
 
@@ -105,7 +93,7 @@ class AppArgs(_Model):
     models: ModelPairConfig = Field(default_factory=ModelPairConfig, description="The model pair.")
     placement: PlacementConfig = Field(default_factory=PlacementConfig, description="Actor resources.")
     speculation: SpeculationSettings = Field(default_factory=SpeculationSettings, description="Server defaults.")
-    kv_cache: KVCacheConfig = Field(default_factory=KVCacheConfig, description="KV caches of the engines.")
+    kv_cache: KVCacheSettings = Field(default_factory=KVCacheSettings, description="KV caches of the engines.")
     drafters_per_verifier: int = Field(1, ge=1, le=MAX_DRAFTERS_PER_VERIFIER, description="Drafter actors feeding one verifier at start.")
     verifier_scaling: ReplicaScaling = Field(
         default_factory=ReplicaScaling, description="Verifier replicas = replicas of the Serve deployment.")

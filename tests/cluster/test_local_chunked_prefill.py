@@ -49,3 +49,24 @@ def test_chunked_prefill_with_the_prefix_cache_starts_on_the_cached_blocks(tiny_
     assert second.token_ids == hf_greedy(hf_target, LONG + list(b"assert merge"), 12)
     assert second.stats.prefix_hits == len(LONG) // 8 * 8        # the whole blocks of the shared prompt
     assert eng.side.cache.block_states()["referenced"] == 0
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_chunked_prefill_returns_the_features_of_a_one_shot_one(tiny_target, caching):
+    """What an EAGLE head reads: the target's hidden states of every prompt token but the last,
+    whether the prompt was prefilled at once or in chunks (and started on cached blocks)."""
+    import torch
+
+    from models import load_model
+    from verifier.target import PREFILLING, TargetSide
+
+    model = load_model(tiny_target)
+    side = TargetSide("", 64, 8, features=True, model=model, prefix_caching=caching)
+    whole = side.prefill("whole", LONG)
+    calls, out = 0, PREFILLING
+    while out is PREFILLING:
+        out, calls = side.prefill("chunked", LONG, True, 16), calls + 1
+    assert calls == max(1, -(-(len(LONG) - 1 - side.cached_tokens("chunked")) // 16))
+    assert side.cached_tokens("chunked") == ((len(LONG) - 1) // 8 * 8 if caching else 0)
+    assert out.shape == whole.shape == (len(LONG) - 1, model.config.hidden_size)
+    assert torch.allclose(out, whole, atol=1e-4)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 from cluster.local import build_engine, speculation_for
 from models import SamplingParams
@@ -145,3 +146,69 @@ def test_the_config_switch_reaches_the_engine_settings():
     assert settings_from_config(AppArgs.model_validate({"kv_cache": {"prefix_caching": True}})).prefix_caching
     with pytest.raises(ValueError, match="prefix_cachin"):
         AppArgs.model_validate({"kv_cache": {"prefix_cachin": True}})
+
+
+def test_an_eagle_head_reads_the_features_of_cached_positions(tiny_target, eagle_draft, hf_target):
+    """The target keeps its hidden states of cached blocks: a later turn starting on them hands
+    the EAGLE head the same features a full prefill would (greedy output the target's own)."""
+    eng = engine(tiny_target, eagle_draft, True)
+    prompts, outs = converse(eng, "sync", 3, 1)
+    assert [o.token_ids for o in outs] == [hf_greedy(hf_target, p, MAX_TOKENS) for p in prompts]
+    assert outs[2].stats.prefix_hits > 0 and sum(o.stats.num_drafted for o in outs) > 0
+    full = engine(tiny_target, eagle_draft, False).side          # the features of a full prefill
+    for p in prompts[1:]:
+        rid = f"f{len(p)}"
+        cached = eng.side.prefill(rid, p)
+        assert eng.side.cached_tokens(rid) > 0
+        reference = full.prefill(rid, p)
+        assert cached.shape == reference.shape == (len(p) - 1, reference.shape[1])
+        assert torch.allclose(cached, reference, atol=1e-4), (cached - reference).abs().max()
+        eng.side.release(rid)
+        full.release(rid)
+
+
+def test_a_served_soak_with_aborts_and_evictions_leaves_every_block_free_or_cached(tiny_target, close_draft):
+    """Concurrent turns over shared histories in a small cache (so blocks get evicted), some
+    aborted after their first tokens: the finished ones give what the engine gives with the
+    cache off, and afterwards no block of either cache is referenced."""
+    import asyncio
+    import random
+    import time
+
+    from cluster.local import build_local_engine
+
+    rng = random.Random(3)
+    prompts = [SYSTEM[: rng.randrange(20, len(SYSTEM))] + list(bytes(rng.randrange(97, 123) for _ in range(16)))
+               for _ in range(12)]
+    aborted = {2, 5, 9}
+
+    async def serve(engine):
+        async def one(i, prompt):
+            tokens = []
+            async for chunk in engine.generate(request(f"s{i}", prompt, "sync", 3, 1)):
+                tokens += chunk.token_ids
+                if i in aborted and tokens:
+                    await engine.abort(f"s{i}")
+                    return None
+            return tokens
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    outs = {}
+    for caching in (False, True):
+        settings = EngineSettings(num_blocks=30, block_size=8, prefix_caching=caching, max_batch_size=3)
+        engine, _ = build_local_engine(str(tiny_target), str(close_draft), settings)
+        try:
+            outs[caching] = asyncio.run(serve(engine))
+            caches = (engine.engine.side.cache, engine.engine.proposer.cache)
+            deadline = time.monotonic() + 20                  # the last frees run on the engine's loop
+            while any(c.block_states()["referenced"] for c in caches) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for cache in caches:
+                assert cache.block_states()["referenced"] == 0, (cache is caches[1], cache.block_states())
+                assert cache.num_free_blocks == cache.num_blocks
+            if caching:
+                assert caches[0].evictions > 0 and caches[0].prefix_hits > 0
+        finally:
+            engine.shutdown()
+    assert [o for i, o in enumerate(outs[True]) if i not in aborted] == \
+        [o for i, o in enumerate(outs[False]) if i not in aborted]

@@ -70,6 +70,13 @@ def test_serve_flags_override_the_config(tmp_path):
     split_args(data)  # what the builder will accept
 
 
+def test_prefix_caching_and_chunking_flags_reach_the_app_args():
+    data = app_args_from(parse("--prefix-caching", "--prefill-chunk", "256"))
+    assert data["kv_cache"] == {"prefix_caching": True, "prefill_chunk": 256}
+    assert app_args_from(parse())["kv_cache"] == {"prefix_caching": False, "prefill_chunk": 0}
+    split_args(data)
+
+
 def test_draft_without_target_is_an_error():
     with pytest.raises(ValueError, match="--draft needs --target"):
         app_args_from(parse("--draft", "/d"))
