@@ -20,8 +20,11 @@ verifier restart is routine for this pipeline. Ray's channels used without a gra
 (`ray.experimental.channel`, a channel each way, the verifier reading on a thread) carried it
 in 0.2 ms, kept the verifier answering after the drafter's death and let a second drafter
 connect the same way (same probe): the carrier to build next behind `VerifierLink`, with the
-channel buffer sized for sampled trees' draft distributions. The exchange stays on actor calls
-until then.
+channel buffer sized for sampled trees' draft distributions. Two facts for it, seen here: a
+read that timed out leaves the channel unreadable (the next messages never arrive), so the
+verifier's reader must block without a timeout, and `close()` from another thread ends such a
+read (RayChannelError), which is how a drafter's restart would retire its old channel. The
+exchange stays on actor calls until then.
 """
 from __future__ import annotations
 
