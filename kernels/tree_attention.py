@@ -251,6 +251,27 @@ def _block_sizes(T: int, group: int, D: int, dtype: torch.dtype) -> tuple[int, i
     return block_m, block_n, block_d
 
 
+def _check_inputs(q, k_cache, v_cache, block_tables, prefix_lens, tree_mask) -> None:
+    """The launcher's contract (shapes as in `tree_decode_attention`), asserted before launch."""
+    B, T, Hq, D = q.shape
+    n_blocks, page_size, Hkv, Dk = k_cache.shape
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
+    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "q, k, v dtypes differ"
+    assert v_cache.shape == k_cache.shape and Dk == D, "k/v cache shape mismatch"
+    assert Hq % Hkv == 0, f"Hq={Hq} not a multiple of Hkv={Hkv}"
+    assert 16 <= D <= 256, f"head dim {D} unsupported"
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2
+    assert block_tables.shape[0] == B
+    assert prefix_lens.dtype == torch.int32 and prefix_lens.shape == (B,)
+    assert tree_mask.dtype == torch.bool and tree_mask.shape == (B, T, T)
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("block_tables", block_tables), ("prefix_lens", prefix_lens),
+                    ("tree_mask", tree_mask)):
+        assert x.is_contiguous(), f"{name} must be contiguous"
+        assert x.device == q.device, f"{name} on {x.device}, q on {q.device}"
+
+
+
 def tree_decode_attention(
     q: torch.Tensor,             # [B, T, Hq, D]
     k_cache: torch.Tensor,       # [N_blocks, block_size, Hkv, D]
@@ -269,23 +290,9 @@ def tree_decode_attention(
     P + its depth (the ancestors `tree_mask` gives it); `sliding_window` hides the keys
     more than window - 1 positions behind it, prefix and tree alike (Mistral's mask).
     """
+    _check_inputs(q, k_cache, v_cache, block_tables, prefix_lens, tree_mask)
     B, T, Hq, D = q.shape
-    n_blocks, page_size, Hkv, Dk = k_cache.shape
-    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
-    assert k_cache.dtype == q.dtype and v_cache.dtype == q.dtype, "q, k, v dtypes differ"
-    assert v_cache.shape == k_cache.shape and Dk == D, "k/v cache shape mismatch"
-    assert Hq % Hkv == 0, f"Hq={Hq} not a multiple of Hkv={Hkv}"
-    assert 16 <= D <= 256, f"head dim {D} unsupported"
-    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2
-    assert block_tables.shape[0] == B
-    assert prefix_lens.dtype == torch.int32 and prefix_lens.shape == (B,)
-    assert tree_mask.dtype == torch.bool and tree_mask.shape == (B, T, T)
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
-                    ("block_tables", block_tables), ("prefix_lens", prefix_lens),
-                    ("tree_mask", tree_mask)):
-        assert x.is_contiguous(), f"{name} must be contiguous"
-        assert x.device == q.device, f"{name} on {x.device}, q on {q.device}"
-
+    page_size, Hkv = k_cache.shape[1], k_cache.shape[2]
     out = _new_output(q)
     if B == 0 or T == 0:
         return out
