@@ -289,30 +289,42 @@ def main(argv=None) -> int:
         url = args.url.rstrip("/")
     try:
         health = httpx.get(f"{url}/health", timeout=30).json()
-        modes = args.modes
-        cells = []
-        turn = 0
-        for conc in args.concurrency:
-            for rnd in range(args.rounds):
-                # alternate which mode goes first, so a drift in machine load favours neither
-                for mode in (modes if turn % 2 == 0 else modes[::-1]):
-                    before = engine_counters(url)
-                    cell = asyncio.run(run_cell(url, conc, mode, args.duration, args.max_tokens,
-                                                args.spec_len, args.workload))
-                    after = engine_counters(url)
-                    cell["round"] = rnd
-                    cell["engine"] = {k: after[k] - before.get(k, 0.0) for k in after
-                                      if not k.startswith("planner_")}
-                    # gauges: the planner's predicted step seconds at the window's end
-                    cell["planner"] = {k: v for k, v in after.items() if k.startswith("planner_")}
-                    cells.append(cell)
-                    print_table([cell])
-                turn += 1
+        cells = run_cells(url, args)
         stats = httpx.get(f"{url}/metrics", timeout=30).text
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
+    write_result(args, url, health, cells, stats)
+    return 0
+
+
+def run_cells(url: str, args) -> list[dict]:
+    """Every (concurrency, round, mode) window against the server at `url`, with the engine's
+    counters over each window."""
+    modes, cells, turn = args.modes, [], 0
+    for conc in args.concurrency:
+        for rnd in range(args.rounds):
+            # alternate which mode goes first, so a drift in machine load favours neither
+            for mode in (modes if turn % 2 == 0 else modes[::-1]):
+                before = engine_counters(url)
+                cell = asyncio.run(run_cell(url, conc, mode, args.duration, args.max_tokens,
+                                            args.spec_len, args.workload))
+                after = engine_counters(url)
+                cell["round"] = rnd
+                cell["engine"] = {k: after[k] - before.get(k, 0.0) for k in after
+                                  if not k.startswith("planner_")}
+                # gauges: the planner's predicted step seconds at the window's end
+                cell["planner"] = {k: v for k, v in after.items() if k.startswith("planner_")}
+                cells.append(cell)
+                print_table([cell])
+            turn += 1
+    return cells
+
+
+def write_result(args, url: str, health: dict, cells: list[dict], stats: str) -> None:
+    """The results file (load-<time>.json, or --out) and the closing tables."""
+    modes = args.modes
     on = next((m for m in modes if m != "off"), "auto")
     result = {"bench": "load", "utc": common.utc(common.ISO),
               "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
@@ -338,7 +350,6 @@ def main(argv=None) -> int:
               f"quantised by it; use a longer --duration for those levels")
     print(json.dumps(result["summary"], indent=2))
     print(f"written to {out}")
-    return 0
 
 
 if __name__ == "__main__":
