@@ -61,6 +61,8 @@ class Scheduler:
         self.target, self.settings = target, settings
         self.threads = threads_of(settings.num_cpus)
         self.eos_ids = set(eos_ids)
+        # the randomness of a request without a seed (its rejection sampler's draws); tests fix it
+        self.entropy: Callable[[], int] = lambda: int.from_bytes(os.urandom(7), "little")
         self.bridge_draft = bridge_draft
         self.features = target.verifier.features     # a feature-conditioned drafter reads them
         self.ring = Ring(settings.ring_slots)
@@ -104,7 +106,7 @@ class Scheduler:
             raise InvalidRequest(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
                                  "logit_bias")
         r = resolve_speculation(spec, self.settings, self.settings.proposers)
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+        seed = params.seed if params.seed is not None else self.entropy()
         # what both sides' sampling transforms read (models.sampling.process_logits)
         params = replace(params, prompt_len=len(prompt),
                          eos_token_ids=[] if params.ignore_eos else sorted(self.eos_ids))
