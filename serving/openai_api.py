@@ -115,16 +115,6 @@ class OpenAIServer:
             raise APIError(400, f"chat template: {e}", code="invalid_value", param="messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _logit_bias(self, req: SamplingFields) -> list[tuple[int, float]]:
-        """`logit_bias` as (token id, bias) pairs; 400 for a key that is not a token id here."""
-        pairs = []
-        for key, value in (req.logit_bias or {}).items():
-            if not (key.isascii() and key.isdigit()) or int(key) >= self.vocab_size:
-                raise APIError(400, f"logit_bias: {key[:20]!r} is not a token id in [0, {self.vocab_size})",
-                               code="invalid_value", param="logit_bias")
-            pairs.append((int(key), value))
-        return pairs
-
     def prepare(self, req: SamplingFields, prompts: list[list[int]], default_max: int | None,
                 max_tokens: int | None) -> Prepared:
         ctx = self.settings.max_context
@@ -140,11 +130,7 @@ class OpenAIServer:
             raise APIError(400, f"The request asks for {len(prompts) * n} generations (prompts "
                            f"x n); this server admits at most {self.settings.max_queue} at once",
                            code="invalid_value", param="n")
-        bias = self._logit_bias(req)
-        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(400, f"stop_token_ids out of range [0, {self.vocab_size}): {bad[:5]}",
-                           code="invalid_value", param="stop_token_ids")
+        bias = req.token_fields(self.vocab_size)
         sampling, prompt_of = [], []
         for p, ids in enumerate(prompts):
             room = ctx - len(ids)

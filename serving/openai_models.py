@@ -138,6 +138,21 @@ class SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOPS} stop strings")
         return [s for s in stops if s]
 
+    def token_fields(self, vocab_size: int) -> list[tuple[int, float]]:
+        """Check the fields that name token ids against the vocabulary; `logit_bias` as (token
+        id, bias) pairs. 400 for an id outside it, or a `logit_bias` key that is not an id."""
+        bad = [t for t in self.stop_token_ids or [] if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"stop_token_ids out of range [0, {vocab_size}): {bad[:5]}",
+                           code="invalid_value", param="stop_token_ids")
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+                raise APIError(400, f"logit_bias: {key[:20]!r} is not a token id in [0, {vocab_size})",
+                               code="invalid_value", param="logit_bias")
+            pairs.append((int(key), value))
+        return pairs
+
     @property
     def choices_per_prompt(self) -> int:
         """Generations run per prompt: `n`, or `best_of` of which the n best are returned."""

@@ -101,10 +101,8 @@ class Scheduler:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:
-            raise InvalidRequest(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
-                                 "logit_bias")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidRequest(f"logit_bias names token ids outside the vocabulary [0, {vocab})", "logit_bias")
         r = resolve_speculation(spec, self.settings, self.settings.proposers)
         seed = params.seed if params.seed is not None else self.entropy()
         # what both sides' sampling transforms read (models.sampling.process_logits)
