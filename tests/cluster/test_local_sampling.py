@@ -4,6 +4,8 @@ for chains and trees. Chi-square goodness of fit over many seeds, one batched ru
 with a control showing the same test rejects a classic sampler bug."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -51,8 +53,9 @@ def sample_pairs(engine, params: SamplingParams, spec, seeds, seeded: bool = Fal
 
 
 def fix_entropy(engine, seeds) -> None:
-    """The randomness of unseeded requests, one seed each, in order: reproducible tests."""
-    it = iter(seeds)
+    """The randomness of unseeded requests, one seed each, in order (then fresh ones, for the
+    requests of later tests on the same engine): reproducible tests."""
+    it = itertools.chain(seeds, itertools.count(1 << 40))
     engine.scheduler.entropy = lambda: next(it)
 
 
