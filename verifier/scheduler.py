@@ -52,6 +52,20 @@ from verifier.stream import VerifyStream
 log = logging.getLogger("specflash.verifier")
 
 
+def check_request(prompt: list[int], params: SamplingParams, ctx: int, vocab: int) -> None:
+    """`InvalidRequest` for a prompt or sampling parameters this target cannot serve."""
+    if not prompt:
+        raise InvalidRequest("the prompt is empty: it must hold at least one token", "prompt")
+    if len(prompt) >= ctx:
+        raise InvalidRequest(f"the prompt is {len(prompt)} tokens long; the target's context is {ctx} "
+                             f"tokens (room is needed for at least one more)", "prompt")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
+    if any(t >= vocab for t, _ in params.logit_bias):
+        raise InvalidRequest(f"logit_bias names token ids outside the vocabulary [0, {vocab})", "logit_bias")
+
+
 class Scheduler:
     def __init__(self, target, settings: EngineSettings, *, eos_ids=(), bridge_draft=None,
                  node_id: str = "", gpu_ids: list[str] | None = None) -> None:
@@ -92,17 +106,8 @@ class Scheduler:
         """A new request; its chunks go to `emit`. Raises `InvalidRequest` for what it cannot serve."""
         if request_id in self.streams:
             raise InvalidRequest(f"request id {request_id!r} is already running")
-        if not prompt:
-            raise InvalidRequest("the prompt is empty: it must hold at least one token", "prompt")
-        ctx, vocab = self.target.max_context, self.target.vocab_size
-        if len(prompt) >= ctx:
-            raise InvalidRequest(f"the prompt is {len(prompt)} tokens long; the target's context is {ctx} "
-                                 f"tokens (room is needed for at least one more)", "prompt")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise InvalidRequest(f"logit_bias names token ids outside the vocabulary [0, {vocab})", "logit_bias")
+        ctx = self.target.max_context
+        check_request(prompt, params, ctx, self.target.vocab_size)
         r = resolve_speculation(spec, self.settings, self.settings.proposers)
         seed = params.seed if params.seed is not None else self.entropy()
         # what both sides' sampling transforms read (models.sampling.process_logits)
