@@ -8,7 +8,10 @@ children:
 - greedy: the top-`width` tokens of the draft's q;
 - sampling: `width` tokens drawn from q *without replacement* (Gumbel-top-k,
   Kool et al. 2019), kept in draw order, so that multi-step speculative
-  sampling (SpecInfer; Sequoia, Chen et al. 2024) stays exact.
+  sampling (SpecInfer; Sequoia, Chen et al. 2024) stays exact; for a seeded
+  request the Gumbel noise is the target's own at the children's output
+  position (`models.sampling.coupled_scores`), so the draft proposes the top-w
+  tokens under the perturbation the verifier will take its token from.
 
 Every node's q goes through the same transforms as the verifier's p of that node
 (`models.sampling.process_logits` over the committed tokens plus the node's path, then
@@ -26,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from models.sampling import SamplingParams, TokenHistory, logits_to_probs, process_logits
+from models.sampling import SamplingParams, TokenHistory, coupled_scores, logits_to_probs, process_logits
 from models.tree import TokenTree, row_paths
 
 ROOT = -1
@@ -43,6 +46,10 @@ class TreeBuilder:
         self.depths: list[int] = []
         self.scores: list[float] = []                    # cumulative draft log-probability
         self.q_rows: dict[int, torch.Tensor] = {}        # node (ROOT = -1) -> [V] q its children came from
+
+    def output_position(self, node: int) -> int:
+        """The output position (0 = the first generated token) of `node`'s children."""
+        return len(self.committed) - self.params.prompt_len + self.depth_of(node)
 
     def depth_of(self, node: int) -> int:
         return 0 if node == ROOT else self.depths[node]
@@ -76,8 +83,11 @@ class TreeBuilder:
                 if k <= 0:
                     continue
                 log_q = q.log()
-                gumbel = -torch.empty_like(q).exponential_(generator=self.generator).log()
-                children = (log_q + gumbel).topk(k).indices                       # draw order
+                if self.params.coupled:    # the target's own noise at the children's position
+                    perturbed = coupled_scores(q[None], self.params, [self.output_position(node)])[0]
+                else:
+                    perturbed = log_q - torch.empty_like(q).exponential_(generator=self.generator).log()
+                children = perturbed.topk(k).indices                              # draw order
             for token in children.tolist():
                 self.token_ids.append(token)
                 self.parent_ids.append(node)

@@ -95,6 +95,12 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def coupled(self) -> bool:
+        """A seeded sampled request: its tokens are `argmax(log p + G)` with Gumbel noise keyed by
+        (seed, output position) (`gumbel_noise`), the same whatever drafted them."""
+        return self.seed is not None and not self.greedy
+
+    @property
     def reads_history(self) -> bool:
         """Whether a row's distribution depends on the tokens before it (`process_logits`)."""
         return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
@@ -195,3 +201,46 @@ def token_logprobs(logits: torch.Tensor, params: SamplingParams, token_ids: Sequ
     top_v, top_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
     return [TokenLogprob(int(t), float(c), list(zip(i, v)))
             for t, c, i, v in zip(token_ids, chosen, top_i.tolist(), top_v.tolist())]
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 lanes (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser (Steele, Lea and Flood 2014) on int64 lanes (wrapping arithmetic)."""
+    x = x + _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    return x ^ _shr(x, 31)
+
+
+def gumbel_noise(seed: int, positions: Sequence[int], vocab: int) -> torch.Tensor:   # -> [N, V] float32
+    """Standard Gumbel noise for output positions `positions` of the request seeded `seed`: a
+    counter-based generator (SplitMix64 over (seed, position, token)), so the noise of position
+    t is the same however many draws came before, on either side, in any batch."""
+    key = _splitmix64(torch.tensor([_signed(seed)], dtype=torch.long))                  # [1]
+    pos = _splitmix64(key ^ torch.tensor(list(positions), dtype=torch.long))            # [N]
+    bits = _splitmix64(pos[:, None] ^ torch.arange(vocab, dtype=torch.long)[None, :])   # [N, V]
+    u = (_shr(bits, 11).double() + 0.5) * 2.0 ** -53                                     # (0, 1)
+    return (-torch.log(-torch.log(u))).float()
+
+
+def coupled_scores(probs: torch.Tensor, params: SamplingParams, positions: Sequence[int]) -> torch.Tensor:
+    """probs [N, V] (after `logits_to_probs`) at output positions [N] -> `log p + G` [N, V]: its
+    argmax is an exact sample of p, a function of the seed alone (Daliri, Musco and Suresh,
+    "Coupling without communication and drafter-invariant speculative decoding")."""
+    noise = gumbel_noise(params.seed, positions, probs.shape[-1]).to(probs.device)
+    return probs.log() + noise

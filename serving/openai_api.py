@@ -26,7 +26,7 @@ from serving.detokenizer import IncrementalDetokenizer, StopStrings
 from serving.openai_models import (APIError, ChatCompletionRequest, CompletionRequest, Delta, EngineError,
                                    Prepared, SamplingFields, engine_api_error, parse_body)
 from serving.prom import PrometheusExporter, ServingStats
-from serving.responses import Echo, Logprobs, TokenIds, sse
+from serving.responses import Echo, Logprobs, TokenIds, best_of, sse
 from speculation.requests import Engine, GenerationRequest, InvalidRequest, SpeculationOptions
 from models.sampling import SamplingParams
 
@@ -115,16 +115,6 @@ class OpenAIServer:
             raise APIError(400, f"chat template: {e}", code="invalid_value", param="messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _logit_bias(self, req: SamplingFields) -> list[tuple[int, float]]:
-        """`logit_bias` as (token id, bias) pairs; 400 for a key that is not a token id here."""
-        pairs = []
-        for key, value in (req.logit_bias or {}).items():
-            if not (key.isascii() and key.isdigit()) or int(key) >= self.vocab_size:
-                raise APIError(400, f"logit_bias: {key[:20]!r} is not a token id in [0, {self.vocab_size})",
-                               code="invalid_value", param="logit_bias")
-            pairs.append((int(key), value))
-        return pairs
-
     def prepare(self, req: SamplingFields, prompts: list[list[int]], default_max: int | None,
                 max_tokens: int | None) -> Prepared:
         ctx = self.settings.max_context
@@ -135,15 +125,12 @@ class OpenAIServer:
                 raise APIError(400, f"This model's maximum context length is {ctx} tokens; the "
                                f"prompt has {len(ids)}", code="context_length_exceeded",
                                param="prompt")
-        if len(prompts) * req.n > self.settings.max_queue:
-            raise APIError(400, f"The request asks for {len(prompts) * req.n} generations (prompts "
+        n = req.choices_per_prompt
+        if len(prompts) * n > self.settings.max_queue:
+            raise APIError(400, f"The request asks for {len(prompts) * n} generations (prompts "
                            f"x n); this server admits at most {self.settings.max_queue} at once",
                            code="invalid_value", param="n")
-        bias = self._logit_bias(req)
-        bad = [t for t in req.stop_token_ids or [] if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(400, f"stop_token_ids out of range [0, {self.vocab_size}): {bad[:5]}",
-                           code="invalid_value", param="stop_token_ids")
+        bias = req.token_fields(self.vocab_size)
         sampling, prompt_of = [], []
         for p, ids in enumerate(prompts):
             room = ctx - len(ids)
@@ -157,7 +144,7 @@ class OpenAIServer:
             if req.min_tokens > budget:
                 raise APIError(400, f"min_tokens ({req.min_tokens}) exceeds max_tokens ({budget})",
                                code="invalid_value", param="min_tokens")
-            for _ in range(req.n):  # choice i gets seed + i: every choice its own stream
+            for _ in range(n):  # choice i gets seed + i: every choice its own stream
                 seed = None if req.seed is None else req.seed + len(sampling)
                 try:
                     sampling.append(SamplingParams(
@@ -166,7 +153,7 @@ class OpenAIServer:
                         stop_token_ids=list(req.stop_token_ids or []),
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                         repetition_penalty=req.repetition_penalty, logit_bias=bias, min_p=req.min_p,
-                        min_tokens=req.min_tokens, logprobs=req.num_logprobs,
+                        min_tokens=req.min_tokens, logprobs=req.sampled_logprobs,
                         prompt_logprobs=req.num_logprobs if getattr(req, "echo", False) else None))
                 except ValueError as e:
                     raise APIError(400, str(e), code="invalid_value") from e
@@ -426,7 +413,8 @@ class OpenAIServer:
         if req.stream:
             return await sse(self, prep, head, choice, req, None)
         deltas = await self.collect(prep, is_disconnected)
-        return {**head, "choices": [choice(d) for d in deltas], "usage": self.usage(prep, deltas)}
+        choices = [{**choice(d), "index": i} for i, d in enumerate(best_of(deltas, prep, req.n))]
+        return {**head, "choices": choices, "usage": self.usage(prep, deltas)}
 
     async def chat(self, req: ChatCompletionRequest, is_disconnected: Disconnected | None = None,
                    client: str = ANONYMOUS):

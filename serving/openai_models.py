@@ -140,6 +140,33 @@ class SamplingFields(BaseModel):
             raise ValueError(f"at most {MAX_STOPS} stop strings")
         return [s for s in stops if s]
 
+    def token_fields(self, vocab_size: int) -> list[tuple[int, float]]:
+        """Check the fields that name token ids against the vocabulary; `logit_bias` as (token
+        id, bias) pairs. 400 for an id outside it, or a `logit_bias` key that is not an id."""
+        bad = [t for t in self.stop_token_ids or [] if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"stop_token_ids out of range [0, {vocab_size}): {bad[:5]}",
+                           code="invalid_value", param="stop_token_ids")
+        pairs = []
+        for key, value in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or int(key) >= vocab_size:
+                raise APIError(400, f"logit_bias: {key[:20]!r} is not a token id in [0, {vocab_size})",
+                               code="invalid_value", param="logit_bias")
+            pairs.append((int(key), value))
+        return pairs
+
+    @property
+    def choices_per_prompt(self) -> int:
+        """Generations run per prompt: `n`, or `best_of` of which the n best are returned."""
+        return getattr(self, "best_of", None) or self.n
+
+    @property
+    def sampled_logprobs(self) -> int | None:
+        """What the engine is asked for: the client's logprobs, or 0 to rank best_of's choices."""
+        if self.num_logprobs is None and self.choices_per_prompt > self.n:
+            return 0
+        return self.num_logprobs
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -158,6 +185,8 @@ class CompletionRequest(SamplingFields):
 
     echo: bool = Field(False, description="return the prompt before the completion (with `logprobs`, "
                                           "its tokens' log-probabilities too)")
+    best_of: int | None = Field(None, ge=1, le=16, description="generate this many per prompt, return the n "
+                                "with the highest cumulative log-probability; not with stream")
 
     @property
     def num_logprobs(self) -> int | None:
@@ -232,7 +261,6 @@ REFUSED_COMMON = {
 }
 REFUSED_COMPLETION = {
     **REFUSED_COMMON,
-    "best_of": Refused((None, 1), "best_of needs log-probabilities, not implemented yet"),
     "suffix": Refused((None, ""), "insertion (a suffix) is not supported"),
 }
 REFUSED_CHAT = {
@@ -294,6 +322,11 @@ def parse_body(raw: bytes, model: type[SamplingFields]) -> SamplingFields:
         raise validation_error(e) from e
     if getattr(req, "top_logprobs", None) is not None and not getattr(req, "logprobs", False):
         raise APIError(400, "top_logprobs needs logprobs: true", code="invalid_value", param="top_logprobs")
+    best = getattr(req, "best_of", None)
+    if best is not None and best < req.n:
+        raise APIError(400, f"best_of ({best}) must be at least n ({req.n})", code="invalid_value", param="best_of")
+    if best is not None and best > req.n and req.stream:
+        raise APIError(400, "best_of cannot be streamed", code="invalid_value", param="best_of")
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options is only allowed when stream is true",
                        code="invalid_value", param="stream_options")

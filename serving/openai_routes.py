@@ -98,6 +98,8 @@ def openapi(app: FastAPI, server: OpenAIServer) -> dict:
             schema["paths"][path]["post"]["requestBody"] = {
                 "required": True, "content": {"application/json": {
                     "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        for param in schema["paths"]["/v1/models/{model_id}"]["get"].get("parameters", []):
+            param["schema"]["enum"] = [server.settings.model_name]      # the one model it serves
         app.openapi_schema = schema
     return app.openapi_schema
 

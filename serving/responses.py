@@ -92,6 +92,22 @@ class Logprobs:
                             for lp in d.logprobs], "refusal": None}
 
 
+def best_of(deltas: list[Delta], prep: Prepared, n: int) -> list[Delta]:
+    """`best_of`: of each prompt's choices, the n with the highest cumulative log-probability
+    (ties: the earlier), prompt by prompt; all of them when there are only n. The caller
+    renumbers the choices it makes of them."""
+    by_prompt: dict[int, list[Delta]] = {}
+    for d in deltas:
+        by_prompt.setdefault(prep.prompt_of[d.index], []).append(d)
+    out = []
+    for p in sorted(by_prompt):
+        mine = by_prompt[p]
+        if len(mine) > n:
+            mine = sorted(mine, key=lambda d: -sum(lp.logprob for lp in d.logprobs))[:n]
+        out += sorted(mine, key=lambda d: d.index)
+    return out
+
+
 class Echo:
     """`echo`: each completion choice's first chunk (its whole text, unstreamed) starts with its
     prompt, as sent (token-id prompts decoded), and its logprobs with the prompt's."""

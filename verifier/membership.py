@@ -124,7 +124,9 @@ class Membership:
         ring = self.sch.ring.stream(s.request_id)
         self.sch.drop(ring.bump(ring.epoch + 1))
         params = asdict(s.params)
-        params["seed"] = s.seed + 1   # the drafter's own stream of randomness
+        # a coupled (seeded) request: the drafter proposes under the target's own noise, keyed by the
+        # seed; otherwise its own stream of randomness, independent of the verifier's draws
+        params["seed"] = s.seed if s.params.coupled else s.seed + 1
         s.unsent, s.sent_budget = [], s.budget
         features = None
         if self.sch.features:

@@ -58,6 +58,20 @@ def drafted(batch: list[StepItem]) -> list[StepItem]:
     return [it for it in batch if it.header is not None and it.tree.num_nodes]
 
 
+def check_request(prompt: list[int], params: SamplingParams, ctx: int, vocab: int) -> None:
+    """`InvalidRequest` for a prompt or sampling parameters this target cannot serve."""
+    if not prompt:
+        raise InvalidRequest("the prompt is empty: it must hold at least one token", "prompt")
+    if len(prompt) >= ctx:
+        raise InvalidRequest(f"the prompt is {len(prompt)} tokens long; the target's context is {ctx} "
+                             f"tokens (room is needed for at least one more)", "prompt")
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
+    if any(t >= vocab for t, _ in params.logit_bias):
+        raise InvalidRequest(f"logit_bias names token ids outside the vocabulary [0, {vocab})", "logit_bias")
+
+
 class Scheduler:
     def __init__(self, target, settings: EngineSettings, *, eos_ids=(), bridge_draft=None,
                  node_id: str = "", gpu_ids: list[str] | None = None) -> None:
@@ -67,6 +81,8 @@ class Scheduler:
         self.target, self.settings = target, settings
         self.threads = threads_of(settings.num_cpus)
         self.eos_ids = set(eos_ids)
+        # the randomness of a request without a seed (its rejection sampler's draws); tests fix it
+        self.entropy: Callable[[], int] = lambda: int.from_bytes(os.urandom(7), "little")
         self.bridge_draft = bridge_draft
         self.features = target.verifier.features     # a feature-conditioned drafter reads them
         self.ring = Ring(settings.ring_slots)
@@ -99,21 +115,10 @@ class Scheduler:
         `prefix_cache` False: it neither starts on cached blocks nor leaves its own cached."""
         if request_id in self.streams:
             raise InvalidRequest(f"request id {request_id!r} is already running")
-        if not prompt:
-            raise InvalidRequest("the prompt is empty: it must hold at least one token", "prompt")
-        ctx, vocab = self.target.max_context, self.target.vocab_size
-        if len(prompt) >= ctx:
-            raise InvalidRequest(f"the prompt is {len(prompt)} tokens long; the target's context is {ctx} "
-                                 f"tokens (room is needed for at least one more)", "prompt")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
-        bad = [t for t, _ in params.logit_bias if t >= vocab]
-        if bad:
-            raise InvalidRequest(f"logit_bias token ids {bad[:5]} are outside the vocabulary [0, {vocab})",
-                                 "logit_bias")
+        ctx = self.target.max_context
+        check_request(prompt, params, ctx, self.target.vocab_size)
         r = resolve_speculation(spec, self.settings, self.settings.proposers)
-        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(7), "little")
+        seed = params.seed if params.seed is not None else self.entropy()
         # what both sides' sampling transforms read (models.sampling.process_logits)
         params = replace(params, prompt_len=len(prompt),
                          eos_token_ids=[] if params.ignore_eos else sorted(self.eos_ids))

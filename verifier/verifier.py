@@ -11,7 +11,11 @@ accepted path's K/V are compacted behind the prefix and the rest rolled back.
 
 Exact for greedy decoding and for sampling: chains follow Leviathan et al.
 2023 / Chen et al. 2023, trees SpecInfer (Miao et al. 2023) with children
-drawn without replacement (Sequoia, Chen et al. 2024). Temperature, top-k and
+drawn without replacement (Sequoia, Chen et al. 2024). A seeded sampled request is
+verified by coupling instead (Daliri, Musco and Suresh): the target's token at output
+position t is argmax(log p + G_t), G_t Gumbel noise keyed by (seed, t), and a node is
+accepted when it is that token, so the output is a function of the seed alone, whatever
+drafted it (`models.sampling.coupled_scores`). Temperature, top-k and
 top-p are applied to p here exactly as the drafter applied them to q
 (`models.sampling.logits_to_probs`), and so are the transforms that read the tokens
 before a row (penalties, `logit_bias`, `min_tokens`: `models.sampling.process_logits`),
@@ -25,7 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from models.kv_cache import chain_hash
-from models.sampling import SamplingParams, TokenHistory, logits_to_probs, process_logits, token_logprobs
+from models.sampling import (SamplingParams, TokenHistory, coupled_scores, logits_to_probs, process_logits,
+                             token_logprobs)
 from models.tree import TokenTree, ragged_tree_forward
 
 
@@ -245,11 +250,16 @@ class Verifier:
         target_logits = [process_logits(logits, r.params, TokenHistory(r.committed, r.tree.row_paths()))
                          if r.params.reads_history else logits for r, logits in zip(batch, target_logits)]
         results: list[VerifyResult | None] = [None] * len(batch)
-        for greedy in (True, False):
-            rows = [b for b, r in enumerate(batch) if r.params.greedy == greedy]
+        # greedy and seeded requests walk the tree on one token per row: the argmax of the logits,
+        # or of the seed's Gumbel-perturbed log p (`coupled`); the rest run rejection sampling
+        walk_rows = [self._coupled(r, logits) if r.params.coupled else logits
+                     for r, logits in zip(batch, target_logits)]
+        for walks in (True, False):
+            rows = [b for b, r in enumerate(batch) if (r.params.greedy or r.params.coupled) == walks]
             if rows:
-                sample = self._sample_greedy if greedy else self._sample
-                for b, res in zip(rows, sample([batch[b] for b in rows], [target_logits[b] for b in rows])):
+                sample = self._sample_greedy if walks else self._sample
+                source = walk_rows if walks else target_logits
+                for b, res in zip(rows, sample([batch[b] for b in rows], [source[b] for b in rows])):
                     results[b] = res
         for b, (r, res) in enumerate(zip(batch, results)):
             # commit [root] + accepted path behind the prefix; the rest of the tree is rolled back
@@ -263,6 +273,13 @@ class Verifier:
                 if r.seq_id in self._seq_features:        # kept for the prefix cache
                     self._seq_features[r.seq_id].append(res.features)
         return results
+
+    @staticmethod
+    def _coupled(r: VerifyRequest, logits: torch.Tensor) -> torch.Tensor:   # [T+1, V] -> [T+1, V]
+        """`log p + G` of each row, G keyed by (seed, the output position the row samples)."""
+        start = len(r.committed) - r.params.prompt_len          # output tokens committed so far
+        positions = [start] + [start + int(d) for d in r.tree.depths]
+        return coupled_scores(logits_to_probs(logits, r.params), r.params, positions)
 
     @staticmethod
     def _sample_greedy(batch, target_logits) -> list[VerifyResult]:

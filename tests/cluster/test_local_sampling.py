@@ -4,6 +4,8 @@ for chains and trees. Chi-square goodness of fit over many seeds, one batched ru
 with a control showing the same test rejects a classic sampler bug."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -36,15 +38,25 @@ def exact_joint(model_dir, params: SamplingParams) -> torch.Tensor:   # [V, V]
     return p1[:, None] * p2
 
 
-def sample_pairs(engine, params: SamplingParams, spec, seeds) -> tuple[torch.Tensor, float]:
-    """[N, 2] first two tokens, one request per seed, and the run's acceptance rate."""
+def sample_pairs(engine, params: SamplingParams, spec, seeds, seeded: bool = False) -> tuple[torch.Tensor, float]:
+    """[N, 2] first two tokens, one request per seed, and the run's acceptance rate. Unseeded
+    requests (the rejection sampler) draw from the scheduler's entropy, fixed here to the seeds;
+    `seeded` ones are coupled (the seed's Gumbel noise)."""
+    fix_entropy(engine, seeds)
     requests = [GenerationRequest(f"s{seed}", PROMPT,
                                   SamplingParams(temperature=params.temperature, top_k=params.top_k,
-                                                 top_p=params.top_p, seed=seed, max_tokens=2,
-                                                 ignore_eos=True), spec) for seed in seeds]
+                                                 top_p=params.top_p, seed=seed if seeded else None,
+                                                 max_tokens=2, ignore_eos=True), spec) for seed in seeds]
     outs = engine.generate(requests)
     drafted = sum(o.stats.num_drafted for o in outs)
     return torch.tensor([o.token_ids for o in outs]), sum(o.stats.num_accepted for o in outs) / drafted
+
+
+def fix_entropy(engine, seeds) -> None:
+    """The randomness of unseeded requests, one seed each, in order (then fresh ones, for the
+    requests of later tests on the same engine): reproducible tests."""
+    it = itertools.chain(seeds, itertools.count(1 << 40))
+    engine.scheduler.entropy = lambda: next(it)
 
 
 def chi_square_p_value(samples: torch.Tensor, joint: torch.Tensor) -> float:

@@ -20,7 +20,7 @@ from cluster.local import InProcessEngine, speculation_for
 from models import SamplingParams, load_model
 from models.sampling import logits_to_probs
 from speculation.requests import GenerationRequest
-from tests.cluster.test_local_sampling import P_VALUE_FLOOR, PROMPT, chi_square_p_value
+from tests.cluster.test_local_sampling import P_VALUE_FLOOR, PROMPT, chi_square_p_value, fix_entropy
 
 NUM_SAMPLES = 2000
 STOP = 4                                   # a stop id: masked while fewer than min_tokens are out
@@ -81,9 +81,11 @@ def exact_joint(model_dir, kw: dict) -> torch.Tensor:   # [V, V, V]
 
 
 def sample(engine, kw: dict, spec, seeds=range(NUM_SAMPLES)) -> tuple[torch.Tensor, float]:
-    """[N, 3] first three tokens, one request per seed, and the run's acceptance rate."""
-    requests = [GenerationRequest(f"s{seed}", PROMPT, SamplingParams(seed=seed, max_tokens=3, ignore_eos=True,
-                                                                     **kw), spec) for seed in seeds]
+    """[N, 3] first three tokens, one unseeded request (the rejection sampler) per seed of its
+    randomness, and the run's acceptance rate."""
+    fix_entropy(engine, seeds)
+    requests = [GenerationRequest(f"s{seed}", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True, **kw), spec)
+                for seed in seeds]
     outs = engine.generate(requests)
     # a stop id ends a request; min_tokens 2 keeps it third at the earliest, so padding with it
     # only shows where that rule was broken (cells the exact distribution rules out)

@@ -193,7 +193,8 @@ BAD = [
     ({"prompt": "hi", "speculation": {"spec_len": 99}}, 400, "invalid_value", "speculation.spec_len"),
     ({"prompt": "hi", "logprobs": 21}, 400, "invalid_value", "logprobs"),
     ({"prompt": "hi", "echo": "yes"}, 400, "invalid_type", "echo"),
-    ({"prompt": "hi", "best_of": 3}, 400, "unsupported_parameter", "best_of"),
+    ({"prompt": "hi", "best_of": 3, "n": 4}, 400, "invalid_value", "best_of"),
+    ({"prompt": "hi", "best_of": 3, "stream": True}, 400, "invalid_value", "best_of"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model_not_found", "model"),
 ]
 

@@ -39,7 +39,7 @@ def refused(r, code, param):
 # -- refused and unknown fields ------------------------------------------------------
 # One value per refused field that asks for something this server does not do.
 ASKING = {"store": True,
-          "service_tier": "flex", "best_of": 3, "suffix": "end",
+          "service_tier": "flex", "suffix": "end",
           "response_format": {"type": "json_object"},
           "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
           "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
@@ -332,3 +332,21 @@ def test_echo_puts_the_prompt_first_with_its_logprobs(served):
             assert lp["token_logprobs"] == [None] + [fake_logprob(t, 1).logprob for t in ids[1:] + OUT[:3]]
             assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"][1]) >= 1
             assert lp["text_offset"] == [sum(len(x) for x in lp["tokens"][:j]) for j in range(len(lp["tokens"]))]
+
+
+def test_best_of_returns_the_n_most_likely(served):
+    """FakeEngine's logprob of token t is -(t % 5) / 4: the scripts below rank by that sum."""
+    scripts = {0: [5, 5, 5], 1: [1, 1, 1], 2: [10, 10, 10], 3: [3, 3, 3]}     # sums -0, -0.75, -0, -2.25
+    engine = FakeEngine(script=lambda r: scripts[r.sampling.seed % 4], eos_token_id=None)
+    client = TestClient(build_fastapi_app(OpenAIServer(engine, TOK, ServerSettings(max_context=256))))
+    r = post(client, "/v1/completions", {"best_of": 4, "n": 2, "seed": 0}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    assert [c["text"] for c in r["choices"]] == [TOK.decode(scripts[0]), TOK.decode(scripts[2])]
+    assert all(c["logprobs"] is None for c in r["choices"])          # ranked by them, not asked for them
+    assert r["usage"]["completion_tokens"] == 12                     # every generation counts
+    assert [q.sampling.logprobs for q in engine.requests] == [0] * 4
+    asked = post(client, "/v1/completions", {"best_of": 4, "n": 1, "seed": 4, "logprobs": 1}).json()
+    (c,) = asked["choices"]
+    assert c["text"] == TOK.decode(scripts[0]) and len(c["logprobs"]["tokens"]) == 3
+    two = post(client, "/v1/completions", {"prompt": [[7], [8]], "best_of": 2, "n": 1, "seed": 1}).json()
+    assert [c["text"] for c in two["choices"]] == [TOK.decode(scripts[2]), TOK.decode(scripts[0])]
