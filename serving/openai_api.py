@@ -213,31 +213,12 @@ class OpenAIServer:
             await asyncio.sleep(poll_s)
         return {"in_flight": running, "failed": len(cut), "left": self.outstanding}
 
-    async def _next_chunk(self, iterator, deadline: float, cut: asyncio.Future):
-        """The engine's next chunk; TimeoutError past `deadline`, _Cut once `cut` is done."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise asyncio.TimeoutError
-        nxt = asyncio.ensure_future(iterator.__anext__())
-        try:
-            done, _ = await asyncio.wait((nxt, cut), timeout=remaining,
-                                         return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not nxt.done():
-                nxt.cancel()
-                await asyncio.gather(nxt, return_exceptions=True)
-        if nxt in done:
-            return nxt.result()
-        raise _Cut if cut.done() else asyncio.TimeoutError
-
     async def generate_choice(self, index: int, request_id: str, prompt_ids: list[int],
                               sampling: SamplingParams, spec: SpeculationOptions,
                               stops: list[str], deadline: float, prefix_cache: bool = True) -> AsyncIterator[Delta]:
         """Runs one choice; aborts it in the engine unless the engine finished it."""
-        detok, stopper = IncrementalDetokenizer(self.tokenizer), StopStrings(stops)
+        detok, stopper, run = IncrementalDetokenizer(self.tokenizer), StopStrings(stops), _ChoiceRun()
         start = last = time.monotonic()
-        n_tokens = drafted = accepted = cached = 0
-        finished, queued, abort_reason, prompt_lps = False, True, "client", None
         cut = asyncio.get_running_loop().create_future()
         self._cuts.add(cut)
         self.stats.observe_queued(+1)
@@ -248,74 +229,41 @@ class OpenAIServer:
                     stream = await stream
                 iterator = stream.__aiter__()
             except InvalidRequest as e:     # what this engine cannot serve, refused before it starts
-                finished = True
+                run.finished = True
                 raise APIError(400, str(e), code="invalid_value", param=e.param) from None
             while True:
-                try:
-                    chunk = await self._next_chunk(iterator, deadline, cut)
-                except InvalidRequest as e:
-                    finished = True
-                    raise APIError(400, str(e), code="invalid_value", param=e.param) from None
-                except StopAsyncIteration:
-                    raise EngineError("the engine ended the request without finishing it", False)
-                except asyncio.TimeoutError:
-                    abort_reason = "timeout"
-                    raise APIError(408, f"request timed out after {self.settings.request_timeout_s}"
-                                   " s", type="timeout_error", code="request_timeout") from None
-                except _Cut:
-                    abort_reason = "shutdown"
-                    raise APIError(503, "The server shut down before this request finished "
-                                   f"(drain deadline {self.settings.drain_timeout_s:g} s); retry it",
-                                   type="server_error", code="server_shutting_down",
-                                   headers={"Retry-After": str(self.settings.retry_after_s)}
-                                   ) from None
-                if chunk.finish_reason == "error":
-                    finished = True
-                    msg = chunk.error or "engine error"
-                    raise EngineError(msg, retryable="retryable" in msg.lower())
+                chunk = await next_chunk(iterator, deadline, cut, run, self.settings)
                 now = time.monotonic()
                 if chunk.token_ids:
-                    if queued:
-                        queued = False
+                    if run.queued:
+                        run.queued = False
                         self.stats.observe_queued(-1)
                         self.stats.observe_running(+1)
                         self.stats.observe_first_token(now - start)
                     else:
                         self.stats.observe_tokens(len(chunk.token_ids), now - last)
                     last = now
-                n_tokens += len(chunk.token_ids)
-                drafted, accepted = chunk.num_drafted, chunk.num_accepted
-                cached = chunk.cached_tokens
-                text = stopper.feed(detok.add(chunk.token_ids))
-                ids, lps = list(chunk.token_ids), list(chunk.logprobs or [])
-                if chunk.prompt_logprobs is not None:
-                    prompt_lps = chunk.prompt_logprobs
+                text = run.observe(chunk, stopper.feed(detok.add(chunk.token_ids)))
                 if stopper.stopped:  # a stop string: cut there, the engine need not go on
-                    abort_reason = "stop_string"
-                    yield Delta(index, text, "stop", n_tokens, drafted, accepted, ids, logprobs=lps,
-                                prompt_logprobs=prompt_lps, cached_tokens=cached)
+                    run.abort_reason = "stop_string"
+                    yield run.delta(index, text, "stop", chunk)
                     return
                 if chunk.finished:
-                    finished = True
-                    text += stopper.feed(detok.flush())
-                    text += stopper.flush()
-                    yield Delta(index, text, "stop" if stopper.stopped else chunk.finish_reason,
-                                n_tokens, drafted, accepted, ids, logprobs=lps, prompt_logprobs=prompt_lps,
-                                cached_tokens=cached)
+                    run.finished = True
+                    text += stopper.feed(detok.flush()) + stopper.flush()
+                    yield run.delta(index, text, "stop" if stopper.stopped else chunk.finish_reason, chunk)
                     return
-                if text or ids:
-                    yield Delta(index, text, None, n_tokens, drafted, accepted, ids, logprobs=lps,
-                                prompt_logprobs=prompt_lps, cached_tokens=cached)
-                    prompt_lps = None
+                if text or chunk.token_ids:
+                    yield run.delta(index, text, None, chunk)
         finally:
             self._cuts.discard(cut)
-            if queued:
+            if run.queued:
                 self.stats.observe_queued(-1)
             else:
                 self.stats.observe_running(-1)
-            self.stats.observe_finished(n_tokens, drafted, accepted)
-            if not finished:
-                self.stats.observe_aborted(abort_reason)
+            self.stats.observe_finished(run.n_tokens, run.drafted, run.accepted)
+            if not run.finished:
+                self.stats.observe_aborted(run.abort_reason)
                 await asyncio.shield(self._abort(request_id))
 
     async def _abort(self, request_id: str) -> None:
@@ -480,3 +428,73 @@ class _Cut(Exception):
 def _finish(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+@dataclass
+class _ChoiceRun:
+    """What one choice has seen so far (`OpenAIServer.generate_choice`)."""
+
+    n_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    cached: int = 0
+    finished: bool = False             # the engine finished it (or refused it): nothing to abort
+    queued: bool = True                # no token yet
+    abort_reason: str = "client"
+    prompt_lps: list | None = None     # an echo's prompt log-probabilities, sent with the next delta
+
+    def observe(self, chunk, text: str) -> str:
+        self.n_tokens += len(chunk.token_ids)
+        self.drafted, self.accepted, self.cached = chunk.num_drafted, chunk.num_accepted, chunk.cached_tokens
+        if chunk.prompt_logprobs is not None:
+            self.prompt_lps = chunk.prompt_logprobs
+        return text
+
+    def delta(self, index: int, text: str, finish: str | None, chunk) -> Delta:
+        prompt_lps, self.prompt_lps = self.prompt_lps, None
+        return Delta(index, text, finish, self.n_tokens, self.drafted, self.accepted, list(chunk.token_ids),
+                     logprobs=list(chunk.logprobs or []), prompt_logprobs=prompt_lps, cached_tokens=self.cached)
+
+
+async def next_chunk(iterator, deadline: float, cut: asyncio.Future, run: _ChoiceRun,
+                     settings: ServerSettings):
+    """The engine's next chunk, its failures and the clock's as the client's errors (APIError,
+    EngineError), with `run.finished` / `run.abort_reason` set for the abort that follows."""
+    try:
+        chunk = await _wait_chunk(iterator, deadline, cut)
+    except InvalidRequest as e:
+        run.finished = True
+        raise APIError(400, str(e), code="invalid_value", param=e.param) from None
+    except StopAsyncIteration:
+        raise EngineError("the engine ended the request without finishing it", False)
+    except asyncio.TimeoutError:
+        run.abort_reason = "timeout"
+        raise APIError(408, f"request timed out after {settings.request_timeout_s} s", type="timeout_error",
+                       code="request_timeout") from None
+    except _Cut:
+        run.abort_reason = "shutdown"
+        raise APIError(503, "The server shut down before this request finished "
+                       f"(drain deadline {settings.drain_timeout_s:g} s); retry it", type="server_error",
+                       code="server_shutting_down", headers={"Retry-After": str(settings.retry_after_s)}) from None
+    if chunk.finish_reason == "error":
+        run.finished = True
+        msg = chunk.error or "engine error"
+        raise EngineError(msg, retryable="retryable" in msg.lower())
+    return chunk
+
+
+async def _wait_chunk(iterator, deadline: float, cut: asyncio.Future):
+    """The engine's next chunk; TimeoutError past `deadline`, _Cut once `cut` is done."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise asyncio.TimeoutError
+    nxt = asyncio.ensure_future(iterator.__anext__())
+    try:
+        done, _ = await asyncio.wait((nxt, cut), timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not nxt.done():
+            nxt.cancel()
+            await asyncio.gather(nxt, return_exceptions=True)
+    if nxt in done:
+        return nxt.result()
+    raise _Cut if cut.done() else asyncio.TimeoutError
