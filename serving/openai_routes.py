@@ -126,6 +126,27 @@ def _bound_integers(schema, lo: int, hi: int) -> None:
             _bound_integers(v, lo, hi)
 
 
+async def generate_response(server: OpenAIServer, request: Request, model, handler):
+    """A generation route: checks, parses into `model`, runs `handler`; JSON or an SSE stream."""
+    t0 = time.monotonic()
+    client = server.check_api_key(request.headers.get("authorization"))
+    server.check_admitting()
+    check_json_content_type(request)
+    req = server.parse(await read_body(request, server.settings.max_request_bytes), model)
+    result = await handler(req, request.is_disconnected, client)
+    if isinstance(result, dict):
+        server.stats.observe_request(request.url.path, 200, time.monotonic() - t0)
+        return JSONResponse(result)
+
+    async def body():
+        try:
+            async for event in result:
+                yield event
+        finally:
+            server.stats.observe_request(request.url.path, 200, time.monotonic() - t0)
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
 def build_fastapi_app(server: OpenAIServer) -> FastAPI:
     """The route table: each route parses, hands off to `server`, and shapes the response."""
     app = FastAPI(title="specflash", docs_url=None, redoc_url=None)
@@ -136,33 +157,13 @@ def build_fastapi_app(server: OpenAIServer) -> FastAPI:
         server.stats.observe_request(request.url.path, exc.status, 0.0)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    async def _generate(request: Request, model, handler):
-        t0 = time.monotonic()
-        client = server.check_api_key(request.headers.get("authorization"))
-        server.check_admitting()
-        check_json_content_type(request)
-        req = server.parse(await read_body(request, s.max_request_bytes), model)
-        result = await handler(req, request.is_disconnected, client)
-        if isinstance(result, dict):
-            server.stats.observe_request(request.url.path, 200, time.monotonic() - t0)
-            return JSONResponse(result)
-
-        async def body():
-            try:
-                async for event in result:
-                    yield event
-            finally:
-                server.stats.observe_request(request.url.path, 200, time.monotonic() - t0)
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-
     @app.post("/v1/completions", responses=GENERATE_RESPONSES)
     async def completions(request: Request):
-        return await _generate(request, CompletionRequest, server.completions)
+        return await generate_response(server, request, CompletionRequest, server.completions)
 
     @app.post("/v1/chat/completions", responses=GENERATE_RESPONSES)
     async def chat_completions(request: Request):
-        return await _generate(request, ChatCompletionRequest, server.chat)
+        return await generate_response(server, request, ChatCompletionRequest, server.chat)
 
     @app.get("/v1/models", responses=_errors(401))
     async def models(request: Request):
