@@ -20,7 +20,6 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 ASSETS = Path(__file__).resolve().parent.parent / "models" / "assets"
 DEFAULT_DATA = Path("/tmp/specflash-distill")  # recorded answers: regenerate, never commit

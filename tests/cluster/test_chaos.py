@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import ray
 
-from tests.ray_cluster import DRAFTER_RESOURCE, VERIFIER_RESOURCE, pipeline_args
+from tests.ray_cluster import DRAFTER_RESOURCE, VERIFIER_RESOURCE
 from .pipeline_helpers import collect, hf_greedy, prompts, request, run
 from .test_pipeline_faults import kill_after, wait_for
 

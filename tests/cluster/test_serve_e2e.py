@@ -8,7 +8,6 @@ SPECFLASH_SERVE_TEST_ENGINE names another (`local`).
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
