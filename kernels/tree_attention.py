@@ -271,7 +271,6 @@ def _check_inputs(q, k_cache, v_cache, block_tables, prefix_lens, tree_mask) -> 
         assert x.device == q.device, f"{name} on {x.device}, q on {q.device}"
 
 
-
 def tree_decode_attention(
     q: torch.Tensor,             # [B, T, Hq, D]
     k_cache: torch.Tensor,       # [N_blocks, block_size, Hkv, D]
