@@ -85,7 +85,8 @@ def test_verifier_killed_fails_fast_and_other_pipeline_unaffected(make_engine, t
     async def both():
         first = asyncio.create_task(collect(engine, request("victim", p1, 2000, "chain", 2,
                                                             ignore_eos=True), kill_after_some))
-        await asyncio.sleep(0.05)        # the victim holds its pipeline: the survivor gets the other
+        while "victim" not in engine.routes:    # the victim holds its pipeline: the survivor gets the other
+            await asyncio.sleep(0.01)             # (a fixed pause raced the victim's first step after a GC)
         second = asyncio.create_task(collect(engine, request("survivor", p2, 60, "tree", 3, 2)))
         victim = await first
         ended = time.monotonic()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -58,28 +59,27 @@ def load(url: str, seconds: float, stop: threading.Event) -> None:
 
 @pytest.fixture
 def deployment(tmp_path):
-    """Two ingress replicas on a local Ray whose metrics agent listens on a known port."""
-    import ray
-    from ray import serve
-
-    from cluster.serve_app import build_app
-
+    """Two ingress replicas on a local Ray whose metrics agent listens on a known port, in a child
+    process (tests/cluster/prom_deployment.py: the session's shared Ray lives in this one)."""
     metrics_port, http_port = _free_port(), _free_port()
-    os.environ["RAY_metrics_report_interval_ms"] = "1000"
-    env = {"SPECFLASH_METRICS_PERIOD_S": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_port,
-             runtime_env={"env_vars": env})
+    log = open(tmp_path / "deployment.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "tests.cluster.prom_deployment", str(metrics_port), str(http_port)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                                                          os.environ.get("PYTHONPATH")]))})
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        args = {"engine": "tests.cluster.prom_engine:make", "serving": {"max_queue": 2},
-                "verifier_scaling": {"min_replicas": 2, "max_replicas": 2, "policy": None}}
-        serve.run(build_app(args), name="specflash", route_prefix="/")
+        line = proc.stdout.readline()         # "ready", or "" if it died
+        if line.strip() != "ready":
+            log.seek(0)
+            raise AssertionError(f"the deployment did not start:\n{log.read()[-3000:]}")
         yield f"http://127.0.0.1:{http_port}", f"127.0.0.1:{metrics_port}"
     finally:
-        os.environ.pop("RAY_metrics_report_interval_ms", None)
-        serve.shutdown()
-        ray.shutdown()
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
 
 
 @pytest.mark.slow
