@@ -46,8 +46,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
 from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
-from bench.chaos_faults import (MB, FaultInjector, actor_states, held_state, process_rss,  # noqa: E402,F401
-                                wait_until)  # chaos.FaultInjector / actor_states, as before
+from bench.chaos_faults import (MB, FaultInjector, actor_states, held_state, process_rss,  # noqa: E402
+                                wait_until)
 
 FAULTS = ("drafter", "verifier", "raylet")
 VERIFIER_RESOURCE = "specflash_verifier"

@@ -1,7 +1,7 @@
 """The chaos soak's faults (bench/chaos.py): the injector that kills and restarts the pipeline's
 actors and the drafter's node, and what the actors hold and how much memory (leak checks).
 
-Imported by bench/chaos.py, whose `FaultInjector` and `actor_states` these are.
+Imported by bench/chaos.py, which uses every name here.
 """
 from __future__ import annotations
 
