@@ -24,6 +24,7 @@ from collections import defaultdict
 import ray
 import torch
 
+from cluster.channels import ChannelLink, ChannelServer
 from cluster.transport import RayLink, fetch_tree, unpack_puts
 from speculation.policy import threads_of
 from speculation.requests import SpeculationOptions
@@ -97,6 +98,7 @@ class VerifierActor:
             self.scheduler.registry.local = LOCAL_DRAFTER
         self._mail: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
         self.scheduler.registry.on_mail = lambda drafter: self._mail[drafter].set()
+        self.channels = ChannelServer(self._channel_exchange)
 
     def _local_drafter(self, draft_dir: str | None, target_dir: str):
         """The stand-in drafter in this process (`lockstep_in_verifier`): a lone stream whose
@@ -156,8 +158,26 @@ class VerifierActor:
                 pass
         return encode_signals(self.scheduler.signals_for(drafter))
 
+    async def open_channel(self, drafter: int, req, drafter_handle, node: str):
+        """A drafter's exchanges over channels from now on (cluster/channels.py): we read `req`
+        on a thread; the reply channel is returned."""
+        self.loop.ensure_running()
+        return self.channels.connect(drafter, req, drafter_handle, node, asyncio.get_running_loop())
+
+    async def _channel_exchange(self, msg: tuple) -> tuple[str, object]:
+        """One channel message as the `exchange` call it stands for: ("ok", signals),
+        ("refused", why) for a bad frame, ("error", why) otherwise."""
+        try:
+            return "ok", await self.exchange(*msg)
+        except WireError as e:
+            return "refused", str(e)
+        except Exception as e:
+            log.exception("verifier: a channel exchange of drafter %s failed", msg[0] if msg else "?")
+            return "error", f"{type(e).__name__}: {e}"
+
     async def health(self) -> dict:
-        return {**self.scheduler.health(), "incarnation": self.incarnation, "node_id": node_id()}
+        return {**self.scheduler.health(), "incarnation": self.incarnation, "node_id": node_id(),
+                "channel_exchanges": self.channels.served}
 
     async def get_stats(self) -> dict:
         from verifier.loop import gc_report
@@ -196,7 +216,7 @@ class DrafterActor:
 
         settings = EngineSettings(**settings)
         torch.set_num_threads(threads_of(settings.num_cpus))
-        self.link = RayLink(verifier)
+        self.link = ChannelLink(verifier) if settings.exchange_channels else RayLink(verifier)
         side = DraftSide.build(draft_dir, config_of(target_dir).vocab_size, settings, wrap=wrap_proposer)
         self.drafter = Drafter(index, side, settings, node_id(), gpu_ids(settings.device))
         self.warm_up_s = side.warm_up(settings.spec_len)    # GPU: compile and capture now
@@ -214,6 +234,8 @@ class DrafterActor:
         cache = d.side.cache
         return {"index": d.index, "incarnation": d.incarnation, "streams": len(d.streams),
                 "running": self._thread.is_alive(), "error": d.error, **d.stats.as_dict(),
+                "channel_exchanges": getattr(self.link, "exchanges", 0),
+                "channel_exchanges_lost": getattr(self.link, "lost", 0),
                 "node_id": node_id(), "rss_bytes": rss_bytes(),
                 "kv_free": None if cache is None else cache.num_free_blocks,
                 "kv_total": None if cache is None else cache.num_blocks,
@@ -228,6 +250,7 @@ class DrafterActor:
     def stop(self) -> None:
         self._stopped.set()
         self._thread.join(timeout=5)
+        self.link.close()
 
 
 def remote_classes(drafter_max_restarts: int = 10, verifier_max_restarts: int = 10):

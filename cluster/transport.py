@@ -70,6 +70,9 @@ class RayLink:
             raise
         return decode_signals(reply)        # WireError: the call went through, its signals are lost
 
+    def close(self) -> None:
+        """Nothing to release: each exchange is a call of its own."""
+
     def put_tree(self, header: TreeHeader, tree) -> TreePut:
         """The tree frame itself: it travels in the exchange's arguments."""
         return TreePut(header, encode_tree(header, tree.token_ids, tree.parent_ids, tree.depths, tree.draft_probs))

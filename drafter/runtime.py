@@ -34,8 +34,8 @@ from models.sampling import SamplingParams
 from speculation.policy import in_lockstep, next_tree_shape
 from speculation.settings import EngineSettings
 from speculation.stats import SpecStats
-from speculation.transport import (Exchange, FramesRefused, TreePut, VerifierInfo, VerifierLink,
-                                   VerifierUnavailable)
+from speculation.transport import (Exchange, ExchangeLost, FramesRefused, TreePut, VerifierInfo,
+                                   VerifierLink, VerifierUnavailable)
 from speculation.wire import Signal, TreeHeader, WireError
 
 log = logging.getLogger("specflash.drafter")
@@ -100,12 +100,13 @@ class Drafter:
             time.sleep(self._pause)
             self._pause = min(2.0, 2 * self._pause)
             return
-        except WireError as e:                # the call went through, but its signals are lost
-            self.stats.observe_rejected_frame()
+        except (WireError, ExchangeLost) as e:    # the call may have gone through, its signals are lost
+            if isinstance(e, WireError):
+                self.stats.observe_rejected_frame()
+                self.attached.set()
             self.error = f"{type(e).__name__}: {e}"
-            log.error("drafter %d: rejected a signal frame: %s; resynchronising its streams", self.index, e)
-            self.attached.set()
-            self._resync = self.drop_streams(list(self.streams))
+            log.error("drafter %d: signals lost (%s); resynchronising its streams", self.index, self.error)
+            self._resync = call.resync + self.drop_streams(list(self.streams))
             return
         except FramesRefused as e:            # the verifier rejected our puts: resync their streams
             self.stats.observe_rejected_frame()

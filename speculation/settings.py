@@ -108,6 +108,10 @@ class EngineSettings(SpeculationSettings, KVCacheSettings):
         "Torch threads of a CPU verifier's step while its drafters have nothing to draft: -1 = its "
         "own plus the CPUs of the live drafters on its node (theirs sit idle then); 0 = its own "
         "only; n > 0 = n (`speculation.policy.plain_step_threads`)."))
+    exchange_channels: bool = Field(False, description=(
+        "Drafters of a pipeline exchange with their verifier over a pair of Ray shared-memory "
+        "channels (~0.2 ms a round trip) instead of an actor call each (~1.5 ms); membership, "
+        "restarts and scaling still use actor calls (cluster/channels.py)."))
     proposers: tuple[str, ...] = Field(PROPOSERS, description=(
         "The proposers this engine's drafters hold ('model' needs a draft model); a request "
         "naming another is refused."))

@@ -3,9 +3,8 @@
 A drafter's loop makes one `exchange` per iteration: it delivers the trees it drafted and
 takes back the signals queued for it. The scheduler (verifier/scheduler.py) never knows how
 the call travelled: in process it is a method call (`verifier.link.InProcessLink`), between
-Ray actors an actor call with each tree in the object store (`cluster.transport.RayLink`).
-A faster carrier (a compiled graph's channels) implements `VerifierLink` and nothing else
-changes. Trees and signals cross it as `speculation.wire` objects; a carrier that leaves the
+Ray actors an actor call (`cluster.transport.RayLink`) or a pair of shared-memory channels
+(`cluster.channels.ChannelLink`, `EngineSettings.exchange_channels`). Trees and signals cross it as `speculation.wire` objects; a carrier that leaves the
 process encodes them in their versioned wire format.
 """
 from __future__ import annotations
@@ -59,12 +58,17 @@ class FramesRefused(Exception):
     """The verifier refused this call's trees (a malformed or other-version frame)."""
 
 
+class ExchangeLost(Exception):
+    """The call's reply never came (its carrier broke): the trees may have been filed and the
+    signals taken, so the drafter resyncs every stream."""
+
+
 class VerifierLink(Protocol):
     """A drafter's way to its verifier."""
 
     def exchange(self, call: Exchange) -> list[Signal]:
-        """Deliver `call`; the signals queued for the drafter. Raises `VerifierUnavailable` or
-        `FramesRefused`; any other exception is transient."""
+        """Deliver `call`; the signals queued for the drafter. Raises `VerifierUnavailable`,
+        `FramesRefused` or `ExchangeLost`; any other exception is transient."""
 
     def put_tree(self, header: TreeHeader, tree) -> TreePut:
         """How a drafted `models.tree.TokenTree` travels (kept in process, or put in a store)."""
