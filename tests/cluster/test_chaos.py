@@ -1,12 +1,13 @@
 """Reliability of the Ray pipeline under faults (issue 7): a short fault-injection soak
 (bench/chaos.py) on the session cluster, a verifier restarted by Ray, a drafter node lost
-for good, and malformed / version-mismatched wire frames sent to live actors.
+for good, the verifier's node lost for good (issue 26), and malformed / version-mismatched wire frames sent to live actors.
 
 Tests that kill nodes add a node of their own (a resource no other test uses) to the
 session cluster and remove it after, so the shared head and drafter nodes are untouched.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import asdict
 
@@ -128,6 +129,68 @@ def test_drafter_node_lost_for_good_serves_without_speculation(make_engine, ray_
         tokens2, last2 = run(collect(engine, request("alone", p2, 40, "chain", 3)), 60)
         assert tokens2 == hf_greedy(hf_target, p2, 40) and last2.finish_reason == "length"
         assert last2.num_drafted == 0, "with no drafter the verifier decodes alone"
+    finally:
+        engine.kill_pipeline_actors()
+
+
+def test_verifier_node_lost_for_good_restarts_elsewhere_and_health_says_so(ray_cluster, extra_node,
+                                                                           tiny_target, close_draft, hf_target):
+    """Issue 26 item 5: the verifier's node removed for good. Its request in flight ends
+    retryable; while no node can host the verifier /health is 503 and names the lost node;
+    once one that can joins, Ray restarts the verifier there, the drafter reattaches, /health
+    says where it moved and new requests are served exactly."""
+    from cluster.config import ActorPlacement, AppArgs, PlacementConfig
+    from cluster.pipeline import build_pipeline_engine
+    from cluster.serve_app import replace_replica
+    from models import load_tokenizer
+    from serving.openai_api import OpenAIServer, ServerSettings
+
+    resource = "specflash_lost_verifier"
+    node, _ = extra_node(resource)
+    args = AppArgs(placement=PlacementConfig(
+        drafter=ActorPlacement(num_cpus=1, resources={DRAFTER_RESOURCE: 1}),
+        verifier=ActorPlacement(num_cpus=1, resources={resource: 1})))
+    engine = build_pipeline_engine(args, target_dir=str(tiny_target), draft_dir=str(close_draft), num_blocks=256,
+                                   drafter_timeout_s=1.0, chunk_timeout_s=60)
+    try:
+        server = OpenAIServer(engine, load_tokenizer(tiny_target), ServerSettings(model_name="tiny", max_context=256))
+        assert run(engine.health())["pipelines"][0]["node_id"] == node.node_id
+        p1, p2 = prompts(2, seed=71)
+        removed = []
+
+        async def remove_node(chunk, tokens):
+            if not removed and len(tokens) >= 5:
+                removed.append(len(tokens))
+                await asyncio.to_thread(ray_cluster.cluster.remove_node, node)   # nothing else offers `resource`
+
+        tokens, last = run(collect(engine, request("in-flight", p1, 2000, "chain", 2), remove_node), 120)
+        assert removed and last.finish_reason == "error" and last.error.startswith("retryable: "), last
+        assert tokens == hf_greedy(hf_target, p1, len(tokens)), "tokens before the error are the target's"
+
+        def lost_named():     # Ray has noticed the node's death; the verifier cannot be placed anywhere
+            status, body = run(server.health(), 30)
+            assert status == 503 and body["engine"]["ok"] is False, body
+            return body if node.node_id in (body["engine"]["verifier"] or "") else None
+
+        body = wait_for(lost_named, timeout=90)
+        assert f"lost node {node.node_id}" in body["engine"]["verifier"]
+        engine_health = body["engine"]
+        assert replace_replica(engine_health) is None, "Serve waits while Ray may restart the verifier"
+        assert "has not come back" in replace_replica(engine_health, grace_s=0.0)
+
+        spare, _ = extra_node(resource)                 # a live node that can host it: Ray restarts it there
+
+        def back():
+            status, body = run(server.health(), 30)
+            return body if status == 200 and body["speculation"] else None
+
+        body = wait_for(back, timeout=120)
+        event = body["engine"]["verifier"]
+        assert event.startswith(f"lost node {node.node_id} at ") and f"restarted on node {spare.node_id}" in event
+        assert body["engine"]["pipelines"][0]["node_id"] == spare.node_id
+        tokens2, last2 = run(collect(engine, request("after", p2, 40, "chain", 3)), 60)
+        assert tokens2 == hf_greedy(hf_target, p2, 40) and last2.finish_reason == "length"
+        assert last2.num_drafted > 0, "the drafter must reattach to the moved verifier and speculate"
     finally:
         engine.kill_pipeline_actors()
 
