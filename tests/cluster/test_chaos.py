@@ -41,7 +41,9 @@ def extra_node(ray_cluster):
 def test_short_soak_nothing_lost_hung_or_leaked(ray_cluster, extra_node, tiny_target, close_draft, bench_script):
     chaos = bench_script("chaos")
     node, node_args = extra_node("specflash_chaos_drafter")
-    cfg = chaos.SoakConfig(duration_s=45, max_requests=150, concurrency=3, request_timeout_s=60,
+    # the verifier's node lost for good has a test of its own (below): the session's verifier is on the head
+    faults = tuple(f for f in chaos.FAULTS if f != "verifier_node")
+    cfg = chaos.SoakConfig(duration_s=45, max_requests=150, concurrency=3, request_timeout_s=60, faults=faults,
                            fault_every_s=5, node_down_s=2, max_tokens=32, warmup_requests=4,
                            after_requests=4, settle_s=90, rss_margin_mb=96, seed=7)
     report = chaos.run_soak(ray_cluster.cluster, node, node_args,
@@ -50,7 +52,7 @@ def test_short_soak_nothing_lost_hung_or_leaked(ray_cluster, extra_node, tiny_ta
     summary = json.dumps({k: v for k, v in asdict(report).items() if k != "config"})
     assert report.problems(cfg.rss_margin_mb) == [], summary
     assert report.lost == report.hung == report.leaked_blocks == report.leaked_ring_slots == 0
-    assert set(chaos.FAULTS) <= set(report.faults), f"every fault kind must be injected: {report.faults}"
+    assert set(faults) <= set(report.faults), f"every fault kind must be injected: {report.faults}"
     assert report.exact >= 10 and report.after_exact == cfg.after_requests, summary
     assert report.sent == (report.exact + report.complete_sampled + report.clear_errors
                            + report.lost + report.hung)
@@ -66,6 +68,16 @@ def test_the_soak_refuses_two_policies_at_once(bench_script, capsys):
             chaos.main(bad)
         assert refused.value.code == 2, bad
     assert "at most one of them above 0" in capsys.readouterr().err
+
+
+def test_the_verifier_node_fault_needs_nodes_it_may_remove(bench_script):
+    """The soak cannot take the head node away: asked for "verifier_node" without the verifier's
+    own removable nodes, it refuses before any load."""
+    import random
+
+    chaos = bench_script("chaos")
+    with pytest.raises(ValueError, match="cannot remove the head node"):
+        chaos.FaultInjector(None, None, {}, None, chaos.SoakConfig(faults=("verifier_node",)), random.Random(0))
 
 
 def test_verifier_restarted_in_flight_fail_retryable_new_ones_served(make_engine, tiny_target, close_draft,
