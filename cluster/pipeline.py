@@ -24,7 +24,8 @@ Failure semantics, as the serving layer sees them (docs/internals.md,
   each pipeline's `VerifierWatch` notices the move, and `health()` says `ok: false` with the
   lost node while the verifier is down, then what happened ("lost node A at T, restarted on
   node B at T2") once it answers again; `down_for_s` tells Serve's health check
-  (cluster/serve_app.py) how long it has been waiting.
+  (cluster/serve_app.py) how long it has been waiting; a new request that finds it silent for
+  longer than `restart_wait_s` ends at once with a retryable error instead of waiting.
 """
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ class VerifierWatch:
     incarnation: str = ""              # its incarnation id then (a new one = restarted)
     down_since: float | None = None    # wall clock (time.time()) of the first failure since then; None = up
     event: str | None = None           # the last restart, e.g. "lost node A at T, restarted on node B at T2"
+    answered_at: float = 0.0           # wall clock of its last chunk or health answer
 
     def down(self) -> None:
         if self.down_since is None:
@@ -91,7 +93,7 @@ class VerifierWatch:
             else:
                 self.event = f"restarted on node {node} at {_when(time.time())} (down since {since})"
             log.warning("verifier %s", self.event)
-        self.node, self.incarnation, self.down_since = node, incarnation, None
+        self.node, self.incarnation, self.down_since, self.answered_at = node, incarnation, None, time.time()
         return {**report, "down_for_s": 0.0, "verifier_event": self.event}
 
 
@@ -136,6 +138,11 @@ class PipelineEngine:
                 request.prefix_cache)
         give_up = time.monotonic() + self.restart_wait_s
         try:
+            down = await self._down_too_long(pipe)
+            if down:              # its node lost, say, and no other taken it yet: retry elsewhere
+                finished = True
+                yield _error_chunk(rid, f"{RETRYABLE}{down}")
+                return
             stream = pipe.verifier.generate.options(num_returns="streaming").remote(*args)
             while not finished:
                 chunk = await self._next_chunk(stream, pipe, rid)
@@ -149,6 +156,8 @@ class PipelineEngine:
                     continue
                 started = True
                 finished = chunk.finished
+                if not chunk.error:
+                    pipe.watch.answered_at = time.time()
                 yield chunk
         finally:
             pipe.active -= 1
@@ -240,6 +249,16 @@ class PipelineEngine:
             return _error_chunk(rid, f"verifier error: {first_line(e)}")
         except ray.exceptions.RayError as e:     # the stream's objects lost with a node, ...
             return _error_chunk(rid, f"{RETRYABLE}the verifier's output was lost ({first_line(e)})")
+
+    async def _down_too_long(self, pipe: Pipeline) -> str | None:
+        """Why a request should not wait for this pipeline's verifier: it has not answered for
+        longer than `restart_wait_s` and still does not (asked again now). A call to an actor Ray
+        cannot place would wait for `chunk_timeout_s`."""
+        w = pipe.watch
+        if w.down_since is None or w.answered_at > w.down_since or time.time() - w.down_since <= self.restart_wait_s:
+            return None
+        report = await self._health_of(pipe)
+        return f"{report['error']} (down {report['down_for_s']:.0f} s)" if report.get("down_for_s") else None
 
     async def _abort_on(self, pipe: Pipeline, rid: str) -> None:
         try:

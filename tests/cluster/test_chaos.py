@@ -189,6 +189,10 @@ def test_verifier_node_lost_for_good_restarts_elsewhere_and_health_says_so(ray_c
         engine_health = body["engine"]
         assert replace_replica(engine_health) is None, "Serve waits while Ray may restart the verifier"
         assert "has not come back" in replace_replica(engine_health, grace_s=0.0)
+        engine.restart_wait_s = 0.0     # down longer than a request waits: new ones fail at once, retryable
+        refused, last = run(collect(engine, request("in-the-gap", p2, 8, "chain", 2)), 60)
+        assert refused == [] and last.error.startswith("retryable: verifier: lost node"), last
+        engine.restart_wait_s = 30.0
 
         spare, _ = extra_node(resource)                 # a live node that can host it: Ray restarts it there
 
