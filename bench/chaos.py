@@ -1,11 +1,13 @@
 """Fault-injection soak of the Ray pipeline (issue 7; DESIGN.md §3, §7).
 
 Starts a local multi-node Ray cluster on loopback (`ray.cluster_utils.Cluster`:
-a head node that hosts the verifier, a node that hosts the drafter), builds a
+a head node, a node that hosts the drafter, nodes that may host the verifier), builds a
 `PipelineEngine` and drives a steady load of streaming requests (greedy and
 sampled; chains, trees and adaptive) while it kills, at random moments, the
 drafter actor, the verifier actor and the raylet of the drafter's node, then
-restarts them (Ray restarts the actors; the node is added back).
+restarts them (Ray restarts the actors; the node is added back), and removes the
+verifier's node for good (Ray restarts the verifier on a spare verifier node;
+a new node joins in place of the lost one, `--verifier-nodes`).
 
 Every request must end in exactly one of:
 - *complete*: finish "length" with `max_tokens` tokens; a greedy one must also
@@ -22,6 +24,7 @@ level after the warm-up.
     python bench/chaos.py --duration 60 --max-requests 300      # tiny random pair, one minute
     python bench/chaos.py --duration 600 --max-requests 5000    # the long soak (bench/README.md)
     python bench/chaos.py --duration 60 --restart-depth 1       # with restart trees (or --bridge-depth 2)
+    python bench/chaos.py --duration 60 --faults verifier_node,verifier   # the verifier's node lost
     python bench/chaos.py --target DIR --draft DIR --json
 
 Prints the counts (and `--json` the report); writes JSON under bench/results/;
@@ -46,10 +49,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolve() not in (ROOT, ROOT.parent)]
 from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
-from bench.chaos_faults import (MB, FaultInjector, actor_states, held_state, process_rss,  # noqa: E402
-                                wait_until)
+from bench.chaos_faults import (MB, FaultInjector, actor_states, held_state, print_report,  # noqa: E402
+                                process_rss, wait_until)
 
-FAULTS = ("drafter", "verifier", "raylet")
+FAULTS = ("drafter", "verifier", "raylet", "verifier_node")
 VERIFIER_RESOURCE = "specflash_verifier"
 DRAFTER_RESOURCE = "specflash_drafter"
 RETRYABLE = "retryable: "
@@ -107,6 +110,7 @@ class SoakReport:
     config: dict = field(default_factory=dict)
     # the verifier's speculation counters at the end (since its last restart): what the soak ran
     speculation: dict = field(default_factory=dict)
+    verifier_health: str | None = None            # /health's "verifier" once recovered: its last restart
 
     def count(self, rid: str, outcome: str) -> None:
         phase = self.outcomes.setdefault(rid.split("-")[0], {})
@@ -245,47 +249,19 @@ def soak(engine, injector: FaultInjector, work: Workload, cfg: SoakConfig, progr
     event loop in a thread of their own while this (main) thread injects the faults."""
     report = SoakReport(config=asdict(cfg))
     start = time.monotonic()
-    far = start + 10 * cfg.settle_s
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="chaos-load", daemon=True)
     thread.start()
 
     def on_loop(coro):
-        return asyncio.run_coroutine_threadsafe(coro, loop)
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
 
     try:
-        on_loop(drive(engine, work, cfg, report, "warmup", cfg.warmup_requests, far)).result()
-        before = on_loop(process_rss(engine)).result()
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.max_requests, desc="chaos", unit="req", file=sys.stderr)
-        hard_stop = time.monotonic() + cfg.duration_s + cfg.max_extra_s
-        load = on_loop(drive(engine, work, cfg, report, "load", cfg.max_requests,
-                             time.monotonic() + cfg.duration_s, bar,
-                             extend=lambda: not injector.round_done() and time.monotonic() < hard_stop))
-        injector.run(load)        # a fault in progress finishes first (a node comes back)
-        load.result()
-        if bar is not None:
-            bar.close()
-
-        async def serving_with_speculation():
-            h = await engine.health()
-            return h["ok"] and h["speculation"]
-
-        if on_loop(wait_until(serving_with_speculation, cfg.settle_s)).result():
-            report.recovered_s = time.monotonic() - (injector.last_fault or time.monotonic())
-        report.after_exact = on_loop(drive(engine, work, cfg, report, "after", cfg.after_requests, far)).result()
-
-        async def drained():
-            held = await held_state(engine)
-            return held if not any(held.values()) else None
-
-        held = on_loop(wait_until(drained, cfg.settle_s)).result() or on_loop(held_state(engine)).result()
-        after = on_loop(process_rss(engine)).result()
-        stats = on_loop(engine.stats()).result()
-        report.speculation = {k: stats.get(k, 0) for k in SPECULATION_COUNTERS}
+        far = start + 10 * cfg.settle_s
+        on_loop(drive(engine, work, cfg, report, "warmup", cfg.warmup_requests, far))
+        before = on_loop(process_rss(engine))
+        load_under_faults(engine, injector, work, cfg, report, progress, loop)
+        held, after = on_loop(recover(engine, injector, work, cfg, report, far))
     finally:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
@@ -301,6 +277,50 @@ def soak(engine, injector: FaultInjector, work: Workload, cfg: SoakConfig, progr
     report.fault_log = injector.log
     report.wall_s = time.monotonic() - start
     return report
+
+
+def load_under_faults(engine, injector: FaultInjector, work: Workload, cfg: SoakConfig, report: SoakReport,
+                      progress: bool, loop) -> None:
+    """The load phase on `loop` (another thread) while this thread injects faults; it runs past
+    its bounds (at most `max_extra_s`) until every fault kind happened once."""
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.max_requests, desc="chaos", unit="req", file=sys.stderr)
+    hard_stop = time.monotonic() + cfg.duration_s + cfg.max_extra_s
+    load = asyncio.run_coroutine_threadsafe(drive(
+        engine, work, cfg, report, "load", cfg.max_requests, time.monotonic() + cfg.duration_s, bar,
+        extend=lambda: not injector.round_done() and time.monotonic() < hard_stop), loop)
+    injector.run(load)        # a fault in progress finishes first (a node comes back)
+    load.result()
+    if bar is not None:
+        bar.close()
+
+
+async def recover(engine, injector: FaultInjector, work: Workload, cfg: SoakConfig, report: SoakReport,
+                  far: float) -> tuple[dict, dict]:
+    """After the load: wait for health with speculation, send the post-recovery requests, wait
+    for the pipeline to free everything; (what it still holds, resident memory)."""
+    async def serving_with_speculation():
+        h = await engine.health()
+        return h if h["ok"] and h["speculation"] else None
+
+    health = await wait_until(serving_with_speculation, cfg.settle_s)
+    if health:
+        report.recovered_s = time.monotonic() - (injector.last_fault or time.monotonic())
+        report.verifier_health = health.get("verifier")
+    report.after_exact = await drive(engine, work, cfg, report, "after", cfg.after_requests, far)
+
+    async def drained():
+        held = await held_state(engine)
+        return held if not any(held.values()) else None
+
+    held = await wait_until(drained, cfg.settle_s) or await held_state(engine)
+    after = await process_rss(engine)
+    stats = await engine.stats()
+    report.speculation = {k: stats.get(k, 0) for k in SPECULATION_COUNTERS}
+    return held, after
 
 
 def greedy_references(target_dir: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -321,9 +341,12 @@ def greedy_references(target_dir: str, prompts: list[list[int]], max_tokens: int
 
 
 def run_soak(cluster, drafter_node, node_args: dict, app_args, target_dir: str, draft_dir: str,
-             cfg: SoakConfig, progress: bool = False, num_prompts: int = 12, **engine_kw) -> SoakReport:
+             cfg: SoakConfig, progress: bool = False, num_prompts: int = 12, verifier_nodes: list | None = None,
+             verifier_args: dict | None = None, **engine_kw) -> SoakReport:
     """The soak on a running cluster (`ray.init` done) whose node `drafter_node`, started with
-    `node_args`, is the only one offering the drafter's resource in `app_args.placement`."""
+    `node_args`, is the only one offering the drafter's resource in `app_args.placement`;
+    `verifier_nodes` (started with `verifier_args`), the only ones offering the verifier's, for
+    the fault "verifier_node"."""
     from cluster.pipeline import build_pipeline_engine
     from models.loader import load_config
 
@@ -334,7 +357,7 @@ def run_soak(cluster, drafter_node, node_args: dict, app_args, target_dir: str, 
     engine_kw = {"drafter_max_restarts": -1, "verifier_max_restarts": -1, "num_blocks": 512,
                  "drafter_timeout_s": 1.0, "chunk_timeout_s": cfg.request_timeout_s / 2, **engine_kw}
     engine = build_pipeline_engine(app_args, target_dir=target_dir, draft_dir=draft_dir, **engine_kw)
-    injector = FaultInjector(cluster, drafter_node, node_args, engine, cfg, rng)
+    injector = FaultInjector(cluster, drafter_node, node_args, engine, cfg, rng, verifier_nodes, verifier_args)
     try:
         return soak(engine, injector, work, cfg, progress)
     finally:
@@ -370,31 +393,8 @@ def placement_args(drafter_resource: str = DRAFTER_RESOURCE, verifier_resource: 
         verifier=ActorPlacement(num_cpus=1, resources={verifier_resource: 1}), strategy="NONE"))
 
 
-def print_report(report: SoakReport, problems: list[str]) -> None:
-    rows = [("sent", report.sent), ("exact (greedy)", report.exact), ("complete (sampled)", report.complete_sampled),
-            ("clear errors", report.clear_errors), ("  of which retryable", report.retryable_errors),
-            ("lost", report.lost), ("hung", report.hung), ("leaked KV blocks", report.leaked_blocks),
-            ("leaked ring slots", report.leaked_ring_slots), ("leaked draft KV blocks", report.leaked_draft_blocks),
-            ("leaked streams / routes", report.leaked_state), ("exact after recovery", report.after_exact),
-            ("recovered in (s)", "never" if report.recovered_s is None else f"{report.recovered_s:.1f}"),
-            ("speculation (last verifier)", ", ".join(f"{k} {v}" for k, v in report.speculation.items())),
-            ("faults", ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items())) or "none"),
-            ("tokens", report.tokens), ("wall (s)", f"{report.wall_s:.0f}")]
-    rows += [(f"RSS {p} (MB)", f"{m['before']:.0f} -> {m['after']:.0f} ({m['delta']:+.0f}"
-              f"{', restarted' if m['restarted'] else ''})") for p, m in report.rss_mb.items()]
-    width = max(len(name) for name, _ in rows)
-    for name, value in rows:
-        print(f"{name:<{width}}  {value}")
-    for phase, counts in report.outcomes.items():
-        print(f"  {phase}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    for message, n in sorted(report.errors.items(), key=lambda kv: -kv[1])[:8]:
-        print(f"  error x{n}: {message}")
-    for example in report.lost_examples:
-        print(f"  lost: {example}")
-    print("PASS" if not problems else "FAIL: " + "; ".join(problems))
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, SoakConfig, dict]:
+    """(arguments, soak config, the recovery policy's EngineSettings) from the command line."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     d = SoakConfig()
     ap.add_argument("--duration", type=common.positive_float, default=d.duration_s, help="load phase, seconds")
@@ -405,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="mean seconds between faults")
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset of {FAULTS}")
     ap.add_argument("--node-down", type=float, default=d.node_down_s)
+    ap.add_argument("--verifier-nodes", type=common.positive_int, default=2,
+                    help="worker nodes offering the verifier's resource (the fault 'verifier_node' removes "
+                         "the verifier's and adds a new one; Ray restarts the verifier on another)")
     ap.add_argument("--max-extra", type=float, default=d.max_extra_s,
                     help="seconds the load may run past its bounds until every fault kind happened once")
     ap.add_argument("--max-tokens", type=common.positive_int, default=d.max_tokens)
@@ -439,27 +442,40 @@ def main(argv: list[str] | None = None) -> int:
                      node_down_s=args.node_down, max_tokens=max(args.max_tokens, d.min_tokens),
                      sampled_share=args.sampled_share, rss_margin_mb=args.rss_margin_mb, seed=args.seed,
                      max_extra_s=args.max_extra)
+    return args, cfg, policy
+
+
+def soak_on_local_cluster(args: argparse.Namespace, cfg: SoakConfig, policy: dict) -> SoakReport:
+    """A head node (no actor of the pipeline on it: it cannot be removed), the drafter's node and
+    `--verifier-nodes` nodes for the verifier, on loopback; the soak on them; all shut down after."""
     import ray
     from ray.cluster_utils import Cluster
 
     store = 128 * MB
     node_args = {"num_cpus": 2, "resources": {DRAFTER_RESOURCE: 4}, "object_store_memory": store}
+    verifier_args = {"num_cpus": 2, "resources": {VERIFIER_RESOURCE: 4}, "object_store_memory": store}
     with tempfile.TemporaryDirectory(prefix="specflash-chaos-") as tmp:
         target, draft = (args.target, args.draft) if args.target else tiny_pair(Path(tmp))
         cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 2, "resources": {VERIFIER_RESOURCE: 4}, "object_store_memory": store,
-            "include_dashboard": False,
+            "num_cpus": 1, "object_store_memory": store, "include_dashboard": False,
             # a dead raylet is noticed in ~3 s rather than Ray's default ~15-30 s
             "_system_config": {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}})
         try:
             node = cluster.add_node(**node_args)
+            verifier_nodes = [cluster.add_node(**verifier_args) for _ in range(args.verifier_nodes)]
             cluster.wait_for_nodes()
             ray.init(address=cluster.address, log_to_driver=False)
-            report = run_soak(cluster, node, node_args, placement_args(), target, draft, cfg,
-                              progress=sys.stderr.isatty(), **policy)
+            return run_soak(cluster, node, node_args, placement_args(), target, draft, cfg,
+                            progress=sys.stderr.isatty(), verifier_nodes=verifier_nodes,
+                            verifier_args=verifier_args, **policy)
         finally:
             ray.shutdown()
             cluster.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, cfg, policy = parse(argv)
+    report = soak_on_local_cluster(args, cfg, policy)
     problems = report.problems(cfg.rss_margin_mb)
     out = {**asdict(report), "problems": problems, "target": args.target or "tiny random Llama", "settings": policy,
            "when": common.utc(common.ISO)}

@@ -1,5 +1,6 @@
 """The chaos soak's faults (bench/chaos.py): the injector that kills and restarts the pipeline's
-actors and the drafter's node, and what the actors hold and how much memory (leak checks).
+actors and the drafter's node and removes the verifier's node for good, and what the actors
+hold and how much memory (leak checks), and the report as printed.
 
 Imported by bench/chaos.py, which uses every name here.
 """
@@ -15,16 +16,24 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from bench.chaos import SoakConfig
+    from bench.chaos import SoakConfig, SoakReport
 
 MB = 2**20
 
 
 class FaultInjector:
-    """Kills the drafter, the verifier or the drafter node's raylet at random moments."""
+    """Kills the drafter, the verifier or the drafter node's raylet, or removes the verifier's node
+    for good, at random moments. `verifier_nodes`: the nodes the soak may remove from under the
+    verifier, all started with `verifier_args` (each one removed is replaced by a new node, so
+    the cluster keeps a spare where Ray restarts the verifier)."""
 
-    def __init__(self, cluster, drafter_node, node_args: dict, engine, cfg: SoakConfig, rng: random.Random):
+    def __init__(self, cluster, drafter_node, node_args: dict, engine, cfg: SoakConfig, rng: random.Random,
+                 verifier_nodes: list | None = None, verifier_args: dict | None = None):
         self.cluster, self.node, self.node_args = cluster, drafter_node, node_args
+        self.verifier_nodes, self.verifier_args = list(verifier_nodes or []), verifier_args
+        if "verifier_node" in cfg.faults and not (self.verifier_nodes and verifier_args):
+            raise ValueError("the fault 'verifier_node' needs the nodes that host the verifier (verifier_nodes, "
+                             "verifier_args): the soak cannot remove the head node")
         self.engine, self.cfg, self.rng = engine, cfg, rng
         self.counts: Counter = Counter()
         self.last_fault: float | None = None
@@ -68,6 +77,8 @@ class FaultInjector:
                 time.sleep(self.cfg.node_down_s)
                 self.cluster.remove_node(self.node, allow_graceful=False)   # reap the rest of it
                 self.node = self.cluster.add_node(**self.node_args)  # and a fresh one joins
+            elif kind == "verifier_node":
+                self.lose_verifier_node(pipe)
             else:
                 raise ValueError(f"unknown fault {kind!r}")
             self.counts[kind] += 1
@@ -76,6 +87,18 @@ class FaultInjector:
             self.counts[f"{kind} (failed: {type(e).__name__})"] += 1
         self.last_fault = time.monotonic()
         self.log.append((round(start - self.t0, 1), kind, outcome))
+
+    def lose_verifier_node(self, pipe) -> None:
+        """Remove the verifier's node for good (its id never returns) and add a new one in its place."""
+        import ray
+
+        where = ray.get(pipe.verifier.health.remote(), timeout=30)["node_id"]
+        node = next((n for n in self.verifier_nodes if n.node_id == where), None)
+        if node is None:
+            raise RuntimeError(f"the verifier runs on node {where}, not on one the soak may remove")
+        self.cluster.remove_node(node, allow_graceful=False)
+        self.verifier_nodes.remove(node)
+        self.verifier_nodes.append(self.cluster.add_node(**self.verifier_args))
 
 
 # ---------------------------------------------------------------- after the load
@@ -137,3 +160,29 @@ async def process_rss(engine) -> dict:
         except Exception:        # not back: reported by the recovery check, not measurable here
             pass
     return out
+
+
+# ---------------------------------------------------------------- the report
+def print_report(report: SoakReport, problems: list[str]) -> None:
+    rows = [("sent", report.sent), ("exact (greedy)", report.exact), ("complete (sampled)", report.complete_sampled),
+            ("clear errors", report.clear_errors), ("  of which retryable", report.retryable_errors),
+            ("lost", report.lost), ("hung", report.hung), ("leaked KV blocks", report.leaked_blocks),
+            ("leaked ring slots", report.leaked_ring_slots), ("leaked draft KV blocks", report.leaked_draft_blocks),
+            ("leaked streams / routes", report.leaked_state), ("exact after recovery", report.after_exact),
+            ("recovered in (s)", "never" if report.recovered_s is None else f"{report.recovered_s:.1f}"),
+            ("speculation (last verifier)", ", ".join(f"{k} {v}" for k, v in report.speculation.items())),
+            ("faults", ", ".join(f"{k} {v}" for k, v in sorted(report.faults.items())) or "none"),
+            ("verifier (/health)", report.verifier_health or "-"),
+            ("tokens", report.tokens), ("wall (s)", f"{report.wall_s:.0f}")]
+    rows += [(f"RSS {p} (MB)", f"{m['before']:.0f} -> {m['after']:.0f} ({m['delta']:+.0f}"
+              f"{', restarted' if m['restarted'] else ''})") for p, m in report.rss_mb.items()]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    for phase, counts in report.outcomes.items():
+        print(f"  {phase}: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    for message, n in sorted(report.errors.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"  error x{n}: {message}")
+    for example in report.lost_examples:
+        print(f"  lost: {example}")
+    print("PASS" if not problems else "FAIL: " + "; ".join(problems))

@@ -10,12 +10,14 @@ would in production. Each request is one of three kinds, drawn with the stated m
 task, `--code-tokens` out), math (a worked arithmetic question, `--math-tokens`) and chat (a short
 question, `--chat-tokens`), sent to `/v1/chat/completions`, greedy, streamed, `ignore_eos`; the
 speculation mode (default `off` and `auto`) goes in each request's `speculation` field, the modes
-alternating cell by cell at each rate. Per cell:
+alternating cell by cell at each rate, which of them goes first turning from rate to rate. Per cell:
 
 - TTFT p50 / p99 and ITL p50 / p99 (ITL per token, as bench/load.py counts it);
 - goodput: requests per second (of the window) that met the SLO themselves: TTFT <= `--slo-ttft`
   and their own p99 ITL <= `--slo-itl` (DistServe's per-request goodput); and whether the cell as a
-  whole met it (p99 TTFT and p99 ITL under the bounds), both bounds printed in the table.
+  whole met it (p99 TTFT and p99 ITL under the bounds), both bounds printed in the table;
+- the engine's counters over the cell's window and the planner's step costs at its end
+  (`engine`, `planner`: what `/metrics` says, as bench/load.py records them).
 
 Writes `bench/results/poisson-<UTC time>.json`, prints a table, and with `--plot` draws ITL p50/p99
 against offered load for each mode. `--quick` is a smoke run.
@@ -113,6 +115,27 @@ async def run_cell(url: str, rate: float, mode: str, duration: float, tokens: di
     return cell
 
 
+def run_cells(url: str, args, tokens: dict[str, int]) -> list[dict]:
+    """Every (rate, mode) cell, the modes' order turned at each rate (as bench/load.py does) so
+    that a drift of the machine, or what the first mode leaves the second (a warm prefix cache,
+    a cost model fitted on its steps), favours neither; each with the engine's counters over its
+    window (`engine`: speculating steps, drafted and accepted tokens, ...) and the planner's
+    predicted step costs at its end (`planner`), which say whether `auto` speculated and why."""
+    cells = []
+    for turn, rate in enumerate(args.rates):
+        for mode in (args.modes if turn % 2 == 0 else args.modes[::-1]):
+            before = load.engine_counters(url)
+            cell = asyncio.run(run_cell(url, rate, mode, args.duration, tokens, args.slo_ttft,
+                                        args.slo_itl, seed=args.seed))
+            after = load.engine_counters(url)
+            cell["engine"] = {k: after[k] - before.get(k, 0.0) for k in after if not k.startswith("planner_")}
+            cell["planner"] = {k: v for k, v in after.items() if k.startswith("planner_")}
+            cells.append(cell)
+            print(f"rate {rate:g} {mode}: {cell['completed']}/{cell['sent']} done, "
+                  f"goodput {cell['goodput_req_s']:.3f} req/s", flush=True)
+    return sorted(cells, key=lambda c: (args.rates.index(c["rate"]), args.modes.index(c["mode"])))
+
+
 def table(cells: list[dict], slo_ttft: float, slo_itl: float) -> str:
     rows = [(f"{c['rate']:g}", c["mode"], c["sent"], c["completed"], c["errors"],
              common.cell(c["ttft_p50_s"], ".3f"), common.cell(c["ttft_p99_s"], ".3f"),
@@ -174,14 +197,7 @@ def main(argv=None) -> int:
             p.error("give --url or --start")
         proc, args.url = load.start_server(args)
     try:
-        cells = []
-        for rate in args.rates:
-            for mode in args.modes:
-                cell = asyncio.run(run_cell(args.url, rate, mode, args.duration, tokens, args.slo_ttft,
-                                            args.slo_itl, seed=args.seed))
-                cells.append(cell)
-                print(f"rate {rate:g} {mode}: {cell['completed']}/{cell['sent']} done, "
-                      f"goodput {cell['goodput_req_s']:.3f} req/s", flush=True)
+        cells = run_cells(args.url, args, tokens)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)

@@ -40,6 +40,11 @@ def node_id() -> str:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else ""
 
 
+def node_alive(node: str) -> bool:
+    """Whether Ray counts the node `node` (a node id) among its live ones."""
+    return any(n["NodeID"] == node and n["Alive"] for n in ray.nodes())
+
+
 def gpu_ids(device: str) -> list[str] | None:
     """The GPUs Ray gave this actor (ids as Ray names them), [] where it named none; None off a
     GPU (`device` "cpu")."""

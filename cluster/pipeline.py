@@ -18,7 +18,14 @@ Failure semantics, as the serving layer sees them (docs/internals.md,
   `finish_reason="error"` whose message starts with "retryable: ", as soon as
   Ray reports the death (and at worst after `chunk_timeout_s` without a chunk);
   Ray restarts it (`verifier_max_restarts`), its drafters reattach, and new
-  requests are served; requests on other pipelines are unaffected.
+  requests are served; requests on other pipelines are unaffected;
+- a verifier whose node is lost for good is the same fault: its requests fail as above and Ray
+  restarts it on a live node that offers its resources (the dead one has left the cluster);
+  each pipeline's `VerifierWatch` notices the move, and `health()` says `ok: false` with the
+  lost node while the verifier is down, then what happened ("lost node A at T, restarted on
+  node B at T2") once it answers again; `down_for_s` tells Serve's health check
+  (cluster/serve_app.py) how long it has been waiting; a new request that finds it silent for
+  longer than `restart_wait_s` ends at once with a retryable error instead of waiting.
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ from typing import AsyncIterator
 
 import ray
 
-from cluster.actors import remote_classes, settings_dict
+from cluster.actors import node_alive, remote_classes, settings_dict
 from cluster.transport import first_line
 from models.kv_cache import prefix_report
 from models.presets import is_eagle_spec
@@ -49,6 +56,47 @@ ACTOR_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 VERIFIER_DIED = "the verifier serving this request died"
 
 
+def _when(wall: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(wall))
+
+
+@dataclass
+class VerifierWatch:
+    """What the engine last saw of one pipeline's verifier: where it answered from, since when it
+    has not, and the last time it came back (from its `health` answers and its requests' failures)."""
+    node: str = ""                     # Ray node id of its last answer ("" before the first)
+    incarnation: str = ""              # its incarnation id then (a new one = restarted)
+    down_since: float | None = None    # wall clock (time.time()) of the first failure since then; None = up
+    event: str | None = None           # the last restart, e.g. "lost node A at T, restarted on node B at T2"
+    answered_at: float = 0.0           # wall clock of its last chunk or health answer
+
+    def down(self) -> None:
+        if self.down_since is None:
+            self.down_since = time.time()
+
+    async def gone(self, error: str) -> dict:
+        """The pipeline's health while its verifier does not answer."""
+        self.down()
+        lost = bool(self.node) and not await asyncio.to_thread(node_alive, self.node)
+        why = (f"verifier: lost node {self.node} at {_when(self.down_since)}; Ray restarts it on a live node "
+               f"that offers its resources" if lost else f"verifier unreachable: {error}")
+        return {"ok": False, "error": why, "speculation": False, "lost_node": self.node if lost else None,
+                "down_for_s": round(time.time() - self.down_since, 1), "verifier_event": self.event}
+
+    async def answered(self, report: dict) -> dict:
+        """The pipeline's health from its verifier's own report; records a restart."""
+        node, incarnation = report.get("node_id", ""), report.get("incarnation", "")
+        if self.incarnation and incarnation != self.incarnation:
+            since = _when(self.down_since or time.time())
+            if node != self.node and not await asyncio.to_thread(node_alive, self.node):
+                self.event = f"lost node {self.node} at {since}, restarted on node {node} at {_when(time.time())}"
+            else:
+                self.event = f"restarted on node {node} at {_when(time.time())} (down since {since})"
+            log.warning("verifier %s", self.event)
+        self.node, self.incarnation, self.down_since, self.answered_at = node, incarnation, None, time.time()
+        return {**report, "down_for_s": 0.0, "verifier_event": self.event}
+
+
 @dataclass
 class Pipeline:
     verifier: object                   # ActorHandle of VerifierActor
@@ -57,6 +105,7 @@ class Pipeline:
     active: int = 0                    # requests in flight (routing)
     spawn_drafter: object = None       # index -> a new DrafterActor of this pipeline (drafter autoscaling)
     drafter_indices: list = field(default_factory=list)   # the verifier's id of each of `drafters`
+    watch: VerifierWatch = field(default_factory=VerifierWatch)   # health(): where the verifier is, restarts
 
 
 class PipelineEngine:
@@ -89,6 +138,11 @@ class PipelineEngine:
                 request.prefix_cache)
         give_up = time.monotonic() + self.restart_wait_s
         try:
+            down = await self._down_too_long(pipe)
+            if down:              # its node lost, say, and no other taken it yet: retry elsewhere
+                finished = True
+                yield _error_chunk(rid, f"{RETRYABLE}{down}")
+                return
             stream = pipe.verifier.generate.options(num_returns="streaming").remote(*args)
             while not finished:
                 chunk = await self._next_chunk(stream, pipe, rid)
@@ -102,6 +156,8 @@ class PipelineEngine:
                     continue
                 started = True
                 finished = chunk.finished
+                if not chunk.error:
+                    pipe.watch.answered_at = time.time()
                 yield chunk
         finally:
             pipe.active -= 1
@@ -115,15 +171,19 @@ class PipelineEngine:
             await self._abort_on(self.pipelines[index], request_id)
 
     async def health(self) -> dict:
-        """{"ok", "speculation", "speculation_reason" (None while speculating), "pipelines"}."""
+        """{"ok", "speculation", "speculation_reason" (None while speculating), "verifier" (what a
+        verifier down or restarted says, None when nothing did), "down_for_s" (the longest a
+        verifier has not answered, 0 when all do), "pipelines"}."""
         reports = await asyncio.gather(*(self._health_of(p) for p in self.pipelines))
         speculation = any(r.get("speculation") for r in reports)
         reason = None
         if not speculation:
             reasons = sorted({r.get("speculation_reason") or r.get("error") or "unknown" for r in reports})
             reason = "; ".join(reasons)
+        said = [r["error"] if r.get("down_for_s") else r.get("verifier_event") for r in reports]
         return {"ok": all(r["ok"] for r in reports), "speculation": speculation,
-                "speculation_reason": reason, "pipelines": reports}
+                "speculation_reason": reason, "verifier": "; ".join(s for s in said if s) or None,
+                "down_for_s": max(r.get("down_for_s", 0.0) for r in reports), "pipelines": reports}
 
     async def stats(self) -> dict:
         """The verifiers' and their drafters' stats added up (`speculation.stats.SpecStats`), with
@@ -180,6 +240,7 @@ class PipelineEngine:
         except asyncio.TimeoutError:
             return _error_chunk(rid, f"{RETRYABLE}no progress from the verifier in {self.chunk_timeout_s:.0f} s")
         except ray.exceptions.RayActorError as e:
+            pipe.watch.down()
             return _error_chunk(rid, f"{RETRYABLE}{VERIFIER_DIED} ({first_line(e)})")
         except ray.exceptions.RayTaskError as e:
             cause = e.as_instanceof_cause()
@@ -188,6 +249,16 @@ class PipelineEngine:
             return _error_chunk(rid, f"verifier error: {first_line(e)}")
         except ray.exceptions.RayError as e:     # the stream's objects lost with a node, ...
             return _error_chunk(rid, f"{RETRYABLE}the verifier's output was lost ({first_line(e)})")
+
+    async def _down_too_long(self, pipe: Pipeline) -> str | None:
+        """Why a request should not wait for this pipeline's verifier: it has not answered for
+        longer than `restart_wait_s` and still does not (asked again now). A call to an actor Ray
+        cannot place would wait for `chunk_timeout_s`."""
+        w = pipe.watch
+        if w.down_since is None or w.answered_at > w.down_since or time.time() - w.down_since <= self.restart_wait_s:
+            return None
+        report = await self._health_of(pipe)
+        return f"{report['error']} (down {report['down_for_s']:.0f} s)" if report.get("down_for_s") else None
 
     async def _abort_on(self, pipe: Pipeline, rid: str) -> None:
         try:
@@ -199,8 +270,8 @@ class PipelineEngine:
         try:
             report = await _timed(p.verifier.health.remote(), 5)
         except Exception as e:
-            return {"ok": False, "error": f"verifier unreachable: {first_line(e)}", "speculation": False}
-        return report
+            return await p.watch.gone(first_line(e))
+        return await p.watch.answered(report)
 
     def kill_pipeline_actors(self) -> None:
         for p in self.pipelines:
@@ -281,6 +352,8 @@ def build_pipeline_engine(config=None, *, target_dir: str | None = None, draft_d
         ray.get([p.verifier.ready.remote() for p in pipelines], timeout=ready_timeout_s)
         ray.get([d.ready.remote(ready_timeout_s) for p in pipelines for d in p.drafters],
                 timeout=ready_timeout_s)
+        for p, h in zip(pipelines, ray.get([p.verifier.health.remote() for p in pipelines], timeout=60)):
+            p.watch.node, p.watch.incarnation = h["node_id"], h["incarnation"]     # where each one starts
     except BaseException:
         engine.kill_pipeline_actors()
         raise

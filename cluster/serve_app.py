@@ -86,6 +86,26 @@ def make_engine(kind: str, app_args: AppArgs):
     return engine, tokenizer, max_context
 
 
+# A verifier that does not answer is being restarted by Ray: a process crash costs seconds, its
+# node lost for good the node's death noticed (~15-30 s) and the model loaded again on another
+# node. The replica waits this long for it before it declares itself unhealthy so that Serve
+# replaces it (a verifier that cannot be placed again, or has exhausted `verifier_max_restarts`).
+VERIFIER_RESTART_GRACE_S = 180.0
+
+
+def replace_replica(health: dict, grace_s: float = VERIFIER_RESTART_GRACE_S) -> str | None:
+    """Why Serve should replace this replica, from its engine's `health()`; None to keep it: the
+    engine serves, or only waits (less than `grace_s`) for Ray to restart a verifier."""
+    if health.get("ok"):
+        return None
+    down_for = health.get("down_for_s", 0.0)
+    if 0 < down_for < grace_s and all(p.get("ok") or p.get("down_for_s") for p in health.get("pipelines", [])):
+        return None
+    if down_for >= grace_s:
+        return f"a verifier has not come back in {down_for:.0f} s: {health.get('verifier')}"
+    return f"engine unhealthy: {health}"
+
+
 class WithKVUsage:
     """A PipelineEngine whose `stats()` also reports its verifiers' KV-cache blocks
     (`kv_blocks_free`, `kv_blocks_total`: what /metrics exports and the tests watch)."""
@@ -162,10 +182,10 @@ class SpecflashIngress:
         return {**report, "replica": serve.get_replica_context().replica_tag}
 
     async def check_health(self) -> None:
-        """Serve's replica health check: the engine must say it can serve."""
-        h = await self.engine.health()
-        if not h.get("ok"):
-            raise RuntimeError(f"engine unhealthy: {h}")
+        """Serve's replica health check (`replace_replica`)."""
+        why = replace_replica(await self.engine.health())
+        if why:
+            raise RuntimeError(why)
 
     def __del__(self):
         mirror = getattr(self, "metrics_mirror", None)

@@ -49,3 +49,29 @@ def test_cell_sends_every_arrival_and_counts_goodput_under_the_slo(poisson, tmp_
     assert strict["good_requests"] == 0 and not strict["slo_met"]
     assert "p99 TTFT <= 1e-06 s" in poisson.table([strict], 1e-6, 30.0)
     assert poisson.plot([cell, {**cell, "rate": 8.0}], tmp_path / "itl.png").stat().st_size > 0
+
+
+def test_cells_turn_the_modes_order_and_record_the_engines_counters(poisson, monkeypatch):
+    """At each rate the mode that went second goes first next (a drift, or what one mode leaves
+    the next, favours neither); each cell carries the engine's counters over its window."""
+    import argparse
+
+    order, counts = [], iter(range(100))
+
+    async def fake_cell(url, rate, mode, *rest, **kw):
+        order.append((rate, mode))
+        return {"rate": rate, "mode": mode, "completed": 1, "sent": 1, "goodput_req_s": 1.0}
+
+    def counters(url):
+        n = float(next(counts))
+        return {"num_spec_steps": 10 * n, "planner_verify_1_rows_s": n}
+
+    monkeypatch.setattr(poisson, "run_cell", fake_cell)
+    monkeypatch.setattr(poisson.load, "engine_counters", counters)
+    args = argparse.Namespace(rates=[0.5, 1.0, 2.0], modes=["off", "auto"], duration=1.0, slo_ttft=2.0,
+                              slo_itl=0.2, seed=0)
+    cells = poisson.run_cells("http://x", args, {"code": 1, "math": 1, "chat": 1})
+    assert order == [(0.5, "off"), (0.5, "auto"), (1.0, "auto"), (1.0, "off"), (2.0, "off"), (2.0, "auto")]
+    assert [(c["rate"], c["mode"]) for c in cells] == [(r, m) for r in args.rates for m in args.modes]
+    assert all(c["engine"] == {"num_spec_steps": 10.0} for c in cells)     # after - before, per window
+    assert cells[0]["planner"] == {"planner_verify_1_rows_s": 1.0}         # the gauge at the window's end

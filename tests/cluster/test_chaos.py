@@ -1,12 +1,13 @@
 """Reliability of the Ray pipeline under faults (issue 7): a short fault-injection soak
 (bench/chaos.py) on the session cluster, a verifier restarted by Ray, a drafter node lost
-for good, and malformed / version-mismatched wire frames sent to live actors.
+for good, the verifier's node lost for good (issue 26), and malformed / version-mismatched wire frames sent to live actors.
 
 Tests that kill nodes add a node of their own (a resource no other test uses) to the
 session cluster and remove it after, so the shared head and drafter nodes are untouched.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import asdict
 
@@ -40,7 +41,9 @@ def extra_node(ray_cluster):
 def test_short_soak_nothing_lost_hung_or_leaked(ray_cluster, extra_node, tiny_target, close_draft, bench_script):
     chaos = bench_script("chaos")
     node, node_args = extra_node("specflash_chaos_drafter")
-    cfg = chaos.SoakConfig(duration_s=45, max_requests=150, concurrency=3, request_timeout_s=60,
+    # the verifier's node lost for good has a test of its own (below): the session's verifier is on the head
+    faults = tuple(f for f in chaos.FAULTS if f != "verifier_node")
+    cfg = chaos.SoakConfig(duration_s=45, max_requests=150, concurrency=3, request_timeout_s=60, faults=faults,
                            fault_every_s=5, node_down_s=2, max_tokens=32, warmup_requests=4,
                            after_requests=4, settle_s=90, rss_margin_mb=96, seed=7)
     report = chaos.run_soak(ray_cluster.cluster, node, node_args,
@@ -49,7 +52,7 @@ def test_short_soak_nothing_lost_hung_or_leaked(ray_cluster, extra_node, tiny_ta
     summary = json.dumps({k: v for k, v in asdict(report).items() if k != "config"})
     assert report.problems(cfg.rss_margin_mb) == [], summary
     assert report.lost == report.hung == report.leaked_blocks == report.leaked_ring_slots == 0
-    assert set(chaos.FAULTS) <= set(report.faults), f"every fault kind must be injected: {report.faults}"
+    assert set(faults) <= set(report.faults), f"every fault kind must be injected: {report.faults}"
     assert report.exact >= 10 and report.after_exact == cfg.after_requests, summary
     assert report.sent == (report.exact + report.complete_sampled + report.clear_errors
                            + report.lost + report.hung)
@@ -65,6 +68,16 @@ def test_the_soak_refuses_two_policies_at_once(bench_script, capsys):
             chaos.main(bad)
         assert refused.value.code == 2, bad
     assert "at most one of them above 0" in capsys.readouterr().err
+
+
+def test_the_verifier_node_fault_needs_nodes_it_may_remove(bench_script):
+    """The soak cannot take the head node away: asked for "verifier_node" without the verifier's
+    own removable nodes, it refuses before any load."""
+    import random
+
+    chaos = bench_script("chaos")
+    with pytest.raises(ValueError, match="cannot remove the head node"):
+        chaos.FaultInjector(None, None, {}, None, chaos.SoakConfig(faults=("verifier_node",)), random.Random(0))
 
 
 def test_verifier_restarted_in_flight_fail_retryable_new_ones_served(make_engine, tiny_target, close_draft,
@@ -128,6 +141,72 @@ def test_drafter_node_lost_for_good_serves_without_speculation(make_engine, ray_
         tokens2, last2 = run(collect(engine, request("alone", p2, 40, "chain", 3)), 60)
         assert tokens2 == hf_greedy(hf_target, p2, 40) and last2.finish_reason == "length"
         assert last2.num_drafted == 0, "with no drafter the verifier decodes alone"
+    finally:
+        engine.kill_pipeline_actors()
+
+
+def test_verifier_node_lost_for_good_restarts_elsewhere_and_health_says_so(ray_cluster, extra_node,
+                                                                           tiny_target, close_draft, hf_target):
+    """Issue 26 item 5: the verifier's node removed for good. Its request in flight ends
+    retryable; while no node can host the verifier /health is 503 and names the lost node;
+    once one that can joins, Ray restarts the verifier there, the drafter reattaches, /health
+    says where it moved and new requests are served exactly."""
+    from cluster.config import ActorPlacement, AppArgs, PlacementConfig
+    from cluster.pipeline import build_pipeline_engine
+    from cluster.serve_app import replace_replica
+    from models import load_tokenizer
+    from serving.openai_api import OpenAIServer, ServerSettings
+
+    resource = "specflash_lost_verifier"
+    node, _ = extra_node(resource)
+    args = AppArgs(placement=PlacementConfig(
+        drafter=ActorPlacement(num_cpus=1, resources={DRAFTER_RESOURCE: 1}),
+        verifier=ActorPlacement(num_cpus=1, resources={resource: 1})))
+    engine = build_pipeline_engine(args, target_dir=str(tiny_target), draft_dir=str(close_draft), num_blocks=256,
+                                   drafter_timeout_s=1.0, chunk_timeout_s=60)
+    try:
+        server = OpenAIServer(engine, load_tokenizer(tiny_target), ServerSettings(model_name="tiny", max_context=256))
+        assert run(engine.health())["pipelines"][0]["node_id"] == node.node_id
+        p1, p2 = prompts(2, seed=71)
+        removed = []
+
+        async def remove_node(chunk, tokens):
+            if not removed and len(tokens) >= 5:
+                removed.append(len(tokens))
+                await asyncio.to_thread(ray_cluster.cluster.remove_node, node)   # nothing else offers `resource`
+
+        tokens, last = run(collect(engine, request("in-flight", p1, 2000, "chain", 2), remove_node), 120)
+        assert removed and last.finish_reason == "error" and last.error.startswith("retryable: "), last
+        assert tokens == hf_greedy(hf_target, p1, len(tokens)), "tokens before the error are the target's"
+
+        def lost_named():     # Ray has noticed the node's death; the verifier cannot be placed anywhere
+            status, body = run(server.health(), 30)
+            assert status == 503 and body["engine"]["ok"] is False, body
+            return body if node.node_id in (body["engine"]["verifier"] or "") else None
+
+        body = wait_for(lost_named, timeout=90)
+        assert f"lost node {node.node_id}" in body["engine"]["verifier"]
+        engine_health = body["engine"]
+        assert replace_replica(engine_health) is None, "Serve waits while Ray may restart the verifier"
+        assert "has not come back" in replace_replica(engine_health, grace_s=0.0)
+        engine.restart_wait_s = 0.0     # down longer than a request waits: new ones fail at once, retryable
+        refused, last = run(collect(engine, request("in-the-gap", p2, 8, "chain", 2)), 60)
+        assert refused == [] and last.error.startswith("retryable: verifier: lost node"), last
+        engine.restart_wait_s = 30.0
+
+        spare, _ = extra_node(resource)                 # a live node that can host it: Ray restarts it there
+
+        def back():
+            status, body = run(server.health(), 30)
+            return body if status == 200 and body["speculation"] else None
+
+        body = wait_for(back, timeout=120)
+        event = body["engine"]["verifier"]
+        assert event.startswith(f"lost node {node.node_id} at ") and f"restarted on node {spare.node_id}" in event
+        assert body["engine"]["pipelines"][0]["node_id"] == spare.node_id
+        tokens2, last2 = run(collect(engine, request("after", p2, 40, "chain", 3)), 60)
+        assert tokens2 == hf_greedy(hf_target, p2, 40) and last2.finish_reason == "length"
+        assert last2.num_drafted > 0, "the drafter must reattach to the moved verifier and speculate"
     finally:
         engine.kill_pipeline_actors()
 

@@ -8,7 +8,7 @@ from pydantic import ValidationError
 
 from cluster.config import INGRESS_DEPLOYMENT, ClusterConfig
 from serving.grpc_service import SERVICER_FUNCTION
-from cluster.serve_app import build_app, split_args
+from cluster.serve_app import build_app, replace_replica, split_args
 from cluster.serve_cli import add_parser, app_args_from
 
 
@@ -132,3 +132,22 @@ def test_an_unplaceable_config_fails_fast_on_a_local_ray_and_warns_on_a_cluster(
     assert "waiting for Ray's autoscaler" in capsys.readouterr().err
     local = AppArgs.model_validate(app_args_from(parse("--engine", "fake")))
     check_placeable(local, laptop, joined=False)
+
+
+def test_the_health_check_waits_for_a_restarting_verifier_then_asks_serve_to_replace():
+    """A verifier Ray is restarting (its node lost: it may move) keeps the replica for the grace;
+    past it, or when a pipeline is unhealthy for another reason, Serve is told to replace it."""
+    up = {"ok": True, "down_for_s": 0.0}
+    down = {"ok": False, "down_for_s": 40.0, "error": "verifier: lost node n1 at T; ..."}
+    broken = {"ok": False, "down_for_s": 0.0, "error": "step failed"}
+
+    def engine(*pipelines):
+        return {"ok": all(p["ok"] for p in pipelines), "verifier": "verifier: lost node n1 at T; ...",
+                "down_for_s": max(p["down_for_s"] for p in pipelines), "pipelines": list(pipelines)}
+
+    assert replace_replica(engine(up, up)) is None
+    assert replace_replica(engine(up, down), grace_s=60) is None
+    assert "not come back in 40 s: verifier: lost node n1" in replace_replica(engine(up, down), grace_s=30)
+    assert replace_replica(engine(broken, up)).startswith("engine unhealthy")
+    assert replace_replica(engine(broken, down), grace_s=60).startswith("engine unhealthy")
+    assert replace_replica({"ok": False}).startswith("engine unhealthy"), "an engine without verifiers"
