@@ -42,6 +42,7 @@ from speculation.stats import SpecStats
 from speculation.step import StepItem, StepOutcome
 from speculation.transport import Exchange
 from speculation.wire import Signal
+from verifier.chunking import PrefillBudget
 from verifier.costs import StepCosts
 from verifier.lookup import VerifierLookup
 from verifier.membership import Membership
@@ -90,6 +91,8 @@ class Scheduler:
         self.adaptive.restart_depth = settings.restart_depth
         self.costs = StepCosts(self.adaptive, target.model, settings, self.threads)
         self.costs.choose(settings.ring_slots > 1, self.threads)
+        self.chunks = PrefillBudget(settings.prefill_chunk, settings.prefill_step_share)
+        self.feeds: dict[str, int | None] = {}   # this step's prefills: tokens each may feed (None: all)
         self.lookup = VerifierLookup(settings.lookup, few_row_limit(target.model))
         self.adaptive.row_limit = self.lookup.planner.row_limit
         self.registry = DrafterRegistry(settings, node_id, gpu_ids, self.threads)
@@ -194,7 +197,15 @@ class Scheduler:
         joins = []
         budget = self.target.cache.num_blocks - sum(self.reserved_blocks.values())
         running = sum(1 for s in self.streams.values() if s.prefilled)
-        while self.joins and running + len(joins) < self.settings.max_batch_size:
+        # the prefill's token budget (verifier/chunking.py): prompts under way first, oldest first
+        self.feeds, left = {}, self.chunks.tokens(decoding=running > 0)
+        for rid in [r for r in self.streams if r in self.target.partial]:
+            if left is not None and left <= 0:
+                break
+            need = len(self.streams[rid].prompt) - 1 - self.target.cache.seq_len(rid)
+            self.feeds[rid] = None if left is None else min(need, left)
+            left = None if left is None else left - self.feeds[rid]
+        while self.joins and running + len(joins) < self.settings.max_batch_size and (left is None or left > 0):
             s = self.streams[self.joins[0]]
             need = -(-(len(s.prompt) + s.params.max_tokens + MAX_SPEC_LEN * s.tree_width + 2)
                      // self.settings.block_size)
@@ -207,10 +218,12 @@ class Scheduler:
                 break                        # wait for running sequences to finish
             budget -= need
             self.reserved_blocks[s.request_id] = need
+            self.feeds[s.request_id] = None if left is None else min(max(1, len(s.prompt) - 1), left)
+            left = None if left is None else left - self.feeds[s.request_id]
             joins.append(self.joins.popleft())
         if joins:
             self._admit(joins)
-        joins += [rid for rid in self.target.partial if rid in self.streams]   # their next chunks
+        joins += [rid for rid in self.feeds if rid not in joins]   # the next chunks of prompts under way
         # a prefill, like a plain step, may run on the idle drafters' cores
         threads = self.registry.lendable_threads() if self.members.drafters_idle() else self.threads
         return to_free, joins, threads
@@ -247,11 +260,16 @@ class Scheduler:
             self.target.release(rid, self.freed_tokens.pop(rid, None))
             if self.bridge_draft is not None:
                 self.bridge_draft.release(rid)
-        features = {}
+        features, cache = {}, self.target.cache
         for rid in joins:
             s = self.streams.get(rid)
+            at = cache.seq_len(rid) if cache.has_sequence(rid) else None
+            begin = time.perf_counter()
             features[rid] = self.target.prefill(rid, s.prompt if s is not None else [0],
-                                                s is not None and s.prefix_cache, self.settings.prefill_chunk)
+                                                s is not None and s.prefix_cache, self.feeds.get(rid) or 0)
+            if cache.has_sequence(rid):      # the tokens it fed, past those found cached
+                fed = cache.seq_len(rid) - (self.target.cached_tokens(rid) if at is None else at)
+                self.chunks.observe_prefill(fed, time.perf_counter() - begin)
             if s is not None and s.params.prompt_logprobs is not None:
                 s.prompt_logprobs = self.target.prompt_logprobs(s.prompt, s.params)
         seconds = (time.perf_counter() - start) / max(1, len(joins))
@@ -437,8 +455,11 @@ class Scheduler:
 
     def plan_overlap(self) -> None:
         """Before a plan: the step-cost model of how the drafters run now (`StepCosts.choose`):
-        lockstep while every drafter runs in lockstep, else overlapped, with bridges."""
+        lockstep while every drafter runs in lockstep, else overlapped, with bridges; and the
+        cost of the prompt chunk that each step pays while a prefill is under way."""
         self.costs.choose(self.members.plan_bridges(), self.registry.lendable_threads(now=False))
+        waiting = bool(self.target.partial or self.joins)     # each step pays a prompt's chunk too
+        self.adaptive.chunk_s = self.chunks.seconds(self.chunks.tokens(True) or 0) if waiting else 0.0
 
     def observe_step(self, batch: list[StepItem], seconds: float, threads: int, step_s: float) -> None:
         """The step's forward (`seconds`, on `threads`) and its cost after admission (`step_s`)."""
@@ -452,6 +473,7 @@ class Scheduler:
         lockstep = trees and all(self.members.lockstep(it.seq.drafter) for it in trees)
         levels = max(int(it.tree.depths.max()) for it in trees) if lockstep else None
         self.costs.observe_step(rows, step_s, levels, borrowed, bool(trees))
+        self.chunks.observe_step(step_s)
 
     # -- reports -------------------------------------------------------------------------
     def health(self) -> dict:
@@ -460,7 +482,8 @@ class Scheduler:
 
     def report(self) -> dict:
         cache = self.target.cache
-        return {**self.stats.as_dict(), **self.costs.report(), "drafters_live": self.registry.live_ids(),
+        return {**self.stats.as_dict(), **self.costs.report(), **self.chunks.report(),
+                "drafters_live": self.registry.live_ids(),
                 "prefix_cached_blocks": cache.num_cached_blocks, "prefix_evictions": cache.evictions,
                 # CUDA graphs of the target's small forwards (None off a GPU): captures, replays, eager
                 "cuda_graphs": None if self.target.graphs is None else self.target.graphs.stats()}

@@ -72,8 +72,8 @@ def test_serve_flags_override_the_config(tmp_path):
 
 def test_prefix_caching_and_chunking_flags_reach_the_app_args():
     data = app_args_from(parse("--prefix-caching", "--prefill-chunk", "256"))
-    assert data["kv_cache"] == {"prefix_caching": True, "prefill_chunk": 256}
-    assert app_args_from(parse())["kv_cache"] == {"prefix_caching": False, "prefill_chunk": 0}
+    assert data["kv_cache"] == {"prefix_caching": True, "prefill_chunk": 256, "prefill_step_share": 0.5}
+    assert app_args_from(parse())["kv_cache"] == {"prefix_caching": False, "prefill_chunk": 0, "prefill_step_share": 0.5}
     split_args(data)
 
 
