@@ -132,3 +132,13 @@ def test_an_unplaceable_config_fails_fast_on_a_local_ray_and_warns_on_a_cluster(
     assert "waiting for Ray's autoscaler" in capsys.readouterr().err
     local = AppArgs.model_validate(app_args_from(parse("--engine", "fake")))
     check_placeable(local, laptop, joined=False)
+
+
+def test_session_affinity_picks_serves_consistent_hash_router():
+    from cluster.config.front import SESSION_ROUTER
+
+    assert app_args_from(parse("--session-affinity"))["serving"]["session_affinity"] is True
+    default = build_app({})._bound_deployment._deployment_config.request_router_config
+    assert default.request_router_class != SESSION_ROUTER
+    sticky = build_app({"serving": {"session_affinity": True}})._bound_deployment
+    assert sticky._deployment_config.request_router_config.request_router_class == SESSION_ROUTER
