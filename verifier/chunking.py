@@ -36,6 +36,7 @@ class PrefillBudget:
         self.token_s: float | None = None     # prefill seconds per token, averaged
         self.step_s: float | None = None      # a step's seconds without a prefill, averaged
         self.last_tokens = 0                  # the budget of the latest step that had prefill work
+        self.left: int | None = None          # this step's tokens still to give (None: no limit)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A prefill forward that fed `tokens` (past the cached ones) in `seconds`."""
@@ -58,6 +59,22 @@ class PrefillBudget:
             return min(MIN_CHUNK, self.chunk)          # nothing measured yet: the cautious end
         fit = int(self.share * self.step_s / self.token_s) // MIN_CHUNK * MIN_CHUNK
         return max(min(MIN_CHUNK, self.chunk), min(fit, self.chunk))
+
+    def start(self, decoding: bool) -> None:
+        """A new step's budget: `tokens(decoding)`, given out by `grant`."""
+        self.left = self.tokens(decoding)
+
+    @property
+    def spent(self) -> bool:
+        return self.left is not None and self.left <= 0
+
+    def grant(self, need: int) -> int | None:
+        """Tokens a prefill that needs `need` more may feed this step (None: all of them)."""
+        if self.left is None:
+            return None
+        given = min(need, self.left)
+        self.left -= given
+        return given
 
     def seconds(self, tokens: int) -> float:
         """What a chunk of `tokens` is expected to cost (0 before any was measured)."""

@@ -73,6 +73,26 @@ def check_request(prompt: list[int], params: SamplingParams, ctx: int, vocab: in
         raise InvalidRequest(f"logit_bias names token ids outside the vocabulary [0, {vocab})", "logit_bias")
 
 
+def observe_verified(sch, s: VerifyStream, tree: TokenTree, header, res, chained: bool) -> None:
+    """A verified tree's outcome in the scheduler `sch`'s stats and in the γ its proposer earns."""
+    depth = int(tree.depths.max()) if tree.num_nodes else 0
+    last = res.accepted_nodes[-1] if res.accepted_nodes else -1
+    rejected = bool((tree.parent_ids == last).any())     # the walk stopped at a rejection
+    for stats in (sch.stats, s.stats):
+        stats.observe_verification(tree.num_nodes, res.num_accepted, depth, res.num_accepted, rejected)
+    if s.restarting and header is not None:
+        sch.stats.observe_restart_tree(tree.num_nodes, res.num_accepted)
+    s.restarting = False
+    if chained:
+        sch.stats.observe_bridge_chain(tree.num_nodes, res.num_accepted)
+        sch.adaptive.observe(s.request_id, depth, res.num_accepted)   # the draft's own γ
+    elif header is None and tree.num_nodes:       # the verifier's own prompt-lookup chain
+        sch.lookup.observe(s.request_id, depth, res.num_accepted)
+        sch.stats.observe_lookup(tree.num_nodes, res.num_accepted)
+    else:
+        sch.adaptive.observe(s.request_id, depth, res.num_accepted)
+
+
 class Scheduler:
     def __init__(self, target, settings: EngineSettings, *, eos_ids=(), bridge_draft=None,
                  node_id: str = "", gpu_ids: list[str] | None = None) -> None:
@@ -198,14 +218,13 @@ class Scheduler:
         budget = self.target.cache.num_blocks - sum(self.reserved_blocks.values())
         running = sum(1 for s in self.streams.values() if s.prefilled)
         # the prefill's token budget (verifier/chunking.py): prompts under way first, oldest first
-        self.feeds, left = {}, self.chunks.tokens(decoding=running > 0)
+        self.feeds = {}
+        self.chunks.start(decoding=running > 0)
         for rid in [r for r in self.streams if r in self.target.partial]:
-            if left is not None and left <= 0:
+            if self.chunks.spent:
                 break
-            need = len(self.streams[rid].prompt) - 1 - self.target.cache.seq_len(rid)
-            self.feeds[rid] = None if left is None else min(need, left)
-            left = None if left is None else left - self.feeds[rid]
-        while self.joins and running + len(joins) < self.settings.max_batch_size and (left is None or left > 0):
+            self.feeds[rid] = self.chunks.grant(len(self.streams[rid].prompt) - 1 - self.target.cache.seq_len(rid))
+        while self.joins and running + len(joins) < self.settings.max_batch_size and not self.chunks.spent:
             s = self.streams[self.joins[0]]
             need = -(-(len(s.prompt) + s.params.max_tokens + MAX_SPEC_LEN * s.tree_width + 2)
                      // self.settings.block_size)
@@ -218,8 +237,7 @@ class Scheduler:
                 break                        # wait for running sequences to finish
             budget -= need
             self.reserved_blocks[s.request_id] = need
-            self.feeds[s.request_id] = None if left is None else min(max(1, len(s.prompt) - 1), left)
-            left = None if left is None else left - self.feeds[s.request_id]
+            self.feeds[s.request_id] = self.chunks.grant(max(1, len(s.prompt) - 1))
             joins.append(self.joins.popleft())
         if joins:
             self._admit(joins)
@@ -260,16 +278,13 @@ class Scheduler:
             self.target.release(rid, self.freed_tokens.pop(rid, None))
             if self.bridge_draft is not None:
                 self.bridge_draft.release(rid)
-        features, cache = {}, self.target.cache
+        features = {}
         for rid in joins:
             s = self.streams.get(rid)
-            at = cache.seq_len(rid) if cache.has_sequence(rid) else None
             begin = time.perf_counter()
             features[rid] = self.target.prefill(rid, s.prompt if s is not None else [0],
                                                 s is not None and s.prefix_cache, self.feeds.get(rid) or 0)
-            if cache.has_sequence(rid):      # the tokens it fed, past those found cached
-                fed = cache.seq_len(rid) - (self.target.cached_tokens(rid) if at is None else at)
-                self.chunks.observe_prefill(fed, time.perf_counter() - begin)
+            self.chunks.observe_prefill(self.target.fed, time.perf_counter() - begin)
             if s is not None and s.params.prompt_logprobs is not None:
                 s.prompt_logprobs = self.target.prompt_logprobs(s.prompt, s.params)
         seconds = (time.perf_counter() - start) / max(1, len(joins))
@@ -390,7 +405,7 @@ class Scheduler:
             announced = self.announced.pop(s.request_id, None) if chained else \
                 (None if header is None else header.outcome)
             s.bridge = announced is not None and announced != res.token_ids
-            self._observe(s, tree, header, res, chained)
+            observe_verified(self, s, tree, header, res, chained)
             s.stats.observe_generated(len(o.kept))
             s.stats.observe_time("draft", draft_s * share)
             s.stats.observe_time("verify", verify_s * share)
@@ -406,24 +421,6 @@ class Scheduler:
         self._plan_and_signal(steps)
         self.stats.observe_ring(self.ring.total(), self.ring.capacity())
         self.announced.clear()       # a chain's outcome counts for its own step only
-
-    def _observe(self, s: VerifyStream, tree: TokenTree, header, res, chained: bool) -> None:
-        depth = int(tree.depths.max()) if tree.num_nodes else 0
-        last = res.accepted_nodes[-1] if res.accepted_nodes else -1
-        rejected = bool((tree.parent_ids == last).any())     # the walk stopped at a rejection
-        for stats in (self.stats, s.stats):
-            stats.observe_verification(tree.num_nodes, res.num_accepted, depth, res.num_accepted, rejected)
-        if s.restarting and header is not None:
-            self.stats.observe_restart_tree(tree.num_nodes, res.num_accepted)
-        s.restarting = False
-        if chained:
-            self.stats.observe_bridge_chain(tree.num_nodes, res.num_accepted)
-            self.adaptive.observe(s.request_id, depth, res.num_accepted)   # the draft's own γ
-        elif header is None and tree.num_nodes:       # the verifier's own prompt-lookup chain
-            self.lookup.observe(s.request_id, depth, res.num_accepted)
-            self.stats.observe_lookup(tree.num_nodes, res.num_accepted)
-        else:
-            self.adaptive.observe(s.request_id, depth, res.num_accepted)
 
     def _plan_and_signal(self, steps: list[tuple[VerifyStream, int, list[int]]]) -> None:
         live = [s for s, _, _ in steps]
