@@ -17,8 +17,9 @@ cache carries over:
    tokens found cached; per configuration: the target's and the draft's hit rates.
 2. Interference: `--streams` greedy streams decoding, then one `--long-prompt`-token prompt
    arrives; the p99 ITL of the decoding streams while it is prefilled (from its arrival to
-   its first token) against their p99 ITL before it arrived, with chunked prefill off and
-   with `--chunk`-token chunks.
+   its first token) against their p99 ITL before it arrived: chunked prefill off, fixed
+   `--chunk`-token chunks, and chunks of at most that many tokens sized so that each takes at
+   most `--share` of a decoding step (`kv_cache.prefill_step_share`, verifier/chunking.py).
 
 Prints both tables; writes JSON and PNG plots under bench/results/ (`--out DIR`).
 """
@@ -48,12 +49,13 @@ def text_tokens(tokenizer, rng: random.Random, n: int) -> list[int]:
     return ids[:n]
 
 
-def engine_for(target: str, draft: str | None, caching: bool, chunk: int, args):
+def engine_for(target: str, draft: str | None, caching: bool, chunk: int, args, share: float = 0.0):
+    """`share`: `prefill_step_share`, the chunk's time budget (0: every chunk `chunk` tokens)."""
     from cluster.local import build_local_engine
     from speculation.settings import EngineSettings
 
     settings = EngineSettings(num_blocks=args.num_blocks, block_size=args.block_size, prefix_caching=caching,
-                              prefill_chunk=chunk, max_batch_size=max(16, args.streams + 1))
+                              prefill_chunk=chunk, prefill_step_share=share, max_batch_size=max(16, args.streams + 1))
     return build_local_engine(target, draft, settings)
 
 
@@ -191,7 +193,7 @@ def tables(result: dict) -> str:
 
 async def run_all(target: str, draft: str | None, args) -> dict:
     result: dict = {"conversations": {}, "interference": {}}
-    for spec in args.spec:
+    for spec in args.spec if "conversations" in args.parts else ():
         for caching in args.cache:
             engine, tokenizer = engine_for(target, draft, caching == "on", 0, args)
             try:
@@ -203,11 +205,14 @@ async def run_all(target: str, draft: str | None, args) -> dict:
                 "turns": turns, "summary": summarize(turns),
                 "target_hit_rate": stats.get("prefix_hit_rate") if caching == "on" else 0.0,
                 "draft_hit_rate": stats.get("draft_prefix_hit_rate") if caching == "on" and spec != "off" else None}
-    for chunk in (0, args.chunk):
-        engine, tokenizer = engine_for(target, draft, False, chunk, args)
+    runs = {"one shot": (0, 0.0), f"chunks of {args.chunk}": (args.chunk, 0.0),
+            f"budget {args.share:g} of a step": (args.chunk, args.share)}
+    for name, (chunk, share) in runs.items() if "interference" in args.parts else ():
+        engine, tokenizer = engine_for(target, draft, False, chunk, args, share)
         try:
-            result["interference"]["one shot" if chunk == 0 else f"chunks of {chunk}"] = \
-                await interference(engine, tokenizer, args)
+            result["interference"][name] = await interference(engine, tokenizer, args)
+            result["interference"][name]["engine"] = {k: v for k, v in (await engine.stats()).items()
+                                                      if k.startswith("prefill_")}
         finally:
             engine.shutdown()
     return result
@@ -231,13 +236,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle-s", type=common.positive_float, default=3.0,
                         help="seconds the streams decode before the long prompt arrives")
     parser.add_argument("--chunk", type=common.positive_int, default=128)
+    parser.add_argument("--share", type=common.positive_float, default=0.5,
+                        help="prefill_step_share of the budgeted interference run")
     parser.add_argument("--block-size", type=common.positive_int, default=16)
     parser.add_argument("--num-blocks", type=common.positive_int, default=4096)
+    parser.add_argument("--parts", type=common.comma_list(), default=["conversations", "interference"],
+                        help="conversations,interference: the runs to make (module doc, 1. and 2.)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=common.RESULTS)
     args = parser.parse_args(argv)
     if set(args.spec) - {"off", "chain"} or set(args.cache) - {"off", "on"}:
         parser.error("--spec takes off,chain and --cache off,on")
+    if not args.parts or set(args.parts) - {"conversations", "interference"}:
+        parser.error("--parts takes conversations,interference")
     target, draft = common.model_pair(parser, args)
     result = asyncio.run(run_all(target, draft, args))
     result.update(date=common.utc(), machine=common.machine(), args={k: str(v) for k, v in vars(args).items()})

@@ -215,6 +215,7 @@ def build_app(args: dict[str, Any] | None = None):
         ray_actor_options=app_args.placement.ingress.ray_options(),
         health_check_period_s=10, health_check_timeout_s=30,
         **s.graceful_shutdown_options(),  # never kills a replica with a request still running
+        **s.routing_options(),            # session affinity: a conversation stays where its cache is
     )
     return deployment.bind(app_args.model_dump(mode="json"))
 

@@ -103,9 +103,12 @@ class GrpcService:
         prep.client = client
         return prep
 
-    def _usage(self, prep, completion: int, drafted: int, accepted: int) -> pb.Usage:
-        return pb.Usage(prompt_tokens=sum(len(p) for p in prep.prompts), completion_tokens=completion,
-                        drafted_tokens=drafted, accepted_tokens=accepted)
+    def _usage(self, prep, d) -> pb.Usage:
+        """The HTTP API's `usage` (`OpenAIServer.usage`) of a request's one choice `d`, its last Delta."""
+        u = self.server.usage(prep, [d])
+        return pb.Usage(prompt_tokens=u["prompt_tokens"], completion_tokens=u["completion_tokens"],
+                        drafted_tokens=u["drafted_tokens"], accepted_tokens=u["accepted_tokens"],
+                        prompt_tokens_details=pb.PromptTokensDetails(**u["prompt_tokens_details"]))
 
     async def generate(self, req: pb.GenerateRequest, context=None) -> pb.GenerateResponse:
         t0, status = time.monotonic(), 200
@@ -114,8 +117,7 @@ class GrpcService:
             (d,) = await self.server.collect(prep)
             return pb.GenerateResponse(text=d.text, token_ids=d.token_ids, logprobs=_logprobs(d),
                                        finish_reason=d.finish_reason or "",
-                                       usage=self._usage(prep, d.completion_tokens, d.drafted,
-                                                         d.accepted))
+                                       usage=self._usage(prep, d))
         except APIError as e:
             status = e.status
             _set_error(context, e)
@@ -131,7 +133,7 @@ class GrpcService:
                 msg = pb.GenerateStreamResponse(text=d.text, token_ids=d.token_ids, logprobs=_logprobs(d))
                 if d.finish_reason:
                     msg.finish_reason = d.finish_reason
-                    msg.usage.CopyFrom(self._usage(prep, d.completion_tokens, d.drafted, d.accepted))
+                    msg.usage.CopyFrom(self._usage(prep, d))
                 yield msg
         except EngineError as e:
             err = engine_api_error(e, self.server.settings.retry_after_s)

@@ -10,8 +10,10 @@ verification, so one step of a batch costs
 it is the slower side). In the synchronous engine (`overlap=False`) drafting and
 verification take turns, so T(k) = verify(rows) + draft(max_i k_i) instead.
 We choose the budgets k_i that maximise the batch's committed tokens per
-second  R(k) = Σ_i E(γ_i, k_i) / T(k)  by greedy ascent from k = 0 (each move
-adds one level to the sequence that raises R most; stop when none does). Consequences, all wanted by the issue:
+second  R(k) = Σ_i E(γ_i, k_i) / (T(k) + c)  by greedy ascent from k = 0 (each move
+adds one level to the sequence that raises R most; stop when none does); c is the
+measured cost of the prompt chunk each step carries while a chunked prefill is under way
+(`chunk_s`, 0 otherwise: a fixed cost per step, which deeper trees amortise). Consequences, all wanted by the issue:
 
 - a sequence whose γ is low gains γ^(k+1) per level and stays at 0 (off);
 - under heavy load the per-row cost dominates the fixed cost of a forward and
@@ -230,6 +232,9 @@ class AdaptiveSpeculation:
         # `models.transformer.few_row_limit`): plans stay within it unless decoding alone
         # already exceeds it. None = no such limit.
         self.row_limit: int | None = None
+        # seconds each step of the plan also spends on a prompt's chunk while a chunked prefill
+        # is under way (`verifier.chunking`): a fixed cost per step, which deeper trees amortise
+        self.chunk_s = 0.0
 
     def add(self, stream: str, mode: str, spec_len: int, width: int) -> None:
         width = 1 if mode == "chain" else max(1, width)
@@ -361,17 +366,17 @@ class AdaptiveSpeculation:
         total, rows, levels = float(len(states) + alone), float(fixed_rows + len(states)), fixed_levels
         peak = rows                                  # rows of the step itself (no bridge averaging)
         limit = max(self.row_limit, peak) if self.row_limit else None
-        rate = base = total / self.costs.step_time(rows, levels)
+        rate = base = total / (self.costs.step_time(rows, levels) + self.chunk_s)
         if plain_step_s and fixed_levels == 0:      # no fixed-mode stream drafts either
-            base = max(base, total / plain_step_s)
+            base = max(base, total / (plain_step_s + self.chunk_s))
         while True:
             best, best_rate, best_step = -1, rate, None
             for i, st in enumerate(states):
                 if ks[i] >= ceiling[i] or (limit is not None and peak + st.width > limit):
                     continue
                 t, r = self._per_step(gamma[i], ks[i] + 1, st.width)
-                new_rate = (total - tokens[i] + t) / self.costs.step_time(
-                    rows - rows_of[i] + r, max(levels, ks[i] + 1))
+                new_rate = (total - tokens[i] + t) / (self.costs.step_time(
+                    rows - rows_of[i] + r, max(levels, ks[i] + 1)) + self.chunk_s)
                 if new_rate > best_rate * 1.001:
                     best, best_rate, best_step = i, new_rate, (t, r)
             if best < 0:

@@ -86,6 +86,11 @@ class KVCacheSettings(BaseModel):
         "Chunked prefill: a prompt longer than this many tokens is prefilled this many at a time, "
         "one chunk between two steps of the running streams, so a long prompt does not stall "
         "them; 0 = whole prompts in one forward."))
+    prefill_step_share: float = Field(0.5, ge=0, description=(
+        "With chunked prefill, while streams decode, a chunk is sized (at most `prefill_chunk` "
+        "tokens) so that its forward takes at most this share of their step's measured time: "
+        "their inter-token latency grows by at most 1 + this (vLLM's per-step token budget, in "
+        "seconds; verifier/chunking.py); 0 = always `prefill_chunk` tokens."))
 
 
 class EngineSettings(SpeculationSettings, KVCacheSettings):

@@ -42,6 +42,7 @@ from speculation.stats import SpecStats
 from speculation.step import StepItem, StepOutcome
 from speculation.transport import Exchange
 from speculation.wire import Signal
+from verifier.chunking import PrefillBudget
 from verifier.costs import StepCosts
 from verifier.lookup import VerifierLookup
 from verifier.membership import Membership
@@ -72,6 +73,26 @@ def check_request(prompt: list[int], params: SamplingParams, ctx: int, vocab: in
         raise InvalidRequest(f"logit_bias names token ids outside the vocabulary [0, {vocab})", "logit_bias")
 
 
+def observe_verified(sch, s: VerifyStream, tree: TokenTree, header, res, chained: bool) -> None:
+    """A verified tree's outcome in the scheduler `sch`'s stats and in the γ its proposer earns."""
+    depth = int(tree.depths.max()) if tree.num_nodes else 0
+    last = res.accepted_nodes[-1] if res.accepted_nodes else -1
+    rejected = bool((tree.parent_ids == last).any())     # the walk stopped at a rejection
+    for stats in (sch.stats, s.stats):
+        stats.observe_verification(tree.num_nodes, res.num_accepted, depth, res.num_accepted, rejected)
+    if s.restarting and header is not None:
+        sch.stats.observe_restart_tree(tree.num_nodes, res.num_accepted)
+    s.restarting = False
+    if chained:
+        sch.stats.observe_bridge_chain(tree.num_nodes, res.num_accepted)
+        sch.adaptive.observe(s.request_id, depth, res.num_accepted)   # the draft's own γ
+    elif header is None and tree.num_nodes:       # the verifier's own prompt-lookup chain
+        sch.lookup.observe(s.request_id, depth, res.num_accepted)
+        sch.stats.observe_lookup(tree.num_nodes, res.num_accepted)
+    else:
+        sch.adaptive.observe(s.request_id, depth, res.num_accepted)
+
+
 class Scheduler:
     def __init__(self, target, settings: EngineSettings, *, eos_ids=(), bridge_draft=None,
                  node_id: str = "", gpu_ids: list[str] | None = None) -> None:
@@ -90,6 +111,8 @@ class Scheduler:
         self.adaptive.restart_depth = settings.restart_depth
         self.costs = StepCosts(self.adaptive, target.model, settings, self.threads)
         self.costs.choose(settings.ring_slots > 1, self.threads)
+        self.chunks = PrefillBudget(settings.prefill_chunk, settings.prefill_step_share)
+        self.feeds: dict[str, int | None] = {}   # this step's prefills: tokens each may feed (None: all)
         self.lookup = VerifierLookup(settings.lookup, few_row_limit(target.model))
         self.adaptive.row_limit = self.lookup.planner.row_limit
         self.registry = DrafterRegistry(settings, node_id, gpu_ids, self.threads)
@@ -194,7 +217,14 @@ class Scheduler:
         joins = []
         budget = self.target.cache.num_blocks - sum(self.reserved_blocks.values())
         running = sum(1 for s in self.streams.values() if s.prefilled)
-        while self.joins and running + len(joins) < self.settings.max_batch_size:
+        # the prefill's token budget (verifier/chunking.py): prompts under way first, oldest first
+        self.feeds = {}
+        self.chunks.start(decoding=running > 0)
+        for rid in [r for r in self.streams if r in self.target.partial]:
+            if self.chunks.spent:
+                break
+            self.feeds[rid] = self.chunks.grant(len(self.streams[rid].prompt) - 1 - self.target.cache.seq_len(rid))
+        while self.joins and running + len(joins) < self.settings.max_batch_size and not self.chunks.spent:
             s = self.streams[self.joins[0]]
             need = -(-(len(s.prompt) + s.params.max_tokens + MAX_SPEC_LEN * s.tree_width + 2)
                      // self.settings.block_size)
@@ -207,10 +237,11 @@ class Scheduler:
                 break                        # wait for running sequences to finish
             budget -= need
             self.reserved_blocks[s.request_id] = need
+            self.feeds[s.request_id] = self.chunks.grant(max(1, len(s.prompt) - 1))
             joins.append(self.joins.popleft())
         if joins:
             self._admit(joins)
-        joins += [rid for rid in self.target.partial if rid in self.streams]   # their next chunks
+        joins += [rid for rid in self.feeds if rid not in joins]   # the next chunks of prompts under way
         # a prefill, like a plain step, may run on the idle drafters' cores
         threads = self.registry.lendable_threads() if self.members.drafters_idle() else self.threads
         return to_free, joins, threads
@@ -250,8 +281,10 @@ class Scheduler:
         features = {}
         for rid in joins:
             s = self.streams.get(rid)
+            begin = time.perf_counter()
             features[rid] = self.target.prefill(rid, s.prompt if s is not None else [0],
-                                                s is not None and s.prefix_cache, self.settings.prefill_chunk)
+                                                s is not None and s.prefix_cache, self.feeds.get(rid) or 0)
+            self.chunks.observe_prefill(self.target.fed, time.perf_counter() - begin)
             if s is not None and s.params.prompt_logprobs is not None:
                 s.prompt_logprobs = self.target.prompt_logprobs(s.prompt, s.params)
         seconds = (time.perf_counter() - start) / max(1, len(joins))
@@ -372,7 +405,7 @@ class Scheduler:
             announced = self.announced.pop(s.request_id, None) if chained else \
                 (None if header is None else header.outcome)
             s.bridge = announced is not None and announced != res.token_ids
-            self._observe(s, tree, header, res, chained)
+            observe_verified(self, s, tree, header, res, chained)
             s.stats.observe_generated(len(o.kept))
             s.stats.observe_time("draft", draft_s * share)
             s.stats.observe_time("verify", verify_s * share)
@@ -388,24 +421,6 @@ class Scheduler:
         self._plan_and_signal(steps)
         self.stats.observe_ring(self.ring.total(), self.ring.capacity())
         self.announced.clear()       # a chain's outcome counts for its own step only
-
-    def _observe(self, s: VerifyStream, tree: TokenTree, header, res, chained: bool) -> None:
-        depth = int(tree.depths.max()) if tree.num_nodes else 0
-        last = res.accepted_nodes[-1] if res.accepted_nodes else -1
-        rejected = bool((tree.parent_ids == last).any())     # the walk stopped at a rejection
-        for stats in (self.stats, s.stats):
-            stats.observe_verification(tree.num_nodes, res.num_accepted, depth, res.num_accepted, rejected)
-        if s.restarting and header is not None:
-            self.stats.observe_restart_tree(tree.num_nodes, res.num_accepted)
-        s.restarting = False
-        if chained:
-            self.stats.observe_bridge_chain(tree.num_nodes, res.num_accepted)
-            self.adaptive.observe(s.request_id, depth, res.num_accepted)   # the draft's own γ
-        elif header is None and tree.num_nodes:       # the verifier's own prompt-lookup chain
-            self.lookup.observe(s.request_id, depth, res.num_accepted)
-            self.stats.observe_lookup(tree.num_nodes, res.num_accepted)
-        else:
-            self.adaptive.observe(s.request_id, depth, res.num_accepted)
 
     def _plan_and_signal(self, steps: list[tuple[VerifyStream, int, list[int]]]) -> None:
         live = [s for s, _, _ in steps]
@@ -437,8 +452,11 @@ class Scheduler:
 
     def plan_overlap(self) -> None:
         """Before a plan: the step-cost model of how the drafters run now (`StepCosts.choose`):
-        lockstep while every drafter runs in lockstep, else overlapped, with bridges."""
+        lockstep while every drafter runs in lockstep, else overlapped, with bridges; and the
+        cost of the prompt chunk that each step pays while a prefill is under way."""
         self.costs.choose(self.members.plan_bridges(), self.registry.lendable_threads(now=False))
+        waiting = bool(self.target.partial or self.joins)     # each step pays a prompt's chunk too
+        self.adaptive.chunk_s = self.chunks.seconds(self.chunks.tokens(True) or 0) if waiting else 0.0
 
     def observe_step(self, batch: list[StepItem], seconds: float, threads: int, step_s: float) -> None:
         """The step's forward (`seconds`, on `threads`) and its cost after admission (`step_s`)."""
@@ -452,6 +470,7 @@ class Scheduler:
         lockstep = trees and all(self.members.lockstep(it.seq.drafter) for it in trees)
         levels = max(int(it.tree.depths.max()) for it in trees) if lockstep else None
         self.costs.observe_step(rows, step_s, levels, borrowed, bool(trees))
+        self.chunks.observe_step(step_s)
 
     # -- reports -------------------------------------------------------------------------
     def health(self) -> dict:
@@ -460,7 +479,8 @@ class Scheduler:
 
     def report(self) -> dict:
         cache = self.target.cache
-        return {**self.stats.as_dict(), **self.costs.report(), "drafters_live": self.registry.live_ids(),
+        return {**self.stats.as_dict(), **self.costs.report(), **self.chunks.report(),
+                "drafters_live": self.registry.live_ids(),
                 "prefix_cached_blocks": cache.num_cached_blocks, "prefix_evictions": cache.evictions,
                 # CUDA graphs of the target's small forwards (None off a GPU): captures, replays, eager
                 "cuda_graphs": None if self.target.graphs is None else self.target.graphs.stats()}

@@ -34,6 +34,7 @@ class TargetSide:
         self.verifier = Verifier(model, cache, features=features)
         self.partial: set[str] = set()        # sequences whose chunked prefill is under way
         self._pieces: dict[str, list] = {}    # their features so far
+        self.fed = 0                          # prompt tokens the latest `prefill` fed (past cached ones)
         self.graphs = getattr(model, "graphs", None)     # models.cuda_graphs.GraphedLayers on a GPU
 
     @property
@@ -48,8 +49,11 @@ class TargetSide:
         """Cache the prompt but its last token, from the longest cached prefix on (unless
         `use_cache` is False); with features, their hidden states [n - 1, hidden]. The prompt
         tokens found cached: `cached_tokens(seq_id)`. `chunk` > 0: feed at most that many
-        tokens per call (chunked prefill): returns `PREFILLING` until a call completes it."""
+        tokens per call (chunked prefill): returns `PREFILLING` until a call completes it. `fed`:
+        the tokens this call fed."""
+        at = self.cache.seq_len(seq_id) if self.cache.has_sequence(seq_id) else None
         out = self.verifier.prefill_batch([seq_id], [prompt], use_cache=[use_cache], limit=chunk or None)
+        self.fed = self.cache.seq_len(seq_id) - (self.cached_tokens(seq_id) if at is None else at)
         if out is not None:
             self._pieces.setdefault(seq_id, []).append(out[seq_id])
         if self.cache.seq_len(seq_id) < len(prompt) - 1:

@@ -7,6 +7,10 @@ from pydantic import Field, model_validator
 
 from cluster.config.base import _Model
 
+# Ray Serve's router that hashes a request's session id (the proxy reads it from the
+# `x-session-id` header, or RAY_SERVE_SESSION_ID_HEADER_KEY's) onto a ring of the replicas
+SESSION_ROUTER = "ray.serve.experimental.consistent_hash_router.ConsistentHashRouter"
+
 
 class ServingConfig(_Model):
     host: str = Field("127.0.0.1", description="HTTP bind address (0.0.0.0 in a cluster).")
@@ -36,6 +40,12 @@ class ServingConfig(_Model):
         30.0, ge=0, description="On shutdown, how long in-flight requests may still run before they are "
         "failed with a clear error; new requests get 503 meanwhile.",
     )
+    session_affinity: bool = Field(
+        False, description="Route every request carrying the same `X-Session-Id` header (gRPC: `session_id` "
+        "metadata) to the same ingress replica, whose prefix cache holds that conversation (Ray Serve's "
+        "consistent-hash router; a replica that is full passes it to the next one on the ring). Requests "
+        "without one spread uniformly. False: Serve's default router (power of two choices by load).",
+    )
     grpc_servicer_functions: list[str] = Field(
         default_factory=list,
         description="Import paths of the `add_*Servicer_to_server` functions Serve's gRPC proxy serves; "
@@ -54,6 +64,12 @@ class ServingConfig(_Model):
         if (self.auth_health or self.auth_metrics) and self.api_key_env is None and self.api_key_file is None:
             raise ValueError("auth_health / auth_metrics need an API key (api_key_env or api_key_file)")
         return self
+
+    def routing_options(self) -> dict:
+        """Serve's deployment options for `session_affinity` ({} = Serve's default router)."""
+        if not self.session_affinity:
+            return {}
+        return {"request_router_config": {"request_router_class": SESSION_ROUTER}}
 
     def graceful_shutdown_options(self) -> dict[str, float]:
         """Serve's replica shutdown settings. Serve stops routing to a stopping replica, waits for its

@@ -28,4 +28,6 @@ def test_the_multiturn_bench_runs_every_configuration(tiny_target, close_draft, 
         assert all(t["cached_tokens"] == 0 for t in off["turns"])
     assert runs["spec chain, cache on"]["target_hit_rate"] == runs["spec off, cache on"]["target_hit_rate"] > 0
     assert runs["spec chain, cache on"]["draft_hit_rate"] > 0
-    assert set(result["interference"]) == {"one shot", "chunks of 16"}
+    assert set(result["interference"]) == {"one shot", "chunks of 16", "budget 0.5 of a step"}
+    budgeted = result["interference"]["budget 0.5 of a step"]
+    assert budgeted["engine"]["prefill_token_s"] > 0          # the budget measured its prefills

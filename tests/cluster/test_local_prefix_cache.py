@@ -212,3 +212,36 @@ def test_a_served_soak_with_aborts_and_evictions_leaves_every_block_free_or_cach
             engine.shutdown()
     assert [o for i, o in enumerate(outs[True]) if i not in aborted] == \
         [o for i, o in enumerate(outs[False]) if i not in aborted]
+
+
+def test_grpc_usage_reports_cached_tokens_as_http_does(tiny_target, close_draft, hf_target):
+    """Generate's and GenerateStream's usage carry `prompt_tokens_details.cached_tokens`, the
+    figure the HTTP API reports: 0 on a cold cache, the prompt's whole cached blocks after."""
+    import asyncio
+
+    from cluster.local import build_local_engine
+    from serving.protos import specflash_pb2 as pb
+    from tests.serving.serving_helpers import with_grpc
+
+    settings = EngineSettings(num_blocks=256, block_size=8, prefix_caching=True)
+    engine, tok = build_local_engine(str(tiny_target), str(close_draft), settings)
+    prompt = "You are a helpful assistant. Answer briefly, and in English.\nUser: hi"
+
+    async def go(channel, stub, engine, server):
+        req = pb.GenerateRequest(prompt=prompt, max_tokens=6, temperature=0.0,
+                                 speculation=pb.Speculation(mode="chain", spec_len=3))
+        first = await stub.Generate(req)
+        second = await stub.Generate(req)
+        pieces = [m async for m in stub.GenerateStream(req)]
+        return first, second, pieces
+
+    try:
+        first, second, pieces = asyncio.run(with_grpc(go, engine, tok, max_context=2048))
+    finally:
+        engine.shutdown()
+    ids = tok.encode(prompt)
+    assert list(second.token_ids) == list(first.token_ids) == hf_greedy(hf_target, ids, 6)
+    cached = (len(ids) - 1) // 8 * 8
+    assert cached > 0
+    assert [r.usage.prompt_tokens_details.cached_tokens for r in (first, second, pieces[-1])] == [0, cached, cached]
+    assert second.usage.prompt_tokens == len(ids) and second.usage.completion_tokens == 6

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,10 +18,9 @@ import yaml
 
 from cluster import monitoring
 from cluster.config import ClusterConfig
+from tests.cluster.prom_deployment import running
 from tests.cluster.test_monitoring import EXAMPLE, need_promtool
 from tests.cluster.test_serve_shutdown import _free_port
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def prometheus_config(cfg: ClusterConfig, target: str, rules: Path) -> dict:
@@ -61,25 +59,8 @@ def load(url: str, seconds: float, stop: threading.Event) -> None:
 def deployment(tmp_path):
     """Two ingress replicas on a local Ray whose metrics agent listens on a known port, in a child
     process (tests/cluster/prom_deployment.py: the session's shared Ray lives in this one)."""
-    metrics_port, http_port = _free_port(), _free_port()
-    log = open(tmp_path / "deployment.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "tests.cluster.prom_deployment", str(metrics_port), str(http_port)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
-                                                                                          os.environ.get("PYTHONPATH")]))})
-    try:
-        line = proc.stdout.readline()         # "ready", or "" if it died
-        if line.strip() != "ready":
-            log.seek(0)
-            raise AssertionError(f"the deployment did not start:\n{log.read()[-3000:]}")
-        yield f"http://127.0.0.1:{http_port}", f"127.0.0.1:{metrics_port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+    with running(tmp_path) as where:
+        yield where
 
 
 @pytest.mark.slow

@@ -72,8 +72,8 @@ def test_serve_flags_override_the_config(tmp_path):
 
 def test_prefix_caching_and_chunking_flags_reach_the_app_args():
     data = app_args_from(parse("--prefix-caching", "--prefill-chunk", "256"))
-    assert data["kv_cache"] == {"prefix_caching": True, "prefill_chunk": 256}
-    assert app_args_from(parse())["kv_cache"] == {"prefix_caching": False, "prefill_chunk": 0}
+    assert data["kv_cache"] == {"prefix_caching": True, "prefill_chunk": 256, "prefill_step_share": 0.5}
+    assert app_args_from(parse())["kv_cache"] == {"prefix_caching": False, "prefill_chunk": 0, "prefill_step_share": 0.5}
     split_args(data)
 
 
@@ -151,3 +151,13 @@ def test_the_health_check_waits_for_a_restarting_verifier_then_asks_serve_to_rep
     assert replace_replica(engine(broken, up)).startswith("engine unhealthy")
     assert replace_replica(engine(broken, down), grace_s=60).startswith("engine unhealthy")
     assert replace_replica({"ok": False}).startswith("engine unhealthy"), "an engine without verifiers"
+
+
+def test_session_affinity_picks_serves_consistent_hash_router():
+    from cluster.config.front import SESSION_ROUTER
+
+    assert app_args_from(parse("--session-affinity"))["serving"]["session_affinity"] is True
+    default = build_app({})._bound_deployment._deployment_config.request_router_config
+    assert default.request_router_class != SESSION_ROUTER
+    sticky = build_app({"serving": {"session_affinity": True}})._bound_deployment
+    assert sticky._deployment_config.request_router_config.request_router_class == SESSION_ROUTER

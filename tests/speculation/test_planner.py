@@ -308,3 +308,12 @@ def test_sync_costs_add_draft_and_verify():
     sync, async_ = CostModel(a=1.0, b=0.1, d=0.5, overlap=False), CostModel(a=1.0, b=0.1, d=0.5)
     assert sync.step_time(rows=5, max_levels=4) == pytest.approx(1.5 + 2.0)
     assert async_.step_time(rows=5, max_levels=4) == pytest.approx(2.0)
+
+
+def test_a_prompt_chunk_in_every_step_makes_deeper_trees_pay():
+    """While a chunked prefill is under way each step also pays its chunk (`chunk_s`): a fixed
+    cost per step, which committing more tokens per step amortises."""
+    ad = controller((1, 4), a=0.1, b=0.0887)          # K = 1 would win by ~2% alone: off
+    assert ad.plan(["s"]) == {"s": (0, 0)}
+    ad.chunk_s = 0.2
+    assert ad.plan(["s"])["s"][0] > 0
