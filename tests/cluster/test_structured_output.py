@@ -25,7 +25,7 @@ from tests.cluster.test_local_sampling import P_VALUE_FLOOR, PROMPT, chi_square_
 HEX = "0123456789abcdef"
 STOP = 15                                  # "f": never in the pattern, the grammar's end
 PATTERN = r"(1[0-4]|[2-5][5-9a-c])[0-7]"
-NUM_SAMPLES = 2000
+NUM_SAMPLES = 800
 
 
 def allowed(prefix: tuple[int, ...]) -> set[int]:
