@@ -29,6 +29,7 @@ from serving.prom import PrometheusExporter, ServingStats
 from serving.responses import Echo, Logprobs, TokenIds, best_of, sse, usage
 from serving.structured import forced_tool, grammar_of, tool_call_message
 from speculation.requests import Engine, GenerationRequest, InvalidRequest, SpeculationOptions
+from models.grammar import GrammarError
 from models.sampling import SamplingParams
 
 # Used when the tokenizer has no chat template of its own (ChatML, as documented
@@ -133,7 +134,10 @@ class OpenAIServer:
                            f"x n); this server admits at most {self.settings.max_queue} at once",
                            code="invalid_value", param="n")
         bias = req.token_fields(self.vocab_size)
-        grammar = grammar_of(req, self.tokenizer)
+        try:
+            grammar = grammar_of(req, self.tokenizer)
+        except GrammarError as e:
+            raise APIError(400, str(e), code="invalid_value", param=e.field) from None
         sampling, prompt_of = [], []
         for p, ids in enumerate(prompts):
             room = ctx - len(ids)

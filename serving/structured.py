@@ -74,9 +74,9 @@ def vocabulary_of(tokenizer) -> str:
     return key
 
 
-def _error(message: str, param: str):
-    from serving.openai_models import APIError   # the API layer's error (it imports this module)
-    return APIError(400, message, code="invalid_value", param=param)
+def _error(message: str, param: str) -> GrammarError:
+    """A structured-output field at fault (the API answers it with a 400 naming `param`)."""
+    return GrammarError(message, param)
 
 
 def _compiled(spec: GrammarSpec, param: str) -> GrammarSpec:
@@ -99,7 +99,7 @@ def forced_tool(req) -> list[Tool] | None:
 
 
 def grammar_of(req, tokenizer) -> GrammarSpec | None:
-    """The one grammar a request asks for, or None; 400 naming the field at fault."""
+    """The one grammar a request asks for, or None; `GrammarError` naming the field at fault."""
     fmt = getattr(req, "response_format", None)
     if (fmt is None or fmt.type == "text") and req.guided_regex is None and req.guided_choice is None \
             and not getattr(req, "tools", None) and getattr(req, "tool_choice", None) is None:
