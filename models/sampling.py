@@ -98,9 +98,9 @@ class SamplingParams:
             self.grammar = GrammarSpec(**self.grammar)
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar must be a GrammarSpec or None, got {self.grammar!r}")
-        if self.grammar is not None and self.min_tokens:
-            raise ValueError("min_tokens cannot be combined with structured output: the grammar decides "
-                             "where the output ends")
+        if self.grammar is not None and (self.min_tokens or self.ignore_eos):
+            raise ValueError(f"{'min_tokens' if self.min_tokens else 'ignore_eos'} cannot be combined with "
+                             f"structured output: the grammar decides where the output ends")
 
     @property
     def greedy(self) -> bool:

@@ -74,7 +74,7 @@ def exact_joint(model_dir, kw: dict) -> torch.Tensor:   # [V, V, V]
 def sample(engine, kw: dict, spec, draft: bool = True, seeds=range(NUM_SAMPLES)) -> tuple[torch.Tensor, float]:
     fix_entropy(engine, seeds)
     requests = [GenerationRequest(f"g{seed}", PROMPT, SamplingParams(
-        max_tokens=3, ignore_eos=True, stop_token_ids=[STOP], grammar=grammar(draft), **kw), spec)
+        max_tokens=3, stop_token_ids=[STOP], grammar=grammar(draft), **kw), spec)
         for seed in seeds]
     outs = engine.generate(requests)
     samples = torch.tensor([(o.token_ids + [STOP] * 3)[:3] for o in outs])

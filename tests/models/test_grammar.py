@@ -78,11 +78,13 @@ def test_bad_grammars_name_their_field(hex16, spec, field):
     assert e.value.field == field
 
 
-def test_unknown_kind_and_min_tokens_are_refused():
+def test_unknown_kind_min_tokens_and_ignore_eos_are_refused():
     with pytest.raises(GrammarError):
         GrammarSpec("yaml")
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(grammar=GrammarSpec("json_object"), min_tokens=2)
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(grammar=GrammarSpec("json_object"), ignore_eos=True)
 
 
 def test_greedy_tree_children_all_follow_the_grammar(hex16):

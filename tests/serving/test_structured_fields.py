@@ -125,10 +125,11 @@ def test_bad_structured_input_is_a_400_naming_the_field(body, param):
     assert engine.requests == []
 
 
-def test_completions_take_no_tools_and_grammars_refuse_min_tokens():
+def test_completions_take_no_tools_and_grammars_refuse_min_tokens_and_ignore_eos():
     engine, client = served()
     r = post(client, "/v1/completions", {"tools": [WEATHER], "tool_choice": "required"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-    r = post(client, "/v1/completions", {"guided_regex": "a+", "min_tokens": 2})
-    assert r.status_code == 400 and "min_tokens" in r.json()["error"]["message"]
+    for name, value in (("min_tokens", 2), ("ignore_eos", True)):
+        r = post(client, "/v1/completions", {"guided_regex": "a+", name: value})
+        assert r.status_code == 400 and name in r.json()["error"]["message"], r.text
     assert engine.requests == []
