@@ -112,12 +112,12 @@ def compile_grammar(spec: GrammarSpec):
         try:
             json.loads(spec.source)
             compiled = compiler.compile_json_schema(spec.source, any_whitespace=False, strict_mode=spec.strict)
-        except (ValueError, RuntimeError) as e:
+        except Exception as e:          # xgrammar's RuntimeError, json's ValueError, or a bad type
             raise GrammarError(f"invalid JSON schema: {_short(e)}", "response_format.json_schema.schema") from None
     elif spec.kind == "regex":
         try:
             compiled = compiler.compile_regex(spec.source)
-        except RuntimeError as e:
+        except Exception as e:
             raise GrammarError(f"invalid regex: {_short(e)}", "guided_regex") from None
     else:
         choices = json.loads(spec.source) if spec.source else []
