@@ -69,12 +69,13 @@ class TreeBuilder:
         """Give each node its children, drawn from the draft distribution after it."""
         if self.params.reads_history:
             paths = row_paths(self.parent_ids, self.token_ids)
-            history = TokenHistory(self.committed, [paths[node + 1] for node in nodes])
+            history = TokenHistory(self.committed, [paths[node + 1] for node in nodes], draft=True)
             draft_logits = process_logits(draft_logits, self.params, history)
         for node, logits in zip(nodes, draft_logits):
             if self.params.greedy:
                 log_q = torch.log_softmax(logits.float(), -1)                     # [V]
                 children = log_q.topk(self.width).indices
+                children = children[log_q[children] > float("-inf")]             # a grammar's mask
             else:
                 q = logits_to_probs(logits, self.params)                          # [V], as p will be
                 self.q_rows[node] = q

@@ -10,6 +10,8 @@ through the same transform, so every caller uses these two functions, in order:
    `presence_penalty` (over the output, as OpenAI defines them). A tree node's row reads the
    committed tokens plus the path to it (`TokenHistory`), so p and q of every node see the
    same context, and a rollback restores it by construction (it is recomputed from the path).
+   Last, a grammar (`grammar`, structured output: `models.grammar`) masks the tokens it does
+   not allow after that same context, on both sides (the draft's q only with `GrammarSpec.draft`).
 2. `logits_to_probs` — temperature, then `min_p` (relative to the most likely token, vLLM's
    order), then top-k, then top-p (nucleus, Holtzman et al. 2020), in float32.
    Temperature 0 is greedy: a one-hot at the argmax of the processed logits.
@@ -21,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from models.grammar import GrammarSpec, grammar_mask
 
 MAX_LOGIT_BIAS = 100.0      # OpenAI's range for a logit_bias value
 MAX_LOGPROBS = 20           # OpenAI's limit on top log-probabilities per token
@@ -43,6 +47,7 @@ class SamplingParams:
     min_tokens: int = 0             # EOS and stop ids are masked until this many are generated
     logprobs: int | None = None     # None: none; k: each token's log-probability and the top k
     prompt_logprobs: int | None = None   # the same for the prompt's tokens (an echo); None: none
+    grammar: GrammarSpec | None = None   # structured output: only tokens it allows (a dict on the wire)
     # Set by the engine when it admits the request (both sides read them): where the output
     # starts in the committed tokens, and the EOS ids `min_tokens` masks beside stop_token_ids.
     prompt_len: int = 0
@@ -89,6 +94,13 @@ class SamplingParams:
             raise ValueError(f"logit_bias maps token ids >= 0 to numbers in [-100, 100], got {pairs[:5]!r}")
         self.logit_bias = pairs
         self.eos_token_ids = list(self.eos_token_ids)
+        if isinstance(self.grammar, dict):
+            self.grammar = GrammarSpec(**self.grammar)
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec or None, got {self.grammar!r}")
+        if self.grammar is not None and (self.min_tokens or self.ignore_eos):
+            raise ValueError(f"{'min_tokens' if self.min_tokens else 'ignore_eos'} cannot be combined with "
+                             f"structured output: the grammar decides where the output ends")
 
     @property
     def greedy(self) -> bool:
@@ -104,7 +116,12 @@ class SamplingParams:
     def reads_history(self) -> bool:
         """Whether a row's distribution depends on the tokens before it (`process_logits`)."""
         return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)
+                    or self.repetition_penalty != 1.0 or self.grammar is not None)
+
+    @property
+    def grammar_stop_ids(self) -> list[int]:
+        """The tokens that end a grammar's output: the engine's EOS ids, else the stop ids."""
+        return sorted(set(self.eos_token_ids) | set(self.stop_token_ids))
 
 
 @dataclass
@@ -114,6 +131,7 @@ class TokenHistory:
 
     committed: Sequence[int]         # prompt + committed output
     paths: Sequence[Sequence[int]]   # per row: the drafted tokens after `committed` ([] = the root's row)
+    draft: bool = False              # the rows are the draft's q (a grammar may leave q free)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams,
@@ -140,15 +158,26 @@ def process_logits(logits: torch.Tensor, params: SamplingParams,
             rows = short.nonzero().squeeze(1).to(logits.device)
             logits[rows[:, None], stops[None, :].to(logits.device)] = float("-inf")
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-        counts = torch.stack([torch.bincount(torch.cat([output, p]), minlength=vocab)[:vocab]
-                              for p in paths]).float().to(logits.device)               # [N, V]
-        if params.repetition_penalty != 1.0:
-            seen = counts > 0
-            prompt = torch.tensor(list(history.committed[:params.prompt_len]), dtype=torch.long)
-            seen[:, prompt[prompt < vocab].to(logits.device)] = True
-            r = params.repetition_penalty
-            logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+        logits = _penalise(logits, params, history, output, paths)
+    if params.grammar is not None and (params.grammar.draft or not history.draft):
+        allowed = grammar_mask(params.grammar, params.grammar_stop_ids, output.tolist(), history.paths, vocab)
+        logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
+    return logits
+
+
+def _penalise(logits: torch.Tensor, params: SamplingParams, history: TokenHistory, output: torch.Tensor,
+              paths: list[torch.Tensor]) -> torch.Tensor:
+    """`repetition_penalty`, then frequency and presence penalties, per row (`process_logits`)."""
+    vocab = logits.shape[1]
+    counts = torch.stack([torch.bincount(torch.cat([output, p]), minlength=vocab)[:vocab]
+                          for p in paths]).float().to(logits.device)               # [N, V]
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        prompt = torch.tensor(list(history.committed[:params.prompt_len]), dtype=torch.long)
+        seen[:, prompt[prompt < vocab].to(logits.device)] = True
+        r = params.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
     return logits
 
 

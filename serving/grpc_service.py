@@ -9,6 +9,7 @@ which Ray Serve's gRPC proxy routes to; `SpecflashServicer` serves it on a plain
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -78,6 +79,16 @@ class GrpcService:
                 body[name] = getattr(req, name)
         if req.model:
             body["model"] = req.model
+        if req.response_format_json:
+            try:
+                body["response_format"] = json.loads(req.response_format_json)
+            except ValueError as e:
+                raise APIError(400, f"response_format_json is not JSON: {e}", code="invalid_value",
+                               param="response_format_json") from None
+        if req.HasField("guided_regex"):
+            body["guided_regex"] = req.guided_regex
+        if req.guided_choice:
+            body["guided_choice"] = list(req.guided_choice)
         if req.HasField("speculation"):
             s = req.speculation
             body["speculation"] = {"mode": s.mode or None, "proposer": s.proposer or None,

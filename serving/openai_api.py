@@ -17,7 +17,7 @@ import asyncio
 import inspect
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Sequence
 
 from serving.access import ANONYMOUS, ApiKeys, KeyLimiter, load_api_keys
@@ -26,8 +26,10 @@ from serving.detokenizer import IncrementalDetokenizer, StopStrings
 from serving.openai_models import (APIError, ChatCompletionRequest, CompletionRequest, Delta, EngineError,
                                    Prepared, SamplingFields, engine_api_error, parse_body)
 from serving.prom import PrometheusExporter, ServingStats
-from serving.responses import Echo, Logprobs, TokenIds, best_of, sse
+from serving.responses import Echo, Logprobs, TokenIds, best_of, sse, usage
+from serving.structured import forced_tool, grammar_of, tool_call_message
 from speculation.requests import Engine, GenerationRequest, InvalidRequest, SpeculationOptions
+from models.grammar import GrammarError
 from models.sampling import SamplingParams
 
 # Used when the tokenizer has no chat template of its own (ChatML, as documented
@@ -110,7 +112,8 @@ class OpenAIServer:
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, chat_template=self.chat_template, tokenize=False,
-                add_generation_prompt=req.add_generation_prompt)
+                add_generation_prompt=req.add_generation_prompt,
+                tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None)
         except Exception as e:  # a template that rejects the conversation (roles, order)
             raise APIError(400, f"chat template: {e}", code="invalid_value", param="messages") from e
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -131,6 +134,10 @@ class OpenAIServer:
                            f"x n); this server admits at most {self.settings.max_queue} at once",
                            code="invalid_value", param="n")
         bias = req.token_fields(self.vocab_size)
+        try:
+            grammar = grammar_of(req, self.tokenizer)
+        except GrammarError as e:
+            raise APIError(400, str(e), code="invalid_value", param=e.field) from None
         sampling, prompt_of = [], []
         for p, ids in enumerate(prompts):
             room = ctx - len(ids)
@@ -154,7 +161,8 @@ class OpenAIServer:
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                         repetition_penalty=req.repetition_penalty, logit_bias=bias, min_p=req.min_p,
                         min_tokens=req.min_tokens, logprobs=req.sampled_logprobs,
-                        prompt_logprobs=req.num_logprobs if getattr(req, "echo", False) else None))
+                        prompt_logprobs=req.num_logprobs if getattr(req, "echo", False) else None,
+                        grammar=replace(grammar) if grammar else None))   # a cursor per choice
                 except ValueError as e:
                     raise APIError(400, str(e), code="invalid_value") from e
                 prompt_of.append(p)
@@ -330,19 +338,6 @@ class OpenAIServer:
             prep.stops.append(DEFAULT_TEMPLATE_STOP)
         return prep
 
-    def usage(self, prep: Prepared, deltas: list[Delta]) -> dict:
-        prompt = sum(len(p) for p in prep.prompts)
-        completion = sum(d.completion_tokens for d in deltas)
-        cached: dict[int, int] = {}          # per prompt: its choices share it, counted once
-        for d in deltas:
-            p = prep.prompt_of[d.index]
-            cached[p] = max(cached.get(p, 0), d.cached_tokens)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
-                "drafted_tokens": sum(d.drafted for d in deltas),
-                "accepted_tokens": sum(d.accepted for d in deltas)}
-
     async def completions(self, req: CompletionRequest, is_disconnected: Disconnected | None = None,
                           client: str = ANONYMOUS):
         prep = self.prepare_completion(req)
@@ -362,7 +357,7 @@ class OpenAIServer:
             return await sse(self, prep, head, choice, req, None)
         deltas = await self.collect(prep, is_disconnected)
         choices = [{**choice(d), "index": i} for i, d in enumerate(best_of(deltas, prep, req.n))]
-        return {**head, "choices": choices, "usage": self.usage(prep, deltas)}
+        return {**head, "choices": choices, "usage": usage(prep, deltas)}
 
     async def chat(self, req: ChatCompletionRequest, is_disconnected: Disconnected | None = None,
                    client: str = ANONYMOUS):
@@ -382,11 +377,12 @@ class OpenAIServer:
             head = {**head, "object": "chat.completion.chunk"}
             return await sse(self, prep, head, choice, req, {"choices": first, **ids.top()})
         deltas = await self.collect(prep, is_disconnected)
-        choices = [ids.choice({"index": d.index, "message": {"role": "assistant", "content": d.text},
-                               "logprobs": lps.chat(d, k), "finish_reason": d.finish_reason}, d,
-                              with_prompt=False)
-                   for d in deltas]
-        return {**head, "choices": choices, **ids.top(), "usage": self.usage(prep, deltas)}
+        shaped = [tool_call_message(req, d.text, d.finish_reason) if forced_tool(req) else
+                  ({"role": "assistant", "content": d.text}, d.finish_reason) for d in deltas]
+        choices = [ids.choice({"index": d.index, "message": message, "logprobs": lps.chat(d, k),
+                               "finish_reason": finish}, d, with_prompt=False)
+                   for d, (message, finish) in zip(deltas, shaped)]
+        return {**head, "choices": choices, **ids.top(), "usage": usage(prep, deltas)}
 
     def models(self) -> dict:
         return {"object": "list", "data": [self.model(self.settings.model_name)]}

@@ -18,6 +18,7 @@ from typing import Annotated, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from serving.structured import ResponseFormat, Tool, ToolChoice
 from speculation.requests import SpeculationOptions
 from speculation.settings import MAX_SPEC_LEN, MAX_TREE_WIDTH
 from models.sampling import MAX_LOGPROBS, SamplingParams
@@ -126,6 +127,11 @@ class SamplingFields(BaseModel):
                                                       "`prompt_token_ids` (vLLM's extension)")
     prefix_cache: bool = Field(True, description="false: neither start on the server's cached KV blocks "
                                "nor leave this request's own cached (where the server caches prefixes)")
+    # Structured output (serving.structured; completions take response_format as an extension)
+    response_format: ResponseFormat | None = None
+    guided_regex: str | None = Field(None, max_length=4096, description="vLLM's: the output matches this regex")
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=256)] | None = \
+        Field(None, description="vLLM's: the output is one of these strings")
     # No-ops (NO_OP_FIELDS): accepted, type-checked, and change nothing this server could do.
     user: str | None = Field(None, description="the end user's id; not used")
     metadata: dict[str, str] | None = Field(None, description="the client's tags; not stored")
@@ -233,6 +239,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = Field(False, description="each token's log-probability")
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="alternatives per token; "
                                      "needs logprobs")
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = Field(None, description='"required" or a named function: one call, its '
+                                           'arguments constrained to the parameters schema; "none": text')
+    parallel_tool_calls: bool | None = Field(None, description="a forced call is one call per choice")
 
     @property
     def num_logprobs(self) -> int | None:
@@ -265,11 +275,6 @@ REFUSED_COMPLETION = {
 }
 REFUSED_CHAT = {
     **REFUSED_COMMON,
-    "response_format": Refused((None, {"type": "text"}),
-                               "structured output (json_object, json_schema) is not implemented yet"),
-    "tools": Refused((None, []), "tool calling is not implemented yet"),
-    "tool_choice": Refused((None, "none"), "tool calling is not implemented yet"),
-    "parallel_tool_calls": Refused((None,), "tool calling is not implemented yet"),
     "functions": Refused((None, []), "function calling is not implemented"),
     "function_call": Refused((None, "none"), "function calling is not implemented"),
     "modalities": Refused((None, ["text"]), "this server answers text only"),

@@ -47,7 +47,7 @@ async def sse(server: OpenAIServer, prep: Prepared, head: dict, choice, req: Sam
         finally:
             await gen.aclose()
         if req.include_usage:
-            yield _event({**head, "choices": [], "usage": server.usage(prep, list(finals.values()))})
+            yield _event({**head, "choices": [], "usage": usage(prep, list(finals.values()))})
         yield "data: [DONE]\n\n"
     return events()
 
@@ -150,3 +150,17 @@ class TokenIds:
 def _event(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
+
+def usage(prep: Prepared, deltas: list[Delta]) -> dict:
+    """The `usage` object of a request's answer."""
+    prompt = sum(len(p) for p in prep.prompts)
+    completion = sum(d.completion_tokens for d in deltas)
+    cached: dict[int, int] = {}          # per prompt: its choices share it, counted once
+    for d in deltas:
+        p = prep.prompt_of[d.index]
+        cached[p] = max(cached.get(p, 0), d.cached_tokens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+            "drafted_tokens": sum(d.drafted for d in deltas),
+            "accepted_tokens": sum(d.accepted for d in deltas)}

@@ -31,7 +31,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-WIRE_VERSION = 4                 # 2: "reset" (a restarted verifier); 3: a stream's proposer; 4: target features
+WIRE_VERSION = 5                 # 2: "reset" (a restarted verifier); 3: a stream's proposer; 4: target features;
+#                                  5: a request's grammar in `params` (models.grammar.GrammarSpec as a dict)
 SIGNAL_KINDS = ("step", "join", "leave", "resync", "reset")
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eserving/protos/specflash.proto\x12\tspecflash\"S\n\x0bSpeculation\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x10\n\x08spec_len\x18\x02 \x01(\x05\x12\x12\n\ntree_width\x18\x03 \x01(\x05\x12\x10\n\x08proposer\x18\x04 \x01(\t\"\xdd\x04\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12+\n\x0bspeculation\x18\n \x01(\x0b\x32\x16.specflash.Speculation\x12\r\n\x05model\x18\x0b \x01(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x18\n\x10presence_penalty\x18\r \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x01H\x03\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).specflash.GenerateRequest.LogitBiasEntry\x12\r\n\x05min_p\x18\x11 \x01(\x01\x12\x12\n\nmin_tokens\x18\x12 \x01(\x05\x12\x15\n\x08logprobs\x18\x13 \x01(\x05H\x04\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.specflash.TopLogprob\",\n\x13PromptTokensDetails\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\"\xa9\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x05\x12=\n\x15prompt_tokens_details\x18\x05 \x01(\x0b\x32\x1e.specflash.PromptTokensDetails\"\x96\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.specflash.Usage\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.specflash.TokenLogprob\"\x9c\x01\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.specflash.Usage\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.specflash.TokenLogprob2\xa3\x01\n\tSpecflash\x12\x43\n\x08Generate\x12\x1a.specflash.GenerateRequest\x1a\x1b.specflash.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.specflash.GenerateRequest\x1a!.specflash.GenerateStreamResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eserving/protos/specflash.proto\x12\tspecflash\"S\n\x0bSpeculation\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\x10\n\x08spec_len\x18\x02 \x01(\x05\x12\x12\n\ntree_width\x18\x03 \x01(\x05\x12\x10\n\x08proposer\x18\x04 \x01(\t\"\xbe\x05\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x18\n\x0btemperature\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x05 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12+\n\x0bspeculation\x18\n \x01(\x0b\x32\x16.specflash.Speculation\x12\r\n\x05model\x18\x0b \x01(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\x05\x12\x18\n\x10presence_penalty\x18\r \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x01H\x03\x88\x01\x01\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).specflash.GenerateRequest.LogitBiasEntry\x12\r\n\x05min_p\x18\x11 \x01(\x01\x12\x12\n\nmin_tokens\x18\x12 \x01(\x05\x12\x15\n\x08logprobs\x18\x13 \x01(\x05H\x04\x88\x01\x01\x12\x1c\n\x14response_format_json\x18\x14 \x01(\t\x12\x19\n\x0cguided_regex\x18\x15 \x01(\tH\x05\x88\x01\x01\x12\x15\n\rguided_choice\x18\x16 \x03(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x0f\n\r_guided_regex\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"U\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.specflash.TopLogprob\",\n\x13PromptTokensDetails\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\"\xa9\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x16\n\x0e\x64rafted_tokens\x18\x03 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x04 \x01(\x05\x12=\n\x15prompt_tokens_details\x18\x05 \x01(\x0b\x32\x1e.specflash.PromptTokensDetails\"\x96\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.specflash.Usage\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.specflash.TokenLogprob\"\x9c\x01\n\x16GenerateStreamResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\x1f\n\x05usage\x18\x04 \x01(\x0b\x32\x10.specflash.Usage\x12)\n\x08logprobs\x18\x05 \x03(\x0b\x32\x17.specflash.TokenLogprob2\xa3\x01\n\tSpecflash\x12\x43\n\x08Generate\x12\x1a.specflash.GenerateRequest\x1a\x1b.specflash.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1a.specflash.GenerateRequest\x1a!.specflash.GenerateStreamResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,21 +36,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SPECULATION']._serialized_start=45
   _globals['_SPECULATION']._serialized_end=128
   _globals['_GENERATEREQUEST']._serialized_start=131
-  _globals['_GENERATEREQUEST']._serialized_end=736
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=617
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=665
-  _globals['_TOPLOGPROB']._serialized_start=738
-  _globals['_TOPLOGPROB']._serialized_end=785
-  _globals['_TOKENLOGPROB']._serialized_start=787
-  _globals['_TOKENLOGPROB']._serialized_end=872
-  _globals['_PROMPTTOKENSDETAILS']._serialized_start=874
-  _globals['_PROMPTTOKENSDETAILS']._serialized_end=918
-  _globals['_USAGE']._serialized_start=921
-  _globals['_USAGE']._serialized_end=1090
-  _globals['_GENERATERESPONSE']._serialized_start=1093
-  _globals['_GENERATERESPONSE']._serialized_end=1243
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1246
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1402
-  _globals['_SPECFLASH']._serialized_start=1405
-  _globals['_SPECFLASH']._serialized_end=1568
+  _globals['_GENERATEREQUEST']._serialized_end=833
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=697
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=745
+  _globals['_TOPLOGPROB']._serialized_start=835
+  _globals['_TOPLOGPROB']._serialized_end=882
+  _globals['_TOKENLOGPROB']._serialized_start=884
+  _globals['_TOKENLOGPROB']._serialized_end=969
+  _globals['_PROMPTTOKENSDETAILS']._serialized_start=971
+  _globals['_PROMPTTOKENSDETAILS']._serialized_end=1015
+  _globals['_USAGE']._serialized_start=1018
+  _globals['_USAGE']._serialized_end=1187
+  _globals['_GENERATERESPONSE']._serialized_start=1190
+  _globals['_GENERATERESPONSE']._serialized_end=1340
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1343
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1499
+  _globals['_SPECFLASH']._serialized_start=1502
+  _globals['_SPECFLASH']._serialized_end=1665
 # @@protoc_insertion_point(module_scope)

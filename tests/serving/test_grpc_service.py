@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -174,3 +175,26 @@ def test_api_key_is_checked_on_grpc_metadata():
 
     code, ok = asyncio.run(with_server(go, api_key="k"))
     assert code == grpc.StatusCode.UNAUTHENTICATED and ok.usage.completion_tokens == 2
+
+
+def test_structured_output_travels_over_grpc():
+    """response_format (as JSON text), guided_regex and guided_choice become the engine's grammar;
+    a bad one is INVALID_ARGUMENT."""
+    async def go(stub, engine, server):
+        fmt = json.dumps({"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}})
+        for req in (pb.GenerateRequest(prompt="hi", max_tokens=3, response_format_json=fmt),
+                    pb.GenerateRequest(prompt="hi", max_tokens=3, guided_regex="[a-z]+"),
+                    pb.GenerateRequest(prompt="hi", max_tokens=3, guided_choice=["yes", "no"])):
+            await stub.Generate(req)
+        codes = []
+        for bad in (pb.GenerateRequest(prompt="hi", guided_regex="([a-"),
+                    pb.GenerateRequest(prompt="hi", response_format_json="{nope"),
+                    pb.GenerateRequest(prompt="hi", response_format_json='{"type": "xml"}')):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Generate(bad)
+            codes.append(e.value.code())
+        return engine.requests, codes
+
+    requests, codes = asyncio.run(with_server(go))
+    assert [r.sampling.grammar.kind for r in requests] == ["json_schema", "regex", "choice"]
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 3

@@ -40,9 +40,7 @@ def refused(r, code, param):
 # One value per refused field that asks for something this server does not do.
 ASKING = {"store": True,
           "service_tier": "flex", "suffix": "end",
-          "response_format": {"type": "json_object"},
-          "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-          "parallel_tool_calls": True, "functions": [{"name": "f"}], "function_call": "auto",
+          "functions": [{"name": "f"}], "function_call": "auto",
           "modalities": ["text", "audio"], "audio": {"voice": "alloy"},
           "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "low",
           "verbosity": "low", "web_search_options": {}}
