@@ -23,6 +23,7 @@ from serving.openai_models import (APIError, CompletionRequest, EngineError, eng
                                    validation_error)
 from serving.protos import specflash_pb2 as pb
 from serving.protos import specflash_pb2_grpc as pb_grpc
+from serving.responses import usage
 
 STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
           404: grpc.StatusCode.NOT_FOUND, 408: grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -115,8 +116,8 @@ class GrpcService:
         return prep
 
     def _usage(self, prep, d) -> pb.Usage:
-        """The HTTP API's `usage` (`OpenAIServer.usage`) of a request's one choice `d`, its last Delta."""
-        u = self.server.usage(prep, [d])
+        """The HTTP API's `usage` (`serving.responses.usage`) of a request's one choice `d`, its last Delta."""
+        u = usage(prep, [d])
         return pb.Usage(prompt_tokens=u["prompt_tokens"], completion_tokens=u["completion_tokens"],
                         drafted_tokens=u["drafted_tokens"], accepted_tokens=u["accepted_tokens"],
                         prompt_tokens_details=pb.PromptTokensDetails(**u["prompt_tokens_details"]))
