@@ -82,6 +82,12 @@ CASES = {
 }
 
 
+def fits(samples: torch.Tensor, joint: torch.Tensor) -> float:
+    """The smaller p-value of (x1, x2) and (x2, x3) against their exact marginals."""
+    return min(chi_square_p_value(samples[:, :2], joint.sum(2)),
+               chi_square_p_value(samples[:, 1:], joint.sum(0)))
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_sampled_tokens_follow_the_target(engine, small_vocab_pair, case):
     params, spec = CASES[case]

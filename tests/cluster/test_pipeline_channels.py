@@ -1,6 +1,8 @@
 """The exchange over Ray's shared-memory channels (cluster/channels.py): exact output, the
-channels really carry the exchanges, a drafter's restart reconnects and a lost exchange is
-survived. The shared test cluster puts drafters and verifiers on different nodes, so the
+channels really carry the exchanges, and a drafter's restart reconnects. Not tested here: a
+lost exchange with both sides alive, whose reconnect closes a live channel; in Ray 2.60 that
+took the test cluster's raylet down minutes later (cluster/channels.py), so the channels stay
+opt-in. The shared test cluster puts drafters and verifiers on different nodes, so the
 channels here cross raylets."""
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import asyncio
 import ray
 
 from .pipeline_helpers import collect, hf_greedy, prompts, request, run
-from .test_pipeline_faults import kill_after, wait_for
+from .test_pipeline_faults import kill_after, wait_for, wait_for_restart
 
 
 def _served(engine) -> int:
@@ -51,15 +53,7 @@ def test_a_restarted_drafter_reconnects_its_channels(make_engine, tiny_target, c
     killed = []
     tokens, last = run(collect(engine, request("victim", prompt, 120, "chain", 4), kill_after(drafter, 8, killed)), 180)
     assert killed and tokens == hf_greedy(hf_target, prompt, 120) and last.finish_reason == "length"
-
-    def restarted():
-        try:
-            info = ray.get(drafter.info.remote(), timeout=5)
-        except Exception:
-            return None
-        return info if info["incarnation"] != before and info["running"] else None
-
-    wait_for(restarted, timeout=90)
+    wait_for_restart(drafter, before)
     served = _served(engine)
     prompt2 = prompts(2, seed=34)[1]
     tokens2, last2 = run(collect(engine, request("after", prompt2, 40, "chain", 4)))
@@ -67,21 +61,3 @@ def test_a_restarted_drafter_reconnects_its_channels(make_engine, tiny_target, c
     info = ray.get(drafter.info.remote(), timeout=10)
     assert info["channel_exchanges"] > 0 and _served(engine) > served, info
 
-
-def test_a_lost_exchange_resyncs_and_output_stays_exact(make_engine, tiny_target, close_draft, hf_target):
-    """The verifier closes a drafter's request channel mid-generation (as a reconnect would):
-    the drafter's exchange is lost, it resyncs its stream over new channels, the output is exact."""
-    engine = make_engine(tiny_target, close_draft, exchange_channels=True)
-    verifier, drafter = engine.pipelines[0].verifier, engine.pipelines[0].drafters[0]
-    prompt = prompts(1, seed=35)[0]
-    closed = []
-
-    async def on_chunk(chunk, tokens):
-        if not closed and len(tokens) >= 8:
-            closed.append(await verifier.__ray_call__.remote(lambda self: self.channels.retire(0) or True))
-
-    tokens, last = run(collect(engine, request("lost", prompt, 100, "chain", 4), on_chunk), 180)
-    assert closed and tokens == hf_greedy(hf_target, prompt, 100) and last.finish_reason == "length"
-    info = wait_for(lambda: (lambda i: i if i["channel_exchanges_lost"] >= 1 else None)(
-        ray.get(drafter.info.remote(), timeout=10)), timeout=30)
-    assert info["verifier_errors"] == 0 and info["channel_exchanges"] > 0, info

@@ -31,6 +31,18 @@ def kill_after(actor, num_tokens: int, killed: list):
     return on_chunk
 
 
+def wait_for_restart(drafter, before: str, timeout: float = 90.0) -> dict:
+    """The drafter's info once it runs under an incarnation other than `before` (a restart)."""
+    def restarted():
+        try:
+            info = ray.get(drafter.info.remote(), timeout=5)
+        except Exception:
+            return None
+        return info if info["incarnation"] != before and info["running"] else None
+
+    return wait_for(restarted, timeout=timeout)
+
+
 def test_drafter_killed_mid_generation_request_completes_exactly(make_engine, tiny_target, close_draft,
                                                                   hf_target):
     engine = make_engine(tiny_target, close_draft, drafter_timeout_s=1.0)
@@ -45,14 +57,7 @@ def test_drafter_killed_mid_generation_request_completes_exactly(make_engine, ti
     assert last.finish_reason == "length"
 
     # the restarted drafter reattaches (new incarnation) and speculates again
-    def restarted():
-        try:
-            info = ray.get(drafter.info.remote(), timeout=5)
-        except Exception:
-            return None
-        return info if info["incarnation"] != before and info["running"] else None
-
-    wait_for(restarted, timeout=90)
+    wait_for_restart(drafter, before)
     prompt2 = prompts(2, seed=22)[1]
     tokens2, last2 = run(collect(engine, request("after", prompt2, 40, "chain", 4)))
     assert tokens2 == hf_greedy(hf_target, prompt2, 40)

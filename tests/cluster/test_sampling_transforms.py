@@ -20,7 +20,7 @@ from cluster.local import InProcessEngine, speculation_for
 from models import SamplingParams, load_model
 from models.sampling import logits_to_probs
 from speculation.requests import GenerationRequest
-from tests.cluster.test_local_sampling import P_VALUE_FLOOR, PROMPT, chi_square_p_value, fix_entropy
+from tests.cluster.test_local_sampling import P_VALUE_FLOOR, PROMPT, fits, fix_entropy
 
 NUM_SAMPLES = 2000
 STOP = 4                                   # a stop id: masked while fewer than min_tokens are out
@@ -91,12 +91,6 @@ def sample(engine, kw: dict, spec, seeds=range(NUM_SAMPLES)) -> tuple[torch.Tens
     # only shows where that rule was broken (cells the exact distribution rules out)
     samples = torch.tensor([(o.token_ids + [STOP] * 3)[:3] for o in outs])
     return samples, sum(o.stats.num_accepted for o in outs) / max(1, sum(o.stats.num_drafted for o in outs))
-
-
-def fits(samples: torch.Tensor, joint: torch.Tensor) -> float:
-    """The smaller p-value of (x1, x2) and (x2, x3) against their exact marginals."""
-    return min(chi_square_p_value(samples[:, :2], joint.sum(2)),
-               chi_square_p_value(samples[:, 1:], joint.sum(0)))
 
 
 @pytest.mark.parametrize("case", list(CASES))

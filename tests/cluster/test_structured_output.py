@@ -20,7 +20,7 @@ from models import SamplingParams, load_model
 from models.grammar import GrammarSpec, register_vocabulary
 from models.sampling import logits_to_probs
 from speculation.requests import GenerationRequest
-from tests.cluster.test_local_sampling import P_VALUE_FLOOR, PROMPT, chi_square_p_value, fix_entropy
+from tests.cluster.test_local_sampling import P_VALUE_FLOOR, PROMPT, fits, fix_entropy
 
 HEX = "0123456789abcdef"
 STOP = 15                                  # "f": never in the pattern, the grammar's end
@@ -79,11 +79,6 @@ def sample(engine, kw: dict, spec, draft: bool = True, seeds=range(NUM_SAMPLES))
     outs = engine.generate(requests)
     samples = torch.tensor([(o.token_ids + [STOP] * 3)[:3] for o in outs])
     return samples, sum(o.stats.num_accepted for o in outs) / max(1, sum(o.stats.num_drafted for o in outs))
-
-
-def fits(samples: torch.Tensor, joint: torch.Tensor) -> float:
-    return min(chi_square_p_value(samples[:, :2], joint.sum(2)),
-               chi_square_p_value(samples[:, 1:], joint.sum(0)))
 
 
 CASES = {
