@@ -145,12 +145,15 @@ def test_drafter_node_lost_for_good_serves_without_speculation(make_engine, ray_
         engine.kill_pipeline_actors()
 
 
-def test_verifier_node_lost_for_good_restarts_elsewhere_and_health_says_so(ray_cluster, extra_node,
+@pytest.mark.parametrize("strategy", ["NONE", "STRICT_SPREAD"])
+def test_verifier_node_lost_for_good_restarts_elsewhere_and_health_says_so(strategy, ray_cluster, extra_node,
                                                                            tiny_target, close_draft, hf_target):
     """Issue 26 item 5: the verifier's node removed for good. Its request in flight ends
     retryable; while no node can host the verifier /health is 503 and names the lost node;
     once one that can joins, Ray restarts the verifier there, the drafter reattaches, /health
-    says where it moved and new requests are served exactly."""
+    says where it moved and new requests are served exactly. Under STRICT_SPREAD the verifier
+    and its drafter sit in one placement group, bundles on distinct nodes: Ray places the lost
+    bundle again on the new node, away from the drafter's, and restarts the verifier in it."""
     from cluster.config import ActorPlacement, AppArgs, PlacementConfig
     from cluster.pipeline import build_pipeline_engine
     from cluster.serve_app import replace_replica
@@ -160,7 +163,7 @@ def test_verifier_node_lost_for_good_restarts_elsewhere_and_health_says_so(ray_c
     resource = "specflash_lost_verifier"
     node, _ = extra_node(resource)
     args = AppArgs(placement=PlacementConfig(
-        drafter=ActorPlacement(num_cpus=1, resources={DRAFTER_RESOURCE: 1}),
+        strategy=strategy, drafter=ActorPlacement(num_cpus=1, resources={DRAFTER_RESOURCE: 1}),
         verifier=ActorPlacement(num_cpus=1, resources={resource: 1})))
     engine = build_pipeline_engine(args, target_dir=str(tiny_target), draft_dir=str(close_draft), num_blocks=256,
                                    drafter_timeout_s=1.0, chunk_timeout_s=60)
@@ -204,6 +207,14 @@ def test_verifier_node_lost_for_good_restarts_elsewhere_and_health_says_so(ray_c
         event = body["engine"]["verifier"]
         assert event.startswith(f"lost node {node.node_id} at ") and f"restarted on node {spare.node_id}" in event
         assert body["engine"]["pipelines"][0]["node_id"] == spare.node_id
+        if strategy == "STRICT_SPREAD":
+            from ray.util import placement_group_table
+
+            pg = engine.pipelines[0].placement_group
+            table = placement_group_table(pg)
+            assert table["strategy"] == "STRICT_SPREAD" and table["state"] == "CREATED", table
+            assert table["bundles_to_node_id"][0] == spare.node_id, table
+            assert table["bundles_to_node_id"][1] == ray_cluster.drafter_node, table
         tokens2, last2 = run(collect(engine, request("after", p2, 40, "chain", 3)), 60)
         assert tokens2 == hf_greedy(hf_target, p2, 40) and last2.finish_reason == "length"
         assert last2.num_drafted > 0, "the drafter must reattach to the moved verifier and speculate"
