@@ -33,12 +33,21 @@ STAMP = "%Y%m%dT%H%M%SZ"            # a file name's time stamp (load-20261201T21
 # -- argument checks (argparse `type=`) -------------------------------------------------------
 def positive_int(text: str) -> int:
     """An integer of at least 1, for `type=`; argparse reports anything else as a usage error."""
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """An integer of at least 0 (a count that may be none), for `type=`."""
+    return _int_at_least(text, 0)
+
+
+def _int_at_least(text: str, low: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"an integer, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"at least 1, not {value}")
+    if value < low:
+        raise argparse.ArgumentTypeError(f"at least {low}, not {value}")
     return value
 
 

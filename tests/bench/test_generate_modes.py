@@ -15,12 +15,14 @@ def test_generate_modes_times_whole_processes_and_checks_tokens(tiny_target, clo
     modes = json.loads(out.read_text())["modes"]
     assert sorted(modes) == ["off", "sync"]
     assert all(m["exact_vs_off"] is True and len(m["rates"]) == 1 for m in modes.values())
+    assert all(len(m["in_run_rates"]) == 1 and m["in_run_tokens_per_s"] > 0 for m in modes.values())
     assert "| sync |" in capsys.readouterr().out
 
 
 def test_generate_modes_refuses_bad_arguments(bench_script):
     bench = bench_script("generate_modes")
-    for argv in (["--short", "9", "--long", "9"], ["--modes", "off,fast"], ["--draft", "/x"]):
+    for argv in (["--short", "9", "--long", "9"], ["--modes", "off,fast"], ["--draft", "/x"],
+                 ["--warmup", "-1"]):
         with pytest.raises(SystemExit) as e:
             bench.main(argv)
         assert e.value.code == 2
