@@ -425,11 +425,9 @@ def test_import_path_builds_the_app_with_the_rendered_args(committed):
 
 
 def _free_port() -> int:
-    import socket
+    from tests.cluster.test_serve_shutdown import _free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_port()
 
 
 def _http(method: str, url: str, body=None, timeout: float = 60):

@@ -11,7 +11,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,9 +30,9 @@ pytestmark = pytest.mark.slow
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    from tests.cluster.test_serve_shutdown import _free_port
+
+    return _free_port()
 
 
 @dataclass

@@ -4,6 +4,7 @@ FakeEngine, is tested in tests/serving/test_shutdown.py."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,9 +22,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # ---- `specflash serve --engine fake`, SIGTERM with a stream in flight --------------------------
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port outside both Linux's ephemeral range (32768-60999), where every `bind(0)` of a
+    Ray starting meanwhile lands, and Ray's worker ports (10002-19999): a port from `bind(0)` was
+    taken by the Ray of the `specflash serve` it was meant for before Serve could bind it."""
+    for _ in range(200):
+        port = random.randrange(20000, 32768)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port in 20000-32767")
 
 
 def wait_serving(proc: subprocess.Popen, log: Path, timeout_s: float = 240) -> None:
