@@ -48,11 +48,14 @@ from speculation.stats import SpecStats
 
 log = logging.getLogger("specflash.cluster")
 RETRYABLE = "retryable: "
-# Torch's OpenMP threads spin after each parallel region; with a drafter and a verifier taking
-# turns on shared cores the spinning side steals the other's core (a micro pair's lockstep step:
-# forward 5.9 -> 2.4 ms, draft 9.2 -> 6.7 ms, bench/micro.py). Actors wait passively unless the
-# environment says otherwise.
-ACTOR_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+# Torch's OpenMP threads spin after each parallel region. A drafter that spins steals the core
+# its verifier's turn runs on, so drafters wait passively. A lone stream's turns are drafted in the
+# verifier's own process, where waking passive threads for every op costs what it costs the
+# in-process engine: the verifier keeps libgomp's default, a bounded spin (bench/README.md,
+# "the actors' OpenMP wait policy": embedded pair 32.7 against 21.5 tokens/s with a passive
+# verifier; on the micro pair the pipeline's ratio to sync moved within noise). Each role's policy:
+# SPECFLASH_<ROLE>_OMP_WAIT_POLICY, else OMP_WAIT_POLICY, else this; "" leaves libgomp's default.
+ACTOR_WAIT_POLICY = {"verifier": "", "drafter": "PASSIVE"}
 VERIFIER_DIED = "the verifier serving this request died"
 
 
@@ -373,22 +376,31 @@ def _model_dirs(config, target_dir, draft_dir) -> tuple[str, str | None]:
 
 def _placement(config) -> tuple[object, dict, list[dict]]:
     """(placement group or None, verifier options, options of each drafter)."""
-    import os
-
     placement = config.placement
-    env = {"runtime_env": {"env_vars": {k: os.environ.get(k, v) for k, v in ACTOR_ENV.items()}}}
+    env = {role: actor_env(role) for role in ACTOR_WAIT_POLICY}
     # a placement group reserves room for the most drafters drafter autoscaling may run
     n = max(config.drafters_per_verifier, config.drafter_scaling.max_per_verifier)
     if placement.strategy == "NONE":
-        return None, {**placement.verifier.ray_options(), **env}, [{**placement.drafter.ray_options(), **env}] * n
+        return (None, {**placement.verifier.ray_options(), **env["verifier"]},
+                [{**placement.drafter.ray_options(), **env["drafter"]}] * n)
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     pg = placement_group(placement.bundles(n), strategy=placement.strategy)
     ray.get(pg.ready(), timeout=120)
 
-    def opts(actor, bundle: int) -> dict:
-        return {**actor.ray_options(), **env, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+    def opts(actor, role: str, bundle: int) -> dict:
+        return {**actor.ray_options(), **env[role], "scheduling_strategy": PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=bundle)}
 
-    return pg, opts(placement.verifier, 0), [opts(placement.drafter, 1 + j) for j in range(n)]
+    return pg, opts(placement.verifier, "verifier", 0), [opts(placement.drafter, "drafter", 1 + j) for j in range(n)]
+
+
+def actor_env(role: str) -> dict:
+    """Ray options giving a `role` actor ("verifier", "drafter") its OpenMP wait policy
+    (ACTOR_WAIT_POLICY and the variables that override it); {} for libgomp's default."""
+    import os
+
+    policy = os.environ.get(f"SPECFLASH_{role.upper()}_OMP_WAIT_POLICY",
+                            os.environ.get("OMP_WAIT_POLICY", ACTOR_WAIT_POLICY[role]))
+    return {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": policy}}} if policy else {}

@@ -219,3 +219,22 @@ def test_lockstep_one_tree_in_flight_borrows_the_idle_drafters_cores(ray_cluster
             assert (by_verifier > 0 and by_actor == 0) if in_verifier else (by_actor > 0 and by_verifier == 0)
         finally:
             engine.kill_pipeline_actors()
+
+
+def test_each_actor_role_gets_its_openmp_wait_policy(monkeypatch):
+    """cluster.pipeline.actor_env: the role's own variable over OMP_WAIT_POLICY over the default;
+    an empty value leaves the actor libgomp's default (no variable set for it)."""
+    from cluster.pipeline import ACTOR_WAIT_POLICY, actor_env
+
+    def policy(role):
+        return actor_env(role).get("runtime_env", {}).get("env_vars", {}).get("OMP_WAIT_POLICY")
+
+    for name in ("OMP_WAIT_POLICY", "SPECFLASH_VERIFIER_OMP_WAIT_POLICY", "SPECFLASH_DRAFTER_OMP_WAIT_POLICY"):
+        monkeypatch.delenv(name, raising=False)
+    assert ACTOR_WAIT_POLICY == {"verifier": "", "drafter": "PASSIVE"}
+    assert actor_env("verifier") == {} and policy("drafter") == "PASSIVE", "the verifier keeps libgomp's default"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert [policy(r) for r in ("verifier", "drafter")] == ["ACTIVE", "ACTIVE"]
+    monkeypatch.setenv("SPECFLASH_VERIFIER_OMP_WAIT_POLICY", "")
+    monkeypatch.setenv("SPECFLASH_DRAFTER_OMP_WAIT_POLICY", "PASSIVE")
+    assert actor_env("verifier") == {} and policy("drafter") == "PASSIVE"
