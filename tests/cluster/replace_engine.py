@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from cluster.serve_app import VERIFIER_RESTART_GRACE_S
 from serving.testing import FakeEngine, tiny_byte_tokenizer
 
-LOST_FOR_S = 400.0       # past cluster.serve_app.VERIFIER_RESTART_GRACE_S
+LOST_FOR_S = 2 * VERIFIER_RESTART_GRACE_S     # down past the grace: the replica must be replaced
 
 
 class LosesItsVerifier(FakeEngine):

@@ -21,6 +21,7 @@ import yaml
 
 from cluster import manifests
 from cluster.config import INGRESS_DEPLOYMENT, AppArgs, ClusterConfig
+from tests.cluster.test_serve_shutdown import _free_port
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "manifests" / "cluster.example.yaml"
@@ -422,12 +423,6 @@ def test_import_path_builds_the_app_with_the_rendered_args(committed):
     built = build_app(builder(app["args"]), name=app["name"])
     names = {d.name for d in built.deployments}
     assert {d["name"] for d in app["deployments"]} <= names, names
-
-
-def _free_port() -> int:
-    from tests.cluster.test_serve_shutdown import _free_port
-
-    return _free_port()
 
 
 def _http(method: str, url: str, body=None, timeout: float = 60):

@@ -3,7 +3,7 @@
 requests fail with the retryable 503, Serve's health check fails, Serve starts a new replica,
 and the deployment serves again from it. The engine (tests/cluster/replace_engine.py) reports
 what the pipeline engine's `health()` reports in that state; that the pipeline engine reports it
-when its verifier's node dies is tested in tests/cluster/test_pipeline_faults.py."""
+when its verifier's node dies is tested in tests/cluster/test_chaos.py."""
 from __future__ import annotations
 
 import time

@@ -21,18 +21,14 @@ import httpx
 import pytest
 import torch
 
+from tests.cluster.test_serve_shutdown import _free_port
+
 openai = pytest.importorskip("openai")
 grpc = pytest.importorskip("grpc")
 
 ROOT = Path(__file__).resolve().parents[2]
 ENGINE = os.environ.get("SPECFLASH_SERVE_TEST_ENGINE", "auto")
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    from tests.cluster.test_serve_shutdown import _free_port
-
-    return _free_port()
 
 
 @dataclass
@@ -48,7 +44,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tiny_target, far_draft, tmp_path_factory):
-    port, gport = free_port(), free_port()
+    port, gport = _free_port(), _free_port()
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     # `specflash serve`, through the console script's entry point (cluster.cli:main)
