@@ -32,7 +32,7 @@ class EagleDraft(Transformer):
     def _inputs(self, input_ids: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
         if features is None:
             raise ValueError("a feature-conditioned (EAGLE) draft needs the target's features as input")
-        if features.shape[:2] != input_ids.shape:
+        if features.shape[:-1] != input_ids.shape:
             raise ValueError(f"features {tuple(features.shape)} do not match input ids {tuple(input_ids.shape)}")
         return self.fc(torch.cat([self.embed_tokens(input_ids), features.to(self.fc.weight.dtype)], dim=-1))
 

@@ -16,6 +16,7 @@ Run it under `torch.no_grad()` / `torch.inference_mode()` all the same.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -165,30 +166,62 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        h: torch.Tensor,           # [B, T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],   # cos, sin: [B, T, 1, D/2]
+        h: torch.Tensor,           # [N, hidden]   every group's rows, packed (AttentionGroup)
+        rope: tuple[torch.Tensor, torch.Tensor],   # cos, sin: [N, 1, D/2]
         k_cache: torch.Tensor,     # [N_blocks, block_size, Hkv, D]  this layer's pages
         v_cache: torch.Tensor,     # [N_blocks, block_size, Hkv, D]
-        attn_meta: tuple,          # slots [B*T], block_tables [B, W], prefix_lens [B], tree_mask, CPU context
-    ) -> torch.Tensor:             # [B, T, hidden]
+        slots: torch.Tensor,       # [N] int64 cache slot of each row
+        groups: "Sequence[AttentionGroup]",
+    ) -> torch.Tensor:             # [N, hidden]
+        """Token-wise work (norms, projections, MLP) on all N rows at once; attention per group."""
         c = self.c
-        B, T, _ = h.shape
+        N = h.shape[0]
         Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
-        slots, block_tables, prefix_lens, tree_mask, context = attn_meta
 
-        qkv = self.qkv_proj(rms_norm(h, self.attn_norm, c.rms_norm_eps))   # [B, T, (Hq+2Hkv)*D]
-        qk = apply_rope(qkv[..., : (Hq + Hkv) * D].view(B, T, Hq + Hkv, D), *rope)
-        q, k = qk[:, :, :Hq], qk[:, :, Hq:]                                   # [B, T, Hq|Hkv, D]
-        v = qkv[..., (Hq + Hkv) * D :].reshape(B * T, Hkv, D)
-        k_cache.view(-1, Hkv, D).index_copy_(0, slots, k.reshape(B * T, Hkv, D))
+        qkv = self.qkv_proj(rms_norm(h, self.attn_norm, c.rms_norm_eps))   # [N, (Hq+2Hkv)*D]
+        qk = apply_rope(qkv[:, : (Hq + Hkv) * D].view(N, Hq + Hkv, D), *rope)
+        q, k = qk[:, :Hq], qk[:, Hq:]                                        # [N, Hq|Hkv, D]
+        v = qkv[:, (Hq + Hkv) * D :].reshape(N, Hkv, D)
+        k_cache.view(-1, Hkv, D).index_copy_(0, slots, k.reshape(N, Hkv, D))
         v_cache.view(-1, Hkv, D).index_copy_(0, slots, v)
-        attn = tree_attention(q, k_cache, v_cache, block_tables, prefix_lens, tree_mask, context=context,
-                              sliding_window=self.sliding_window)
-        h = h + self.o_proj(attn.reshape(B, T, Hq * D))
+        parts = []
+        for g in groups:
+            qg = q[g.start:g.start + g.batch * g.length].view(g.batch, g.length, Hq, D)
+            parts.append(tree_attention(qg, k_cache, v_cache, g.block_tables, g.prefix_lens, g.tree_mask,
+                                        context=g.context, sliding_window=self.sliding_window
+                                        ).reshape(g.batch * g.length, Hq * D))
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+        h = h + self.o_proj(attn)
 
-        gate_up = self.gate_up_proj(rms_norm(h, self.mlp_norm, c.rms_norm_eps))   # [B, T, 2I]
+        gate_up = self.gate_up_proj(rms_norm(h, self.mlp_norm, c.rms_norm_eps))   # [N, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences of one forward whose new tokens attend together, padded to the longest of them
+    (a packed forward holds several: `Transformer.forward_packed`). Rows of the packed [N, ...]
+    tensors: `start` + b * `length` + t for sequence b's token t."""
+
+    start: int                   # the group's first row
+    batch: int                   # B_g sequences
+    length: int                  # T_g rows each (padded)
+    block_tables: torch.Tensor   # [B_g, W] int32
+    prefix_lens: torch.Tensor    # [B_g] int32 cached tokens before this forward
+    tree_mask: torch.Tensor      # [B_g, T_g, T_g] bool
+    context: CpuAttentionContext | None = None   # on the CPU, built once per forward
+
+
+@dataclass
+class PackedInput:
+    """One group's inputs to `Transformer.forward_packed`: B_g sequences of T_g new tokens."""
+
+    seq_ids: list                # B_g cache sequence ids
+    input_ids: torch.Tensor      # [B_g, T_g] int64
+    positions: torch.Tensor      # [B_g, T_g] int64 RoPE positions
+    tree_mask: torch.Tensor      # [B_g, T_g, T_g] bool
+    features: torch.Tensor | None = None   # [B_g, T_g, hidden]: a feature-conditioned draft's input
 
 
 class Transformer(nn.Module):
@@ -222,15 +255,15 @@ class Transformer(nn.Module):
                             prefix_caching=prefix_caching)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] int64 → cos, sin [B, T, 1, D/2] in the model dtype."""
+        """positions [..., T] int64 → cos, sin [..., T, 1, D/2] in the model dtype."""
         inv_freq = self.inv_freq
         if self._dynamic_rope:
             seq_len = int(positions.max()) + 1 if positions.numel() else 0
             inv_freq = rope_inv_freq(self.config, seq_len)[0].to(positions.device)
         angles = positions[..., None].float() * inv_freq                # [B, T, D/2]
         dtype = self.embed_tokens.weight.dtype
-        cos = (angles.cos() * self._rope_scale).to(dtype).unsqueeze(2)
-        sin = (angles.sin() * self._rope_scale).to(dtype).unsqueeze(2)
+        cos = (angles.cos() * self._rope_scale).to(dtype).unsqueeze(-2)
+        sin = (angles.sin() * self._rope_scale).to(dtype).unsqueeze(-2)
         return cos, sin
 
     def forward(
@@ -281,29 +314,83 @@ class Transformer(nn.Module):
         return self._layers(input_ids, positions, cache, block_tables, prefix_lens, tree_mask, features)
 
     def _layers(self, input_ids, positions, cache, block_tables, prefix_lens, tree_mask, features=None):
-        """The layers on device tensors alone (no host reads): what a CUDA graph captures."""
+        """The layers on device tensors alone (no host reads): what a CUDA graph captures.
+        One group of B sequences, T tokens each → [B, T, hidden]."""
         B, T = input_ids.shape
-        device = input_ids.device
-        pos = prefix_lens[:, None].long() + torch.arange(T, device=device)     # [B, T] cache positions
-        bs = cache.block_size
-        slots = (block_tables.long().gather(1, pos // bs) * bs + pos % bs).reshape(B * T)
+        group = self._group(0, cache, block_tables, prefix_lens, tree_mask)
+        slots = self._slots(cache, block_tables, prefix_lens, T)
+        feats = None if features is None else features.reshape(B * T, -1)
+        return self._packed_layers(input_ids.reshape(B * T), positions.reshape(B * T), cache, slots, [group],
+                                   feats).view(B, T, -1)
+
+    def forward_packed(self, groups: Sequence[PackedInput], cache: PagedKVCache) -> torch.Tensor:
+        """One forward over several groups of sequences: each group is padded to its own longest
+        sequence only, the token-wise work runs on every group's rows at once and attention per
+        group (`models.tree.ragged_tree_forward` groups a batch of very different sizes, such as
+        a prompt's chunk beside small trees, this way). Every sequence grows by its group's T_g;
+        on any error every cache is left as it was. Returns the final-norm hidden states of all
+        rows, [sum of B_g * T_g, hidden], group by group (`AttentionGroup` rows)."""
+        device = self.embed_tokens.weight.device
+        seq_ids = [s for g in groups for s in g.seq_ids]
+        prefix = [cache.seq_len(s) for s in seq_ids]
+        done: list[tuple[Hashable, int]] = []
+        try:
+            for g in groups:
+                _reserve_all(cache, g.seq_ids, int(g.input_ids.shape[1]))
+                done += [(s, p) for s, p in zip(g.seq_ids, prefix[len(done):len(done) + len(g.seq_ids)])]
+            if len(groups) == 1:          # one group: the plain path (CUDA graphs where captured)
+                g = groups[0]
+                feats = None if g.features is None else g.features.to(device)
+                return self._hidden(g.input_ids.to(device), g.positions.to(device), cache, g.seq_ids,
+                                    g.tree_mask.to(device), prefix, feats).reshape(-1, self.config.hidden_size)
+            attn, slots, start, at = [], [], 0, 0
+            for g in groups:
+                B, T = g.input_ids.shape
+                table = cache.block_table(g.seq_ids)
+                lens = torch.tensor(prefix[at:at + B], dtype=torch.int32, device=device)
+                mask = g.tree_mask.to(device)
+                attn.append(self._group(start, cache, table, lens, mask))
+                slots.append(self._slots(cache, table, lens, T))
+                start, at = start + B * T, at + B
+            feats = None
+            if any(g.features is not None for g in groups):
+                feats = torch.cat([g.features.reshape(-1, g.features.shape[-1]) for g in groups]).to(device)
+            return self._packed_layers(torch.cat([g.input_ids.reshape(-1) for g in groups]).to(device),
+                                       torch.cat([g.positions.reshape(-1) for g in groups]).to(device),
+                                       cache, torch.cat(slots), attn, feats)
+        except BaseException:
+            for s, p in done:
+                cache.truncate(s, p)
+            raise
+
+    def _group(self, start: int, cache, block_tables, prefix_lens, tree_mask) -> AttentionGroup:
+        B, T = tree_mask.shape[0], tree_mask.shape[1]
         context = None            # on the CPU, what every layer's attention shares, built once
-        if not input_ids.is_cuda:
-            context = CpuAttentionContext(block_tables, prefix_lens, tree_mask, bs, self.config.num_heads,
-                                          self.config.num_kv_heads, self.config.sliding_window)
-        attn_meta = (slots, block_tables, prefix_lens, tree_mask, context)
+        if not tree_mask.is_cuda:
+            context = CpuAttentionContext(block_tables, prefix_lens, tree_mask, cache.block_size,
+                                          self.config.num_heads, self.config.num_kv_heads, self.config.sliding_window)
+        return AttentionGroup(start, B, T, block_tables, prefix_lens, tree_mask, context)
+
+    @staticmethod
+    def _slots(cache, block_tables, prefix_lens, T: int) -> torch.Tensor:    # [B * T] int64
+        pos = prefix_lens[:, None].long() + torch.arange(T, device=prefix_lens.device)   # [B, T] cache positions
+        bs = cache.block_size
+        return (block_tables.long().gather(1, pos // bs) * bs + pos % bs).reshape(-1)
+
+    def _packed_layers(self, input_ids, positions, cache, slots, groups, features=None) -> torch.Tensor:
+        """input_ids, positions, slots: [N]; features: [N, hidden] or None → [N, hidden]."""
         rope = self.rope(positions)
         h = self._inputs(input_ids, features)
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, cache.k[i], cache.v[i], attn_meta)
+            h = layer(h, rope, cache.k[i], cache.v[i], slots, groups)
         return rms_norm(h, self.norm, self.config.rms_norm_eps)
 
     def logits(
         self,
-        hidden: torch.Tensor,                         # [B, T, hidden]
+        hidden: torch.Tensor,                         # [B, T, hidden] (or [M, hidden] without positions)
         logit_rows: torch.Tensor | None = None,       # [V'] int64
         logit_positions: torch.Tensor | None = None,  # [T'] or [B, T'] int64
-    ) -> torch.Tensor:                                # [B, T' or T, V' or V] float32
+    ) -> torch.Tensor:                                # [B, T' or T, V' or V] float32 ([M, V'])
         if logit_positions is not None:
             if logit_positions.dim() == 1:
                 hidden = hidden[:, logit_positions]

@@ -107,6 +107,36 @@ def ancestor_mask(parent_ids: torch.Tensor) -> torch.Tensor:   # [T] -> [T, T] b
     return mask
 
 
+PAD_ROWS = 16        # padding a group of a packed forward may carry regardless of its size
+PAD_SHARE = 0.5      # and beyond that, at most this share of its real rows
+SPAN = 2.0           # the longest context in a group at most SPAN x its shortest (+ SPAN_SLACK)
+SPAN_SLACK = 64
+
+
+def pack_groups(lengths: Sequence[int], contexts: Sequence[int] | None = None) -> list[list[int]]:
+    """Sequences (their indices) grouped for one packed forward, in order of their contexts
+    (`contexts[i]`: the tokens sequence i attends to, cached + new; None: its new tokens), a
+    group closed when the next would pad its rows by more than `PAD_ROWS` and `PAD_SHARE` of
+    the real ones, or stretch its attention span (every sequence of a group attends over the
+    longest one's) past `SPAN`. Small trees of similar contexts stay one group; a prompt's
+    chunk beside them, or contexts far apart, get groups of their own."""
+    contexts = lengths if contexts is None else contexts
+    groups: list[list[int]] = []
+    real = shortest = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (contexts[i], lengths[i])):
+        n = max(1, int(lengths[i]))
+        if groups:
+            widest = max(n, max(max(1, int(lengths[j])) for j in groups[-1]))
+            padded, total = (len(groups[-1]) + 1) * widest, real + n
+            if padded - total <= max(PAD_ROWS, PAD_SHARE * total) and contexts[i] <= SPAN * shortest + SPAN_SLACK:
+                groups[-1].append(i)
+                real = total
+                continue
+        groups.append([i])
+        real, shortest = n, contexts[i]
+    return groups
+
+
 def ragged_tree_forward(
     model,                                   # models.Transformer
     cache,                                   # models.PagedKVCache
@@ -123,52 +153,60 @@ def ragged_tree_forward(
 ):                                           # B x [L_b, V or V'] float32 (, B x [T_b, hidden])
     """One forward over B trees of different sizes; each sequence grows by exactly T_b.
 
-    Rows are padded to the longest; a padding token sees only the prefix and
-    itself, no real token sees it, and its K/V slots are truncated away after.
-    With `lm_head` (a reduced head kept by the caller, e.g. a draft's
-    `logit_rows`) the logits come from the returned hidden states, so the rows
-    are not gathered again on every call. With `return_hidden`, also each
-    sequence's final-norm hidden states (the features the LM head read).
+    Sequences of similar sizes are padded to their longest and attend together; very
+    different sizes go to groups of their own (`pack_groups`), all in one packed forward
+    (`models.Transformer.forward_packed`): a 64-token prompt chunk beside eight 5-node
+    trees costs its 64 rows, not 9 x 64. A padding token sees only the prefix and itself,
+    no real token sees it, and its K/V slots are truncated away after. The LM head reads
+    only the `logit_positions` rows. With `lm_head` (a reduced head kept by the caller,
+    e.g. a draft's `logit_rows`) the logits come from that, so the rows are not gathered
+    again on every call. With `return_hidden`, also each sequence's final-norm hidden
+    states (the features the LM head read).
     """
-    B = len(seq_ids)
-    T = max(int(x.shape[0]) for x in input_ids)
-    L = max(max((int(x.shape[0]) for x in logit_positions), default=0), 1)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    pos = torch.zeros(B, T, dtype=torch.long)
-    mask = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)                 # [B, T, T]
-    rows = torch.zeros(B, L, dtype=torch.long)
-    for b in range(B):
-        n, m = int(input_ids[b].shape[0]), int(logit_positions[b].shape[0])
-        ids[b, :n], pos[b, :n] = input_ids[b], positions[b]
-        pos[b, n:] = positions[b][-1] if n else 0
-        mask[b, :n, :n] = tree_masks[b]
-        rows[b, :m] = logit_positions[b]
-    device = model.embed_tokens.weight.device
-    feats = None
-    if features is not None:
-        feats = torch.zeros(B, T, model.config.hidden_size, dtype=features[0].dtype)
-        for b in range(B):
-            feats[b, : features[b].shape[0]] = features[b]
-        feats = feats.to(device)
+    from models.transformer import PackedInput
+
+    sizes = [int(x.shape[0]) for x in input_ids]
     before = [cache.seq_len(s) for s in seq_ids]
-    rows = rows.to(device)
-    extra = {} if feats is None else {"features": feats}
+    # on the CPU a group's attention is padded to its longest context; the GPU kernel reads each
+    # sequence's own length (and one group keeps a forward on its CUDA graph)
+    on_cpu = model.embed_tokens.weight.device.type == "cpu"
+    contexts = [p + n for p, n in zip(before, sizes)] if on_cpu else None
+    groups, inputs, row_of = pack_groups(sizes, contexts), [], {}
+    start = 0
+    for members in groups:
+        T = max(1, max(sizes[b] for b in members))
+        B = len(members)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        pos = torch.zeros(B, T, dtype=torch.long)
+        mask = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)                 # [B, T, T]
+        feats = None if features is None else torch.zeros(B, T, model.config.hidden_size,
+                                                          dtype=features[0].dtype)
+        for j, b in enumerate(members):
+            n = sizes[b]
+            ids[j, :n], pos[j, :n] = input_ids[b], positions[b]
+            pos[j, n:] = positions[b][-1] if n else 0
+            mask[j, :n, :n] = tree_masks[b]
+            if feats is not None:
+                feats[j, :n] = features[b]
+            row_of[b] = (start + j * T, T)
+        inputs.append(PackedInput([seq_ids[b] for b in members], ids, pos, mask, feats))
+        start += B * T
+    hidden = model.forward_packed(inputs, cache)                              # [N, hidden]
+    device = hidden.device
+    picks = torch.cat([row_of[b][0] + logit_positions[b].long() for b in range(len(seq_ids))]).to(device)
+    picked = hidden.index_select(0, picks)                                    # [sum L_b, hidden]
     if lm_head is None:
-        logits, hidden = model(ids.to(device), pos.to(device), cache, seq_ids, mask.to(device),
-                               logit_rows=logit_rows, logit_positions=rows, return_hidden=True,
-                               **extra)                                          # [B, L, V']
-    else:   # the model's own head on one row only; ours on the hidden states
-        one_row = torch.zeros(1, dtype=torch.long, device=device)
-        _, hidden = model(ids.to(device), pos.to(device), cache, seq_ids, mask.to(device),
-                          logit_rows=one_row, logit_positions=one_row, return_hidden=True, **extra)
-        picked = hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))   # [B, L, H]
+        logits = model.logits(picked, logit_rows)                            # [sum L_b, V']
+    else:
         logits = (torch.nn.functional.linear(picked, lm_head) if head_pack is None
-                  else head_pack.matmul(picked, lm_head, None)).float()           # [B, L, V']
-    out, hiddens = [], []
+                  else head_pack.matmul(picked, lm_head, None)).float()
+    out, hiddens, at = [], [], 0
     for b, s in enumerate(seq_ids):
-        n = int(input_ids[b].shape[0])
-        if T > n:
-            cache.truncate(s, before[b] + n)
-        out.append(logits[b, : int(logit_positions[b].shape[0])])
-        hiddens.append(hidden[b, :n])
+        first, T = row_of[b]
+        if T > sizes[b]:
+            cache.truncate(s, before[b] + sizes[b])
+        m = int(logit_positions[b].shape[0])
+        out.append(logits[at:at + m])
+        at += m
+        hiddens.append(hidden[first:first + sizes[b]])
     return (out, hiddens) if return_hidden else out

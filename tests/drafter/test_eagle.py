@@ -58,14 +58,14 @@ def test_committed_tokens_read_the_targets_previous_feature(tiny_target, eagle_d
     """Every catch-up row j reads f_{j-1}, the target's final hidden state at position j-1."""
     target, draft = load_model(tiny_target), load_model(eagle_draft)
     engine = InProcessEngine(target, draft)
-    seen = []            # (positions, ids, features) of every draft forward
-    real = EagleDraft.forward
+    seen = []            # (positions, ids, features) of every group of every draft forward
+    real = EagleDraft.forward_packed
 
-    def spy(self, input_ids, positions, cache, seq_ids, tree_mask, *args, features=None, **kwargs):
-        seen.append((positions.clone(), input_ids.clone(), features.clone()))
-        return real(self, input_ids, positions, cache, seq_ids, tree_mask, *args, features=features, **kwargs)
+    def spy(self, groups, cache):
+        seen.extend((g.positions.clone(), g.input_ids.clone(), g.features.clone()) for g in groups)
+        return real(self, groups, cache)
 
-    monkeypatch.setattr(EagleDraft, "forward", spy)
+    monkeypatch.setattr(EagleDraft, "forward_packed", spy)
     prompt = PROMPTS[0]
     out = greedy(engine, [prompt], speculation_for("sync", 3, 1))[0]
     full = prompt + out.token_ids
@@ -77,7 +77,8 @@ def test_committed_tokens_read_the_targets_previous_feature(tiny_target, eagle_d
     hidden = hidden[0]
     fed = set()          # positions fed as (committed token, the target's feature before it)
     for positions, ids, feats in seen:
-        for pos, tok, f in zip(positions[0].tolist(), ids[0].tolist(), feats[0]):
+        for pos, tok, f in zip(positions.reshape(-1).tolist(), ids.reshape(-1).tolist(),
+                               feats.reshape(-1, feats.shape[-1])):
             if 0 < pos < len(full) and full[pos] == tok and torch.allclose(f, hidden[pos - 1], atol=1e-4):
                 fed.add(pos)
     # every committed token but those of the last step (at most K + 1 = 4) was fed that way

@@ -143,3 +143,82 @@ def test_prepacked_cpu_linear_follows_weight_updates(rows, transposed_gemv):
         torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias, atol=1e-5, rtol=0)
         lin.weight = torch.nn.Parameter(torch.randn(24, 16), requires_grad=False)
         torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias, atol=1e-5, rtol=0)
+
+
+def test_pack_groups_keeps_small_trees_together_and_a_chunk_apart():
+    from models.tree import pack_groups
+
+    trees = [1, 5, 3, 5, 2, 4, 5, 1]
+    assert sorted(pack_groups(trees)[0]) == list(range(8)) and len(pack_groups(trees)) == 1   # 8 rows of padding
+    groups = pack_groups(trees + [64])
+    assert groups[-1] == [8] and sorted(i for g in groups[:-1] for i in g) == list(range(8))
+    assert pack_groups([40, 41, 39]) == [[2, 0, 1]]                                 # similar prompts: one group
+    assert pack_groups([]) == []
+    # contexts: trees of similar contexts together; a short chunk deep into a long prompt apart
+    # (every member of a group attends over its longest context)
+    contexts = [300, 310, 290, 305, 320, 300, 295, 315]
+    assert len(pack_groups(trees, contexts)) == 1
+    groups = pack_groups(trees + [4], contexts + [1004])
+    assert groups[-1] == [8] and len(groups) == 2
+    assert len(pack_groups([5, 5, 5, 5], [100, 120, 1000, 1100])) == 2             # contexts far apart
+
+
+def test_a_packed_forward_equals_each_sequence_on_its_own(model):
+    """A 40-token prompt chunk beside trees of 8, 3 and 1 nodes (two groups: the trees, the
+    chunk) in one packed forward: every sequence's logits, hidden states and cache contents equal
+    those of its own forward, and each sequence grew by exactly its own tokens."""
+    from models.tree import pack_groups, ragged_tree_forward
+
+    torch.manual_seed(5)
+    prefixes = [torch.randint(0, 80, (n,)) for n in (3, 9, 14, 6)]
+    parents = [PARENTS, [-1, 0, 1], None, [-1]]          # None: the chunk, a causal chain
+    chunk = torch.randint(0, 80, (40,))
+    sizes = [len(PARENTS), 3, 40, 1]
+    assert len(pack_groups(sizes)) == 2                    # the trees together, the chunk apart
+
+    def inputs(b):
+        if parents[b] is None:
+            n = len(chunk)
+            return chunk, len(prefixes[b]) + torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril()
+        ids, pos, mask = tree_inputs(parents[b], torch.randint(0, 80, (len(parents[b]),)), len(prefixes[b]))
+        return ids[0], pos[0], mask[0]
+
+    batch = [inputs(b) for b in range(4)]
+    logit_positions = [torch.arange(sizes[b]) if parents[b] is not None else torch.tensor([39, 0]) for b in range(4)]
+    cache = model.new_cache(64, 4)
+    with torch.no_grad():
+        for b, p in enumerate(prefixes):
+            prefill(model, cache, b, p)
+        got, hidden = ragged_tree_forward(model, cache, list(range(4)), [x[0] for x in batch], [x[1] for x in batch],
+                                          [x[2] for x in batch], logit_positions, return_hidden=True)
+        for b in range(4):
+            assert cache.seq_len(b) == len(prefixes[b]) + sizes[b]
+            alone = model.new_cache(64, 4)
+            prefill(model, alone, "s", prefixes[b])
+            ids, pos, mask = batch[b]
+            want_logits, want_hidden = model(ids[None], pos[None], alone, ["s"], mask[None], return_hidden=True)
+            torch.testing.assert_close(got[b], want_logits[0][logit_positions[b]], atol=ATOL, rtol=0)
+            torch.testing.assert_close(hidden[b], want_hidden[0], atol=ATOL, rtol=0)
+            n = len(prefixes[b]) + sizes[b]
+            mine, theirs = cache.block_table([b])[0].long(), alone.block_table(["s"])[0].long()
+            for layer in range(model.config.num_layers):
+                k_mine = cache.k[layer][mine].reshape(-1, *cache.k.shape[-2:])[:n]
+                k_alone = alone.k[layer][theirs].reshape(-1, *alone.k.shape[-2:])[:n]
+                torch.testing.assert_close(k_mine, k_alone, atol=ATOL, rtol=0)
+
+
+def test_out_of_blocks_in_a_later_group_leaves_every_group_unchanged(model):
+    from models.tree import ragged_tree_forward
+
+    cache = model.new_cache(num_blocks=6, block_size=4)
+    with torch.no_grad():
+        prefill(model, cache, "a", torch.tensor([1, 2, 3]))
+        prefill(model, cache, "b", torch.tensor([4, 5, 6]))
+        before = (cache.num_free_blocks, cache.seq_len("a"), cache.seq_len("b"))
+        chunk = torch.arange(30) % 80                 # "a"'s one-token step fits, "b"'s chunk does not
+        with pytest.raises(OutOfBlocks):
+            ragged_tree_forward(model, cache, ["a", "b"], [torch.tensor([7]), chunk],
+                                [torch.tensor([3]), 3 + torch.arange(30)],
+                                [torch.ones(1, 1, dtype=torch.bool), torch.ones(30, 30, dtype=torch.bool).tril()],
+                                [torch.tensor([0]), torch.zeros(0, dtype=torch.long)])
+    assert (cache.num_free_blocks, cache.seq_len("a"), cache.seq_len("b")) == before
