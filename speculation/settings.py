@@ -84,11 +84,11 @@ class KVCacheSettings(BaseModel):
         "in the target's cache and the draft model's; a request may opt out (`prefix_cache: false`)."))
     prefill_chunk: int = Field(0, ge=0, description=(
         "Chunked prefill: a prompt longer than this many tokens is prefilled this many at a time, "
-        "one chunk between two steps of the running streams, so a long prompt does not stall "
-        "them; 0 = whole prompts in one forward."))
+        "one chunk per step, inside the running streams' verification forward while they decode, "
+        "so a long prompt does not stall them; 0 = whole prompts in one forward."))
     prefill_step_share: float = Field(0.5, ge=0, description=(
         "With chunked prefill, while streams decode, a chunk is sized (at most `prefill_chunk` "
-        "tokens) so that its forward takes at most this share of their step's measured time: "
+        "tokens) so that it adds at most this share to their step's measured time: "
         "their inter-token latency grows by at most 1 + this (vLLM's per-step token budget, in "
         "seconds; verifier/chunking.py); 0 = always `prefill_chunk` tokens."))
 

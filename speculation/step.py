@@ -57,15 +57,16 @@ async def _inline(fn: Callable, *args):
 class Verifying(Protocol):
     """The target side (verifier.target.TargetSide)."""
 
-    def verify_items(self, items: list[StepItem], threads: int | None) -> tuple[list, float]: ...
+    def verify_items(self, items: list[StepItem], threads: int | None, chunks: list | None) -> tuple[list, float]: ...
 
 
 async def speculative_step(items: list[StepItem], target: Verifying,
-                           run: Callable[..., Awaitable] = _inline, threads: int | None = None
-                           ) -> tuple[list[StepOutcome], float]:
+                           run: Callable[..., Awaitable] = _inline, threads: int | None = None,
+                           chunks: list | None = None) -> tuple[list[StepOutcome], float]:
     """One speculative step over a batch. `run(fn, *args)` runs the target's forward where the
-    model lives (the model thread, or inline); `threads`: torch threads for it. Returns the
-    outcomes and the forward's seconds."""
+    model lives (the model thread, or inline); `threads`: torch threads for it; `chunks`:
+    prompts' chunks (`verifier.verifier.PromptChunk`) fed in the same forward (chunked
+    prefill). Returns the outcomes and the forward's seconds."""
     # 1. Draft: done before the step. Each item's tree claims exactly its sequence's
     #    committed prefix, with the draft distribution q of every node (None when greedy).
     # 2. Verify: ONE target forward over every sequence's [root] + tree nodes, each under its
@@ -74,7 +75,7 @@ async def speculative_step(items: list[StepItem], target: Verifying,
     #    argmax; sampled, child x with probability min(1, p(x) / q(x)), p <- norm(max(p - q, 0))
     #    after each rejection. The path ends with one token of the target's own: the bonus
     #    (sampled from p below the last accepted node) or the correction.
-    results, seconds = await run(target.verify_items, items, threads)
+    results, seconds = await run(target.verify_items, items, threads, chunks)
     # 4. Commit the accepted path and that token, up to each sequence's stop condition; the
     #    target's KV cache already keeps exactly these (the verifier compacted it).
     return [StepOutcome(it, res, it.seq.commit(res.token_ids)) for it, res in zip(items, results)], seconds

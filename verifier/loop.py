@@ -145,12 +145,15 @@ class EngineLoop:
         threads = sch.step_threads(batch)
         if sch.announced:           # bridge chains, drafted on the model thread before the forward
             await self.run_model(sch.bridge_chains, batch, threads)
-        outcomes, seconds = await speculative_step(batch, sch.target, self.run_model, threads)
+        chunks = sch.riders               # prompts' chunks ride in this forward (chunked prefill)
+        outcomes, seconds = await speculative_step(batch, sch.target, self.run_model, threads, chunks)
         sch.publish(outcomes, draft_s, seconds)
+        if chunks:
+            sch.rode(chunks, seconds)
         end = time.monotonic()
         sch.stats.observe_wall(end - start)
         # the planner pays what a step really costs: its wall time plus the idle waits before it
-        sch.observe_step(batch, seconds, threads, end - admitted)
+        sch.observe_step(batch, seconds, threads, end - admitted, chunks)
         return True
 
     async def admit(self) -> None:

@@ -50,6 +50,7 @@ from verifier.registry import DrafterRegistry
 from verifier.ring import Ring, RingEntry
 from verifier.stream import VerifyStream
 from verifier.target import PREFILLING
+from verifier.verifier import PromptChunk
 
 log = logging.getLogger("specflash.verifier")
 
@@ -113,6 +114,7 @@ class Scheduler:
         self.costs.choose(settings.ring_slots > 1, self.threads)
         self.chunks = PrefillBudget(settings.prefill_chunk, settings.prefill_step_share)
         self.feeds: dict[str, int | None] = {}   # this step's prefills: tokens each may feed (None: all)
+        self.riders: list[PromptChunk] = []     # those fed inside the next verification forward
         self.lookup = VerifierLookup(settings.lookup, few_row_limit(target.model))
         self.adaptive.row_limit = self.lookup.planner.row_limit
         self.registry = DrafterRegistry(settings, node_id, gpu_ids, self.threads)
@@ -220,10 +222,11 @@ class Scheduler:
         # the prefill's token budget (verifier/chunking.py): prompts under way first, oldest first
         self.feeds = {}
         self.chunks.start(decoding=running > 0)
-        for rid in [r for r in self.streams if r in self.target.partial]:
+        for rid, s in [(r, s) for r, s in self.streams.items() if s.admitted and not s.prefilled]:
             if self.chunks.spent:
                 break
-            self.feeds[rid] = self.chunks.grant(len(self.streams[rid].prompt) - 1 - self.target.cache.seq_len(rid))
+            have = self.target.cache.seq_len(rid) if self.target.cache.has_sequence(rid) else 0
+            self.feeds[rid] = self.chunks.grant(len(s.prompt) - 1 - have)
         while self.joins and running + len(joins) < self.settings.max_batch_size and not self.chunks.spent:
             s = self.streams[self.joins[0]]
             need = -(-(len(s.prompt) + s.params.max_tokens + MAX_SPEC_LEN * s.tree_width + 2)
@@ -242,6 +245,11 @@ class Scheduler:
         if joins:
             self._admit(joins)
         joins += [rid for rid in self.feeds if rid not in joins]   # the next chunks of prompts under way
+        # while streams decode, a chunk rides in their next verification forward (no pass of its own)
+        self.riders = [PromptChunk(rid, self.streams[rid].prompt, self.streams[rid].prefix_cache, self.feeds[rid])
+                       for rid in joins if running and self.chunks.chunk > 0
+                       and self.streams[rid].params.prompt_logprobs is None]
+        joins = [rid for rid in joins if rid not in {c.seq_id for c in self.riders}]
         # a prefill, like a plain step, may run on the idle drafters' cores
         threads = self.registry.lendable_threads() if self.members.drafters_idle() else self.threads
         return to_free, joins, threads
@@ -281,10 +289,8 @@ class Scheduler:
         features = {}
         for rid in joins:
             s = self.streams.get(rid)
-            begin = time.perf_counter()
             features[rid] = self.target.prefill(rid, s.prompt if s is not None else [0],
                                                 s is not None and s.prefix_cache, self.feeds.get(rid) or 0)
-            self.chunks.observe_prefill(self.target.fed, time.perf_counter() - begin)
             if s is not None and s.params.prompt_logprobs is not None:
                 s.prompt_logprobs = self.target.prompt_logprobs(s.prompt, s.params)
         seconds = (time.perf_counter() - start) / max(1, len(joins))
@@ -293,6 +299,17 @@ class Scheduler:
                 done = features[rid] is not PREFILLING
                 self.streams[rid].observe_prefill(seconds, self.target.cached_tokens(rid), self.stats, done)
         return features
+
+    def rode(self, riders: list[PromptChunk], seconds: float) -> None:
+        """After a step whose forward fed `riders` (`seconds`: the forward's): their outcomes."""
+        self.riders = []
+        features = {c.seq_id: self.target.after_chunk(c) for c in riders}
+        for c in riders:
+            s = self.streams.get(c.seq_id)
+            if s is not None:
+                s.observe_prefill(seconds / len(riders), self.target.cached_tokens(c.seq_id), self.stats,
+                                  features[c.seq_id] is not PREFILLING)
+        self.prefilled([c.seq_id for c in riders], features)
 
     def prefilled(self, joins: list[str], features: dict) -> None:
         for rid in joins:
@@ -458,19 +475,23 @@ class Scheduler:
         waiting = bool(self.target.partial or self.joins)     # each step pays a prompt's chunk too
         self.adaptive.chunk_s = self.chunks.seconds(self.chunks.tokens(True) or 0) if waiting else 0.0
 
-    def observe_step(self, batch: list[StepItem], seconds: float, threads: int, step_s: float) -> None:
-        """The step's forward (`seconds`, on `threads`) and its cost after admission (`step_s`)."""
+    def observe_step(self, batch: list[StepItem], seconds: float, threads: int, step_s: float,
+                     chunks: list[PromptChunk] | None = None) -> None:
+        """The step's forward (`seconds`, on `threads`) and its cost after admission (`step_s`);
+        `chunks`: the prompt chunks its forward fed too."""
         borrowed = threads != self.threads
         self.stats.observe_batch(seconds)
         if borrowed:
             self.stats.observe_borrowed_step()
-        rows = sum(1 + it.tree.num_nodes for it in batch)
+        tree_rows = sum(1 + it.tree.num_nodes for it in batch)
+        fed = sum(len(c.ids or ()) for c in chunks or ())
+        self.chunks.observe_step(step_s, tree_rows, fed)
+        rows = tree_rows + fed
         self.costs.observe_forward(rows, seconds, borrowed)
         trees = drafted(batch)
         lockstep = trees and all(self.members.lockstep(it.seq.drafter) for it in trees)
         levels = max(int(it.tree.depths.max()) for it in trees) if lockstep else None
         self.costs.observe_step(rows, step_s, levels, borrowed, bool(trees))
-        self.chunks.observe_step(step_s)
 
     # -- reports -------------------------------------------------------------------------
     def health(self) -> dict:

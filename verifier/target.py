@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from verifier.verifier import Verifier, VerifyRequest
+from verifier.verifier import PromptChunk, Verifier, VerifyRequest
 
 PREFILLING = "prefilling"     # what `TargetSide.prefill` returns while chunks of the prompt remain
 
@@ -51,16 +51,21 @@ class TargetSide:
         tokens found cached: `cached_tokens(seq_id)`. `chunk` > 0: feed at most that many
         tokens per call (chunked prefill): returns `PREFILLING` until a call completes it. `fed`:
         the tokens this call fed."""
-        at = self.cache.seq_len(seq_id) if self.cache.has_sequence(seq_id) else None
-        out = self.verifier.prefill_batch([seq_id], [prompt], use_cache=[use_cache], limit=chunk or None)
-        self.fed = self.cache.seq_len(seq_id) - (self.cached_tokens(seq_id) if at is None else at)
-        if out is not None:
-            self._pieces.setdefault(seq_id, []).append(out[seq_id])
-        if self.cache.seq_len(seq_id) < len(prompt) - 1:
-            self.partial.add(seq_id)
+        c = PromptChunk(seq_id, prompt, use_cache, chunk or None)
+        self.verifier.feed_chunks([c])
+        return self.after_chunk(c)
+
+    def after_chunk(self, c: PromptChunk):
+        """A prompt's chunk fed (by `prefill` or inside a verification): `fed`, the prompt's
+        features so far; returns `PREFILLING` while chunks remain, else what `prefill` returns."""
+        self.fed = self.cache.seq_len(c.seq_id) - c.at
+        if c.hidden is not None:
+            self._pieces.setdefault(c.seq_id, []).append(c.hidden)
+        if self.cache.seq_len(c.seq_id) < len(c.prompt) - 1:
+            self.partial.add(c.seq_id)
             return PREFILLING
-        self.partial.discard(seq_id)
-        pieces = self._pieces.pop(seq_id, None)
+        self.partial.discard(c.seq_id)
+        pieces = self._pieces.pop(c.seq_id, None)
         return None if pieces is None else torch.cat(pieces)
 
     def cached_tokens(self, seq_id: str) -> int:
@@ -70,22 +75,24 @@ class TargetSide:
         """`Verifier.prompt_logprobs`: None, then a TokenLogprob per prompt token after the first."""
         return self.verifier.prompt_logprobs(prompt, params)
 
-    def verify(self, requests: list, threads: int | None = None) -> tuple[list, float]:
+    def verify(self, requests: list, threads: int | None = None, chunks: list | None = None) -> tuple[list, float]:
         """`requests`: verifier.VerifyRequest list. Returns (VerifyResult list, seconds).
 
         `threads`: torch threads for this forward, set in the calling thread (OpenMP's
-        thread count is a per-thread setting).
+        thread count is a per-thread setting). `chunks`: `PromptChunk`s fed in the same
+        forward (chunked prefill); `after_chunk` reads each one's outcome.
         """
         if threads is not None and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         start = time.perf_counter()
-        results = self.verifier.verify(requests)
+        results = self.verifier.verify(requests, chunks or ())
         return results, time.perf_counter() - start
 
-    def verify_items(self, items: list, threads: int | None = None) -> tuple[list, float]:
+    def verify_items(self, items: list, threads: int | None = None, chunks: list | None = None
+                     ) -> tuple[list, float]:
         """`verify` for a step's `speculation.step.StepItem`s: each sequence's root and tree."""
         return self.verify([VerifyRequest(it.seq.request_id, it.seq.committed[-1], it.tree, it.seq.params,
-                                          it.seq.generator, it.seq.committed) for it in items], threads)
+                                          it.seq.generator, it.seq.committed) for it in items], threads, chunks)
 
     def release(self, seq_id: str, token_ids: list[int] | None = None) -> None:
         """Free the sequence; `token_ids`: its committed tokens, whose full blocks stay cached."""

@@ -76,6 +76,19 @@ class VerifyRequest:
 
 
 @dataclass
+class PromptChunk:
+    """A prompt's next tokens to prefill (all of them, or a chunk of a chunked prefill)."""
+
+    seq_id: Hashable
+    prompt: Sequence[int]           # the whole prompt; all but its last token are prefilled
+    use_cache: bool = True          # start on (and leave) cached prefix blocks
+    limit: int | None = None        # feed at most this many tokens now (None: the rest)
+    at: int = 0                     # filled in: the sequence's length before this chunk
+    ids: list[int] | None = None    # filled in: the tokens fed now
+    hidden: torch.Tensor | None = None   # filled in, with features: their hidden states [n, hidden]
+
+
+@dataclass
 class VerifyResult:
     accepted_nodes: list[int]       # accepted path as node indices, root to leaf
     token_ids: list[int]            # tokens of that path + next_token_id
@@ -125,50 +138,68 @@ class Verifier:
         now (all but the last, when whole) [n, hidden] (the target's cache then has no
         prefix caching: `verifier.target.TargetSide`).
         """
-        use_cache = [True] * len(seq_ids) if use_cache is None else list(use_cache)
-        for s, p, use in zip(seq_ids, prompts, use_cache):
-            if self.cache.has_sequence(s):
-                continue                                      # the next chunk of its prompt
-            self.cached_tokens[s] = self.cache.add_sequence(s, self._lookup(p) if use else None)
-            if not use:
-                self._uncached.add(s)
-            if self._keeps_features:
-                self._seq_features[s] = [self._block_features[k] for k in self.cache.block_keys(s)]
-        todo = []
-        for s, p in zip(seq_ids, prompts):
-            start = self.cache.seq_len(s)
-            end = len(p) - 1 if limit is None else min(len(p) - 1, start + limit)
-            if end > start:
-                todo.append((s, list(p[start:end])))
-        at = {s: self.cache.seq_len(s) for s, _ in todo}
-        todo.sort(key=lambda item: len(item[1]))              # similar lengths pad less
-        hidden: dict[Hashable, torch.Tensor] = {}
+        chunks = [PromptChunk(s, p, True if use_cache is None else use_cache[i], limit)
+                  for i, (s, p) in enumerate(zip(seq_ids, prompts))]
+        self.feed_chunks(chunks, max_rows)
+        return {c.seq_id: c.hidden for c in chunks} if self.features else None
+
+    @torch.inference_mode()
+    def feed_chunks(self, chunks: Sequence["PromptChunk"], max_rows: int = 64) -> None:
+        """`prefill_batch` on `PromptChunk`s, each filled in (`at`, `ids`, `hidden`)."""
+        todo = self._start_chunks(chunks)
+        todo.sort(key=lambda c: len(c.ids))                   # similar lengths pad less
         for i in range(0, len(todo), max_rows):
-            chunk = todo[i:i + max_rows]
-            out = ragged_tree_forward(
-                self.model, self.cache, [s for s, _ in chunk],
-                [torch.tensor(ids, dtype=torch.long) for _, ids in chunk],
-                [at[s] + torch.arange(len(ids)) for s, ids in chunk],
-                [torch.ones(len(ids), len(ids), dtype=torch.bool).tril() for _, ids in chunk],
-                [torch.zeros(0, dtype=torch.long) for _ in chunk], return_hidden=self.features)
+            part = todo[i:i + max_rows]
+            out = ragged_tree_forward(self.model, self.cache, [c.seq_id for c in part],
+                                      *self._chunk_inputs(part), return_hidden=self.features)
             if self.features:
-                hidden.update({s: h.cpu() for (s, _), h in zip(chunk, out[1])})
+                for c, h in zip(part, out[1]):
+                    c.hidden = h.cpu()
+        self._end_chunks(chunks)
+
+    def _start_chunks(self, chunks: Sequence["PromptChunk"]) -> list["PromptChunk"]:
+        """Add the chunks' sequences that are new (on their cached prefix) and give each chunk the
+        tokens it feeds now (`ids`, from `at`). Returns those with tokens to feed."""
+        for c in chunks:
+            if self.cache.has_sequence(c.seq_id):
+                continue                                      # the next chunk of its prompt
+            self.cached_tokens[c.seq_id] = self.cache.add_sequence(c.seq_id, self._lookup(c.prompt)
+                                                                   if c.use_cache else None)
+            if not c.use_cache:
+                self._uncached.add(c.seq_id)
+            if self._keeps_features:
+                self._seq_features[c.seq_id] = [self._block_features[k] for k in self.cache.block_keys(c.seq_id)]
+        for c in chunks:
+            c.at = self.cache.seq_len(c.seq_id)
+            end = len(c.prompt) - 1 if c.limit is None else min(len(c.prompt) - 1, c.at + c.limit)
+            c.ids = list(c.prompt[c.at:end])
+        return [c for c in chunks if c.ids]
+
+    @staticmethod
+    def _chunk_inputs(chunks: Sequence["PromptChunk"]) -> tuple[list, list, list, list]:
+        """`ragged_tree_forward`'s inputs for prompt chunks: causal chains, no logits."""
+        return ([torch.tensor(c.ids, dtype=torch.long) for c in chunks],
+                [c.at + torch.arange(len(c.ids)) for c in chunks],
+                [torch.ones(len(c.ids), len(c.ids), dtype=torch.bool).tril() for c in chunks],
+                [torch.zeros(0, dtype=torch.long) for _ in chunks])
+
+    def _end_chunks(self, chunks: Sequence["PromptChunk"]) -> None:
+        """After the forward: each chunk's features (with the cached blocks' before the first),
+        its sequence's full blocks registered in the prefix cache."""
         width = self.model.config.hidden_size
-        for s, p in zip(seq_ids, prompts):
+        for c in chunks:
+            if c.hidden is None and self.features:
+                c.hidden = torch.zeros(0, width)
             if self._keeps_features:      # the first call's output starts with the cached blocks'
-                first = at.get(s, self.cache.seq_len(s)) == self.cached_tokens[s]
-                pieces = self._seq_features[s] if first else []
-                hidden[s] = torch.cat(pieces + [hidden.get(s, torch.zeros(0, width))])
+                first = c.at == self.cached_tokens[c.seq_id]
+                c.hidden = torch.cat((self._seq_features[c.seq_id] if first else []) + [c.hidden])
                 if first:
-                    self._seq_features[s] = [hidden[s]]
+                    self._seq_features[c.seq_id] = [c.hidden]
                 else:
-                    self._seq_features[s].append(hidden[s])
-            if s not in self._uncached:
-                self.cache.cache_prefix(s, list(p[:-1]))
-                self._keep_block_features(s)
-        if not self.features:
-            return None
-        return {s: hidden.get(s, torch.zeros(0, width)) for s in seq_ids}
+                    self._seq_features[c.seq_id].append(c.hidden)
+            if c.seq_id not in self._uncached:
+                self.cache.cache_prefix(c.seq_id, list(c.prompt[:-1]))
+                self._keep_block_features(c.seq_id)
 
     @torch.inference_mode()
     def prompt_logprobs(self, prompt_ids: Sequence[int], params: SamplingParams) -> list:
@@ -228,25 +259,33 @@ class Verifier:
         self._uncached.discard(seq_id)
 
     @torch.inference_mode()
-    def verify(self, batch: Sequence[VerifyRequest]) -> list[VerifyResult]:
-        """One target forward over all trees of the batch, then accept / reject per tree."""
+    def verify(self, batch: Sequence[VerifyRequest], chunks: Sequence["PromptChunk"] = ()) -> list[VerifyResult]:
+        """One target forward over all trees of the batch, then accept / reject per tree.
+        `chunks`: prompts' next chunks (chunked prefill), fed in the same forward: each filled
+        in as `prefill_batch` would (their sequences must not be in `batch`)."""
         for r in batch:
             cached = self.cache.seq_len(r.seq_id)
             if r.tree.prefix_len != cached + 1:
                 raise StaleTreeError(f"tree for prefix {r.tree.prefix_len} but sequence {r.seq_id!r} "
                                      f"has {cached + 1} committed tokens")
+        feeding = self._start_chunks(chunks)
+        extra = self._chunk_inputs(feeding)
         target_logits = ragged_tree_forward(                                     # B x [T+1, V]
-            self.model, self.cache, [r.seq_id for r in batch],
-            [torch.cat([torch.tensor([r.root_token_id]), r.tree.token_ids]) for r in batch],
+            self.model, self.cache, [r.seq_id for r in batch] + [c.seq_id for c in feeding],
+            [torch.cat([torch.tensor([r.root_token_id]), r.tree.token_ids]) for r in batch] + extra[0],
             [r.tree.prefix_len - 1 + torch.cat([torch.zeros(1, dtype=torch.long), r.tree.depths])
-             for r in batch],
-            [r.tree.verification_mask() for r in batch],
-            [torch.arange(r.tree.num_nodes + 1) for r in batch],
+             for r in batch] + extra[1],
+            [r.tree.verification_mask() for r in batch] + extra[2],
+            [torch.arange(r.tree.num_nodes + 1) for r in batch] + extra[3],
             return_hidden=self.features,
         )
         hidden = None
         if self.features:
             target_logits, hidden = target_logits
+            for c, h in zip(feeding, hidden[len(batch):]):
+                c.hidden = h.cpu()
+        target_logits = target_logits[:len(batch)]
+        self._end_chunks(chunks)
         target_logits = [process_logits(logits, r.params, TokenHistory(r.committed, r.tree.row_paths()))
                          if r.params.reads_history else logits for r, logits in zip(batch, target_logits)]
         results: list[VerifyResult | None] = [None] * len(batch)

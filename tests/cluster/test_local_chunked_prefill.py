@@ -23,58 +23,80 @@ def engine(tiny_target, close_draft, chunk: int, caching: bool = False, share: f
     return build_engine(tiny_target, close_draft, settings=settings).engine
 
 
-@pytest.mark.parametrize("mode,K,W", [("off", 1, 1), ("sync", 3, 1), ("sync", 2, 2)])
-def test_chunked_prefill_gives_the_one_shot_output_and_interleaves_with_decoding(
-        tiny_target, close_draft, hf_target, mode, K, W):
-    eng = engine(tiny_target, close_draft, chunk=16)
-    events = []
-    prefill, verify = eng.side.prefill, eng.side.verify_items
-    eng.side.prefill = lambda sid, prompt, *rest: (events.append(("prefill", sid)), prefill(sid, prompt, *rest))[1]
-    eng.side.verify_items = lambda items, *rest: (events.append(("step", len(items))), verify(items, *rest))[1]
-    prompts = SHORT + [LONG]
-    outs = eng.generate([request(f"r{i}", p, mode, K, W) for i, p in enumerate(prompts)])
-    assert [o.token_ids for o in outs] == [hf_greedy(hf_target, p, 12) for p in prompts]
-    chunks = [i for i, e in enumerate(events) if e == ("prefill", "r2")]
-    assert len(chunks) == -(-(len(LONG) - 1) // 16)
-    between = [e for e in events[chunks[0]:chunks[-1]] if e[0] == "step"]
-    # the short streams step between the long prompt's chunks (in a speculative mode a pass may
-    # also be the in-process drafter's turn, with no verification)
-    assert len(between) >= (len(chunks) - 1 if mode == "off" else 2), events
-    one_shot = engine(tiny_target, close_draft, chunk=0).generate(
-        [request(f"r{i}", p, mode, K, W) for i, p in enumerate(prompts)])
-    assert [o.token_ids for o in one_shot] == [o.token_ids for o in outs]
-
-
-def test_with_a_token_budget_one_chunk_of_a_measured_size_runs_between_two_steps(tiny_target, close_draft, hf_target):
-    """While streams decode, each step's prefill feeds at most one chunk, of a multiple of
-    MIN_CHUNK tokens within prefill_chunk (verifier/chunking.py); the output is unchanged."""
-    from verifier.chunking import MIN_CHUNK
-
-    eng = engine(tiny_target, close_draft, chunk=32, share=0.5)
-    events = []
+def instrument(eng, events: list) -> None:
+    """Record ("prefill", seq id, limit, tokens fed) for a chunk in a forward of its own and
+    ("step", the request ids verified, [(seq id, tokens fed) of the chunks riding in it])."""
     prefill, verify = eng.side.prefill, eng.side.verify_items
 
-    def chunk(sid, prompt, use_cache, limit):
+    def chunk(sid, prompt, use_cache=True, limit=0):
         at = eng.side.cache.seq_len(sid) if eng.side.cache.has_sequence(sid) else 0
         out = prefill(sid, prompt, use_cache, limit)
         events.append(("prefill", sid, limit, eng.side.cache.seq_len(sid) - at))
         return out
 
-    eng.side.prefill = chunk
-    eng.side.verify_items = lambda items, *rest: (
-        events.append(("step", {it.seq.request_id for it in items})), verify(items, *rest))[1]
+    def step(items, threads=None, chunks=None):
+        out = verify(items, threads, chunks)
+        events.append(("step", {it.seq.request_id for it in items}, [(c.seq_id, len(c.ids or ())) for c in chunks or ()]))
+        return out
+
+    eng.side.prefill, eng.side.verify_items = chunk, step
+
+
+def fed_chunks(events: list, sid: str) -> list[tuple[str, int]]:
+    """("alone" | "riding", tokens) of every chunk of `sid`'s prompt, in order."""
+    out = []
+    for e in events:
+        if e[0] == "prefill" and e[1] == sid:
+            out.append(("alone", e[3]))
+        elif e[0] == "step":
+            out += [("riding", n) for s, n in e[2] if s == sid]
+    return out
+
+
+@pytest.mark.parametrize("mode,K,W", [("off", 1, 1), ("sync", 3, 1), ("sync", 2, 2)])
+def test_chunked_prefill_gives_the_one_shot_output_and_rides_in_the_decoding_steps(
+        tiny_target, close_draft, hf_target, mode, K, W):
+    eng = engine(tiny_target, close_draft, chunk=16)
+    events = []
+    instrument(eng, events)
+    prompts = SHORT + [LONG]
+    outs = eng.generate([request(f"r{i}", p, mode, K, W) for i, p in enumerate(prompts)])
+    assert [o.token_ids for o in outs] == [hf_greedy(hf_target, p, 12) for p in prompts]
+    chunks = fed_chunks(events, "r2")
+    assert sum(n for _, n in chunks) == len(LONG) - 1
+    # all three joined at once: nothing decoded yet, the first step's 16 tokens went to the three
+    # prompts, in forwards of their own; then chunks of 16, the last one what was left
+    assert chunks[0][0] == "alone" and all(n == 16 for _, n in chunks[1:-1]) and chunks[-1][1] <= 16
+    # while the short streams decode, every chunk rides in a verification of theirs (once they
+    # are done, the rest goes alone)
+    decoding = [i for i, e in enumerate(events) if e[0] == "step" and e[1] & {"r0", "r1"}]
+    meanwhile = events[decoding[0]:decoding[-1] + 1]
+    assert not [e for e in meanwhile if e[0] == "prefill"]
+    assert len([e for e in meanwhile if e[2]]) >= 2
+    assert all(e[1] & {"r0", "r1"} for e in events if e[0] == "step" and e[2])
+    one_shot = engine(tiny_target, close_draft, chunk=0).generate(
+        [request(f"r{i}", p, mode, K, W) for i, p in enumerate(prompts)])
+    assert [o.token_ids for o in one_shot] == [o.token_ids for o in outs]
+
+
+def test_with_a_token_budget_one_chunk_of_a_measured_size_rides_in_each_step(tiny_target, close_draft, hf_target):
+    """While streams decode, each step's forward feeds at most one chunk, of a multiple of
+    MIN_CHUNK tokens within prefill_chunk (verifier/chunking.py); the output is unchanged."""
+    from verifier.chunking import MIN_CHUNK
+
+    eng = engine(tiny_target, close_draft, chunk=32, share=0.5)
+    events = []
+    instrument(eng, events)
     prompts = SHORT + [LONG]
     outs = eng.generate([request(f"r{i}", p, "off", 1, 1) for i, p in enumerate(prompts)])
     assert [o.token_ids for o in outs] == [hf_greedy(hf_target, p, 12) for p in prompts]
-    steps = [i for i, e in enumerate(events) if e[0] == "step" and e[1] & {"r0", "r1"}]
-    assert sum(e[3] for e in events[:steps[0]]) == 32             # nothing decodes yet: one whole chunk's tokens
-    later = events[steps[0]:steps[-1]]                            # while the short streams decode
-    runs = "".join("p" if e[0] == "prefill" else "s" for e in later)
-    assert "pp" not in runs and "p" in runs, later                # one chunk between two steps
-    sizes = [e[2] for e in later if e[0] == "prefill"][:-1]       # the last one: what was left
-    assert all(0 < n <= 32 and n % MIN_CHUNK == 0 for n in sizes), sizes
-    fed = [e[3] for e in events if e[0] == "prefill" and e[1] == "r2"]
-    assert sum(fed) == len(LONG) - 1
+    chunks = fed_chunks(events, "r2")
+    first_step = next(i for i, e in enumerate(events) if e[0] == "step")
+    assert sum(e[3] for e in events[:first_step]) == 32           # nothing decodes yet: one whole chunk's tokens
+    assert all(len(e[2]) <= 1 for e in events if e[0] == "step")  # one chunk a step
+    sizes = [n for _, n in chunks[1:-1]]                          # the last one: what was left
+    assert sizes and all(0 < n <= 32 and n % MIN_CHUNK == 0 for n in sizes), sizes
+    assert sum(n for _, n in chunks) == len(LONG) - 1
 
 
 def test_chunked_prefill_with_the_prefix_cache_starts_on_the_cached_blocks(tiny_target, close_draft, hf_target):

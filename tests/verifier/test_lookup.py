@@ -109,8 +109,8 @@ def test_lookup_steps_run_on_the_idle_drafters_core(copying_target):
             lambda streams, *_, **__: {s: (0, 0) for s in streams}
         used = []
         verify = va.side.verify
-        va.side.verify = lambda requests, threads=None: (used.append((threads, max(
-            r.tree.num_nodes for r in requests))), verify(requests, threads))[1]
+        va.side.verify = lambda requests, threads=None, chunks=None: (used.append((threads, max(
+            r.tree.num_nodes for r in requests))), verify(requests, threads, chunks))[1]
         params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
         async for _ in va.generate("r", REPEATING, params, {"mode": "auto"}):
             await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)   # stays live, puts no tree

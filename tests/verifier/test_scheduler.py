@@ -64,7 +64,8 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
         await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)         # a drafter on our node
         used = []
         verify = va.side.verify
-        va.side.verify = lambda requests, threads=None: (used.append(threads), verify(requests, threads))[1]
+        va.side.verify = lambda requests, threads=None, chunks=None: (used.append(threads),
+                                                                     verify(requests, threads, chunks))[1]
         prefills = []
         prefill = va.side.prefill
         va.side.prefill = lambda sid, prompt, *rest: (prefills.append(torch.get_num_threads()),
