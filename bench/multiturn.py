@@ -17,7 +17,8 @@ cache carries over:
    tokens found cached; per configuration: the target's and the draft's hit rates.
 2. Interference: `--streams` greedy streams decoding, then one `--long-prompt`-token prompt
    arrives; the p99 ITL of the decoding streams while it is prefilled (from its arrival to
-   its first token) against their p99 ITL before it arrived: chunked prefill off, fixed
+   its first token) against their p99 ITL in the `--settle-s` before it arrived (once every
+   stream decodes; `--prefill` picks the configurations): chunked prefill off, fixed
    `--chunk`-token chunks, and chunks of at most that many tokens sized so that each takes at
    most `--share` of a decoding step (`kv_cache.prefill_step_share`, verifier/chunking.py).
 
@@ -37,6 +38,7 @@ sys.path[:] = [str(ROOT.parent)] + [p for p in sys.path if Path(p or ".").resolv
 from bench import common  # noqa: E402  (bench/ off sys.path, the repository on it: common's docstring)
 from bench.load import percentile  # noqa: E402
 
+PREFILL_RUNS = ("one-shot", "chunks", "budget")   # the interference run's configurations (--prefill)
 WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches "
          "under bright lamps in old towns near rivers of code and data").split()
 
@@ -119,6 +121,7 @@ async def interference(engine, tokenizer, args) -> dict:
                 for i, p in enumerate(prompts)]
     while not all(len(s) >= 2 for s in live):       # every stream decoding, then a settled stretch
         await asyncio.sleep(0.01)
+    settled = time.perf_counter()                   # "before" counts from here: not the streams' own start
     await asyncio.sleep(args.settle_s)
     long = await timed(engine, request("long", text_tokens(tokenizer, rng, args.long_prompt), 2, "off", 1))
     streams = await asyncio.gather(*decoding)
@@ -126,7 +129,7 @@ async def interference(engine, tokenizer, args) -> dict:
     before, during = [], []
     for s in streams:        # each gap is filed under the time its token arrived
         for stamp, gap in zip(s["stamps"][1:], s["gaps"]):
-            if stamp < arrived:
+            if settled <= stamp < arrived:
                 before.append(gap)
             elif stamp <= answered:
                 during.append(gap)
@@ -207,6 +210,7 @@ async def run_all(target: str, draft: str | None, args) -> dict:
                 "draft_hit_rate": stats.get("draft_prefix_hit_rate") if caching == "on" and spec != "off" else None}
     runs = {"one shot": (0, 0.0), f"chunks of {args.chunk}": (args.chunk, 0.0),
             f"budget {args.share:g} of a step": (args.chunk, args.share)}
+    runs = {name: run for name, run, key in zip(runs, runs.values(), PREFILL_RUNS) if key in args.prefill}
     for name, (chunk, share) in runs.items() if "interference" in args.parts else ():
         engine, tokenizer = engine_for(target, draft, False, chunk, args, share)
         try:
@@ -240,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="prefill_step_share of the budgeted interference run")
     parser.add_argument("--block-size", type=common.positive_int, default=16)
     parser.add_argument("--num-blocks", type=common.positive_int, default=4096)
+    parser.add_argument("--prefill", type=common.comma_list(), default=list(PREFILL_RUNS),
+                        help="one-shot,chunks,budget: the interference run's configurations")
     parser.add_argument("--parts", type=common.comma_list(), default=["conversations", "interference"],
                         help="conversations,interference: the runs to make (module doc, 1. and 2.)")
     parser.add_argument("--seed", type=int, default=0)
@@ -249,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--spec takes off,chain and --cache off,on")
     if not args.parts or set(args.parts) - {"conversations", "interference"}:
         parser.error("--parts takes conversations,interference")
+    if not args.prefill or set(args.prefill) - set(PREFILL_RUNS):
+        parser.error("--prefill takes one-shot,chunks,budget")
     target, draft = common.model_pair(parser, args)
     result = asyncio.run(run_all(target, draft, args))
     result.update(date=common.utc(), machine=common.machine(), args={k: str(v) for k, v in vars(args).items()})
