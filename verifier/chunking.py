@@ -15,7 +15,7 @@ While streams decode, the chunk rides inside their verification forward
 it adds its rows to the token-wise work and its own attention, not a pass over the weights
 of its own, so its cost is the step's time less the time of a step without a chunk. Both
 are exponential averages: `step_s` over steps without a chunk, `token_s` over chunks (the
-difference per token, which follows a dearer chunk at once and a cheaper one slowly: step
+difference per token, which follows a dearer chunk fast and a cheaper one slowly: step
 times are noisy, and an overshoot is what the decoding streams feel). The size they lead to,
 share x step_s / token_s, at most twice the latest chunk, follows the cost of attending to a
 growing prefix as it grows. Before any step without a chunk was measured, a chunk step is
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 MIN_CHUNK = 4            # the fewest tokens a chunk feeds while streams decode (progress)
 DECAY = 0.7              # weight of the past in the seconds-per-token and step averages
+DECAY_UP = 0.5           # and in seconds-per-token when a chunk came out dearer
 MIN_TOKEN_SHARE = 0.25   # a chunk's token costs at least this share of a row of its step (noise floor)
 
 
@@ -48,9 +49,9 @@ class PrefillBudget:
         if self.step_s is None:          # no step without a chunk yet: split this one by rows
             self.step_s = seconds * rows / (rows + chunk_tokens)
         per = max((seconds - self.step_s) / chunk_tokens, MIN_TOKEN_SHARE * seconds / (rows + chunk_tokens))
-        # dearer at once, cheaper slowly: one costly chunk shrinks the next, noise grows it little
-        self.token_s = per if self.token_s is None or per > self.token_s else \
-            DECAY * self.token_s + (1 - DECAY) * per
+        # dearer fast, cheaper slowly: one costly chunk shrinks the next, noise grows it little
+        decay = DECAY_UP if self.token_s is not None and per > self.token_s else DECAY
+        self.token_s = per if self.token_s is None else decay * self.token_s + (1 - decay) * per
 
     def tokens(self, decoding: bool) -> int | None:
         """The prompt tokens this step's prefill may feed: None = no limit (chunking off)."""

@@ -39,3 +39,37 @@ def test_multi_turn_greedy_equals_hf_with_the_cache(cached_engine, hf_target, mo
         assert stats["draft_prefix_hit_rate"] >= 0.98 * stats["prefix_hit_rate"], stats
     info = ray.get(cached_engine.pipelines[0].drafters[0].info.remote())
     assert info["prefix_cache"]["hits"] > 0 or mode == "off"
+
+
+def test_a_long_prompt_chunked_beside_a_decoding_stream_in_the_pipeline(ray_cluster, tiny_target, close_draft,
+                                                                         hf_target):
+    """Chunked prefill in the verifier actor: the long prompt's chunks ride in the decoding
+    stream's verification forwards (the budget saw one: `prefill_chunk_tokens`), and both
+    outputs are Hugging Face's, token for token."""
+    import asyncio
+
+    from cluster.pipeline import build_pipeline_engine
+    from tests.ray_cluster import pipeline_args
+
+    engine = build_pipeline_engine(pipeline_args(), target_dir=str(tiny_target), draft_dir=str(close_draft),
+                                   num_blocks=512, block_size=8, prefix_caching=True, prefill_chunk=16)
+    try:
+        long = SYSTEM * 4 + TURNS[0]
+
+        async def both():
+            decoding = asyncio.Event()
+
+            async def seen(chunk, tokens):
+                if len(tokens) >= 2:
+                    decoding.set()
+
+            short = asyncio.ensure_future(collect(engine, request("short", TURNS[1], 48, "chain", 3), seen))
+            await decoding.wait()                    # the short stream decodes, then the long prompt comes
+            return await asyncio.gather(short, collect(engine, request("long", long, 12, "chain", 3)))
+
+        (short, _), (tokens, _) = run(both())
+        assert short == hf_greedy(hf_target, TURNS[1], 48)
+        assert tokens == hf_greedy(hf_target, long, 12)
+        assert ray.get(engine.pipelines[0].verifier.get_stats.remote())["prefill_chunk_tokens"] > 0
+    finally:
+        engine.kill_pipeline_actors()
