@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from speculation.requests import GenerationChunk, SpeculationOptions
 from speculation.step import speculative_step
-from verifier.scheduler import Scheduler
+from verifier.scheduler import Scheduler, settle_riders
 
 log = logging.getLogger("specflash.verifier")
 
@@ -149,7 +149,7 @@ class EngineLoop:
         outcomes, seconds = await speculative_step(batch, sch.target, self.run_model, threads, chunks)
         sch.publish(outcomes, draft_s, seconds)
         if chunks:
-            sch.rode(chunks, seconds)
+            settle_riders(sch, chunks, seconds)
         end = time.monotonic()
         sch.stats.observe_wall(end - start)
         # the planner pays what a step really costs: its wall time plus the idle waits before it

@@ -94,6 +94,24 @@ def observe_verified(sch, s: VerifyStream, tree: TokenTree, header, res, chained
         sch.adaptive.observe(s.request_id, depth, res.num_accepted)
 
 
+def take_tree(entry: RingEntry) -> None:
+    """How a filed tree's payload becomes its tree in process: it is the tree."""
+    entry.tree = entry.payload
+
+
+def settle_riders(sch: "Scheduler", riders: list[PromptChunk], seconds: float) -> None:
+    """After a step whose forward fed `riders` (`seconds`: the forward's): their outcomes in the
+    scheduler `sch`, as `Scheduler.prefilled` settles a prefill of their own."""
+    sch.riders = []
+    features = {c.seq_id: sch.target.after_chunk(c) for c in riders}
+    for c in riders:
+        s = sch.streams.get(c.seq_id)
+        if s is not None:
+            s.observe_prefill(seconds / len(riders), sch.target.cached_tokens(c.seq_id), sch.stats,
+                              features[c.seq_id] is not PREFILLING)
+    sch.prefilled([c.seq_id for c in riders], features)
+
+
 class Scheduler:
     def __init__(self, target, settings: EngineSettings, *, eos_ids=(), bridge_draft=None,
                  node_id: str = "", gpu_ids: list[str] | None = None) -> None:
@@ -129,7 +147,7 @@ class Scheduler:
         self.error: str | None = None
         # how a filed tree's payload becomes a TokenTree (the Ray actor fetches it from the object
         # store instead), and how the loop is woken when work arrives
-        self.fetch: Callable[[RingEntry], None] = self._take_tree
+        self.fetch: Callable[[RingEntry], None] = take_tree
         self.on_work: Callable[[], None] = lambda: None
 
     # -- requests ------------------------------------------------------------------------
@@ -201,13 +219,8 @@ class Scheduler:
     def signals_for(self, drafter: int) -> list[Signal]:
         return self.registry.take(drafter)
 
-    def _take_tree(self, entry: RingEntry) -> None:
-        """In process a tree's payload is the tree."""
-        entry.tree = entry.payload
-
-    def drop(self, entries: list[RingEntry]) -> None:
-        if entries:
-            self.stats.observe_dropped(len(entries), sum(e.header.num_nodes for e in entries))
+    def drop(self, entries: list[RingEntry]) -> None:         # counts add up: none adds nothing
+        self.stats.observe_dropped(len(entries), sum(e.header.num_nodes for e in entries))
 
     # -- admission -----------------------------------------------------------------------
     def plan_admission(self) -> tuple[list[str], list[str], int]:
@@ -246,10 +259,9 @@ class Scheduler:
             self._admit(joins)
         joins += [rid for rid in self.feeds if rid not in joins]   # the next chunks of prompts under way
         # while streams decode, a chunk rides in their next verification forward (no pass of its own)
-        self.riders = [PromptChunk(rid, self.streams[rid].prompt, self.streams[rid].prefix_cache, self.feeds[rid])
-                       for rid in joins if running and self.chunks.chunk > 0
-                       and self.streams[rid].params.prompt_logprobs is None]
-        joins = [rid for rid in joins if rid not in {c.seq_id for c in self.riders}]
+        rides = [r for r in joins if running and self.chunks.chunk and self.streams[r].params.prompt_logprobs is None]
+        self.riders = [PromptChunk(r, self.streams[r].prompt, self.streams[r].prefix_cache, self.feeds[r]) for r in rides]
+        joins = [rid for rid in joins if rid not in rides]
         # a prefill, like a plain step, may run on the idle drafters' cores
         threads = self.registry.lendable_threads() if self.members.drafters_idle() else self.threads
         return to_free, joins, threads
@@ -299,17 +311,6 @@ class Scheduler:
                 done = features[rid] is not PREFILLING
                 self.streams[rid].observe_prefill(seconds, self.target.cached_tokens(rid), self.stats, done)
         return features
-
-    def rode(self, riders: list[PromptChunk], seconds: float) -> None:
-        """After a step whose forward fed `riders` (`seconds`: the forward's): their outcomes."""
-        self.riders = []
-        features = {c.seq_id: self.target.after_chunk(c) for c in riders}
-        for c in riders:
-            s = self.streams.get(c.seq_id)
-            if s is not None:
-                s.observe_prefill(seconds / len(riders), self.target.cached_tokens(c.seq_id), self.stats,
-                                  features[c.seq_id] is not PREFILLING)
-        self.prefilled([c.seq_id for c in riders], features)
 
     def prefilled(self, joins: list[str], features: dict) -> None:
         for rid in joins:
@@ -475,18 +476,16 @@ class Scheduler:
         waiting = bool(self.target.partial or self.joins)     # each step pays a prompt's chunk too
         self.adaptive.chunk_s = self.chunks.seconds(self.chunks.tokens(True) or 0) if waiting else 0.0
 
-    def observe_step(self, batch: list[StepItem], seconds: float, threads: int, step_s: float,
-                     chunks: list[PromptChunk] | None = None) -> None:
+    def observe_step(self, batch: list[StepItem], seconds: float, threads: int, step_s: float, chunks=None) -> None:
         """The step's forward (`seconds`, on `threads`) and its cost after admission (`step_s`);
-        `chunks`: the prompt chunks its forward fed too."""
+        `chunks`: the prompt chunks (`PromptChunk`) its forward fed too."""
         borrowed = threads != self.threads
         self.stats.observe_batch(seconds)
         if borrowed:
             self.stats.observe_borrowed_step()
-        tree_rows = sum(1 + it.tree.num_nodes for it in batch)
-        fed = sum(len(c.ids or ()) for c in chunks or ())
+        tree_rows, fed = sum(1 + it.tree.num_nodes for it in batch), sum(len(c.ids or ()) for c in chunks or ())
         self.chunks.observe_step(step_s, tree_rows, fed)
-        rows = tree_rows + fed
+        rows = tree_rows + fed       # a chunk's rows are rows of the forward too
         self.costs.observe_forward(rows, seconds, borrowed)
         trees = drafted(batch)
         lockstep = trees and all(self.members.lockstep(it.seq.drafter) for it in trees)
