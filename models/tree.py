@@ -122,18 +122,17 @@ def pack_groups(lengths: Sequence[int], contexts: Sequence[int] | None = None) -
     chunk beside them, or contexts far apart, get groups of their own."""
     contexts = lengths if contexts is None else contexts
     groups: list[list[int]] = []
-    real = shortest = 0
+    real = shortest = widest = 0        # the open group's real rows, shortest context, longest sequence
     for i in sorted(range(len(lengths)), key=lambda i: (contexts[i], lengths[i])):
         n = max(1, int(lengths[i]))
         if groups:
-            widest = max(n, max(max(1, int(lengths[j])) for j in groups[-1]))
-            padded, total = (len(groups[-1]) + 1) * widest, real + n
+            padded, total = (len(groups[-1]) + 1) * max(widest, n), real + n
             if padded - total <= max(PAD_ROWS, PAD_SHARE * total) and contexts[i] <= SPAN * shortest + SPAN_SLACK:
                 groups[-1].append(i)
-                real = total
+                real, widest = total, max(widest, n)
                 continue
         groups.append([i])
-        real, shortest = n, contexts[i]
+        real, shortest, widest = n, contexts[i], n
     return groups
 
 
