@@ -235,7 +235,7 @@ class Scheduler:
         # the prefill's token budget (verifier/chunking.py): prompts under way first, oldest first
         self.feeds = {}
         self.chunks.start(decoding=running > 0)
-        for rid, s in [(r, s) for r, s in self.streams.items() if s.admitted and not s.prefilled]:
+        for rid, s in [(r, s) for r, s in self.streams.items() if s.under_way]:
             if self.chunks.spent:
                 break
             have = self.target.cache.seq_len(rid) if self.target.cache.has_sequence(rid) else 0
@@ -473,7 +473,7 @@ class Scheduler:
         lockstep while every drafter runs in lockstep, else overlapped, with bridges; and the
         cost of the prompt chunk that each step pays while a prefill is under way."""
         self.costs.choose(self.members.plan_bridges(), self.registry.lendable_threads(now=False))
-        waiting = bool(self.target.partial or self.joins)     # each step pays a prompt's chunk too
+        waiting = bool(self.joins) or any(s.under_way for s in self.streams.values())   # a chunk a step too
         self.adaptive.chunk_s = self.chunks.seconds(self.chunks.tokens(True) or 0) if waiting else 0.0
 
     def observe_step(self, batch: list[StepItem], seconds: float, threads: int, step_s: float, chunks=None) -> None:

@@ -81,6 +81,11 @@ class VerifyStream:
         leaves their full blocks cached); else nothing."""
         return list(self.committed) if settings.prefix_caching and self.prefix_cache else []
 
+    @property
+    def under_way(self) -> bool:
+        """Admitted, its prompt not wholly prefilled yet: chunks of it remain to be fed."""
+        return self.admitted and not self.prefilled
+
     def capped(self, planned: tuple[int, int]) -> tuple[int, int]:
         """A planned (depth, width) within what is worth verifying (`max_depth`); (0, 0) = none."""
         k, w = planned
