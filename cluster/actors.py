@@ -16,6 +16,7 @@ logged, counted (`frames_rejected`) and refused; the actor keeps serving.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import uuid
@@ -68,13 +69,11 @@ def rss_bytes() -> int:
 
 class VerifierActor:
     def __init__(self, target_dir: str, settings: dict, draft_dir: str | None = None) -> None:
-        """`draft_dir`: the draft model, for bridge chains (`bridge_depth` > 0; unused otherwise)."""
-        from drafter.draft_side import BridgeDraft
+        """`draft_dir`: the draft model, for bridge chains (`bridge_depth` > 0; unused otherwise).
+        The models are built and warmed up on the model thread that will run them: a second
+        thread's OpenMP team would slow every forward (verifier/loop.py)."""
         from models.presets import is_eagle_spec
-        from models.presets import eos_of
-        from verifier.loop import EngineLoop
-        from verifier.scheduler import Scheduler
-        from verifier.target import TargetSide
+        from verifier.loop import EngineLoop, model_thread
 
         self.settings = st = EngineSettings(**settings)
         chains = st.bridge_depth > 0 and "model" in st.proposers
@@ -84,20 +83,12 @@ class VerifierActor:
         if chains and eagle:
             raise ValueError("bridge_depth > 0 drafts bridge chains with the draft model, which an EAGLE head "
                              "cannot do without the target's features; set bridge_depth 0")
-        torch.set_num_threads(threads_of(st.num_cpus))
         self.incarnation = uuid.uuid4().hex
-        side = TargetSide(target_dir, st.num_blocks, st.block_size, st.device, st.dtype, features=eagle,
-                          prefix_caching=st.prefix_caching)
-        self.warm_up_s = side.warm_up(st.spec_len, width=st.tree_width)    # GPU: compile and capture now
-        bridge = None
-        if chains:
-            bridge = BridgeDraft(draft_dir, target_dir, st)
-            self.warm_up_s += bridge.warm_up(min(st.bridge_depth, MAX_BRIDGE_DEPTH))
-        self.scheduler = Scheduler(side, st, eos_ids=eos_of(target_dir), bridge_draft=bridge,
-                                   node_id=node_id(), gpu_ids=gpu_ids(st.device))
+        thread = model_thread()
+        self.scheduler, self.local, self.warm_up_s = thread.submit(self._build, target_dir, draft_dir,
+                                                                   chains, eagle).result()
         self.scheduler.fetch = self._fetch
-        self.local = self._local_drafter(draft_dir, target_dir)
-        self.loop = EngineLoop(self.scheduler, self.local)
+        self.loop = EngineLoop(self.scheduler, self.local, thread=thread)
         if self.local is not None:
             self.local.attach(self.scheduler)
             self.scheduler.registry.local = LOCAL_DRAFTER
@@ -105,13 +96,35 @@ class VerifierActor:
         self.scheduler.registry.on_mail = lambda drafter: self._mail[drafter].set()
         self.channels = ChannelServer(self._channel_exchange)
 
+    def _build(self, target_dir: str, draft_dir: str | None, chains: bool, eagle: bool):
+        """(scheduler, stand-in drafter or None, warm-up seconds), on the model thread."""
+        from drafter.draft_side import BridgeDraft
+        from models.presets import eos_of
+        from verifier.scheduler import Scheduler
+        from verifier.target import TargetSide
+
+        st = self.settings
+        torch.set_num_threads(threads_of(st.num_cpus))
+        side = TargetSide(target_dir, st.num_blocks, st.block_size, st.device, st.dtype, features=eagle,
+                          prefix_caching=st.prefix_caching)
+        warm_up_s = side.warm_up(st.spec_len, width=st.tree_width)    # GPU: compile and capture now
+        bridge = None
+        if chains:
+            bridge = BridgeDraft(draft_dir, target_dir, st)
+            warm_up_s += bridge.warm_up(min(st.bridge_depth, MAX_BRIDGE_DEPTH))
+        scheduler = Scheduler(side, st, eos_ids=eos_of(target_dir), bridge_draft=bridge,
+                              node_id=node_id(), gpu_ids=gpu_ids(st.device))
+        local, local_s = self._local_drafter(draft_dir, target_dir)
+        return scheduler, local, warm_up_s + local_s
+
     def _local_drafter(self, draft_dir: str | None, target_dir: str):
         """The stand-in drafter in this process (`lockstep_in_verifier`): a lone stream whose
         drafter shares our cores or GPU takes turns with us either way, so its turns are
-        drafted here, by a copy of the draft, without a call between processes."""
+        drafted here, by a copy of the draft, without a call between processes. Returns (it or
+        None, its warm-up seconds)."""
         st = self.settings
         if not st.lockstep_in_verifier or draft_dir is None or "model" not in st.proposers:
-            return None
+            return None, 0.0
         from drafter.draft_side import DraftSide
         from drafter.runtime import Drafter
         from models.presets import config_of
@@ -119,8 +132,9 @@ class VerifierActor:
 
         here = st.model_copy(update=dict(ring_slots=1))
         side = DraftSide.build(draft_dir, config_of(target_dir).vocab_size, here)
-        self.warm_up_s += side.warm_up(st.spec_len)
-        return InProcessDrafters([Drafter(LOCAL_DRAFTER, side, here, node_id(), gpu_ids(st.device))], st.num_cpus)
+        warm_up_s = side.warm_up(st.spec_len)
+        drafter = Drafter(LOCAL_DRAFTER, side, here, node_id(), gpu_ids(st.device))
+        return InProcessDrafters([drafter], st.num_cpus), warm_up_s
 
     # -- called through Ray ----------------------------------------------------------------
     async def ready(self) -> bool:
@@ -214,21 +228,33 @@ class DrafterActor:
                  settings: dict, wrap_proposer=None) -> None:
         """`verifier`: its VerifierActor, as a handle or as the (name, namespace) it was created
         under (what `build_pipeline_engine` passes). `wrap_proposer`: a benchmark's instrument
-        around the draft model's proposer (bench/replay.py)."""
+        around the draft model's proposer (bench/replay.py). The draft is built and warmed up
+        on the loop's thread, which then runs it (one OpenMP team: verifier/loop.py)."""
+        settings = EngineSettings(**settings)
+        self.link = ChannelLink(verifier) if settings.exchange_channels else RayLink(verifier)
+        self._stopped, built = threading.Event(), concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._main, args=(built, index, draft_dir, target_dir, settings,
+                                                                  wrap_proposer), name="drafter-loop", daemon=True)
+        self._thread.start()
+        self.drafter, self.warm_up_s = built.result()
+
+    def _main(self, built, index: int, draft_dir: str | None, target_dir: str, settings: EngineSettings,
+              wrap_proposer) -> None:
+        """The loop's thread: build the drafter (its result or error to `built`), then run it."""
         from drafter.draft_side import DraftSide
         from drafter.runtime import Drafter
         from models.presets import config_of
 
-        settings = EngineSettings(**settings)
-        torch.set_num_threads(threads_of(settings.num_cpus))
-        self.link = ChannelLink(verifier) if settings.exchange_channels else RayLink(verifier)
-        side = DraftSide.build(draft_dir, config_of(target_dir).vocab_size, settings, wrap=wrap_proposer)
-        self.drafter = Drafter(index, side, settings, node_id(), gpu_ids(settings.device))
-        self.warm_up_s = side.warm_up(settings.spec_len)    # GPU: compile and capture now
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self.drafter.run, args=(self.link, self._stopped),
-                                        name="drafter-loop", daemon=True)
-        self._thread.start()
+        try:
+            torch.set_num_threads(threads_of(settings.num_cpus))
+            side = DraftSide.build(draft_dir, config_of(target_dir).vocab_size, settings, wrap=wrap_proposer)
+            drafter = Drafter(index, side, settings, node_id(), gpu_ids(settings.device))
+            warm_up_s = side.warm_up(settings.spec_len)    # GPU: compile and capture now
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result((drafter, warm_up_s))
+        drafter.run(self.link, self._stopped)
 
     def ready(self, timeout_s: float = 60.0) -> bool:
         """True once the drafter has attached to its verifier."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,14 +167,24 @@ class LocalEngine:
     The engine runs on a thread of its own, with an event loop of its own, as an actor would:
     its steps (forwards included) never hold up the caller's loop, and its work (freeing an
     aborted request's KV blocks, say) goes on whatever the callers' loops do. Chunks cross to
-    the caller's loop as they come."""
+    the caller's loop as they come. `build()` makes the engine on that thread, which then runs
+    its models: one OpenMP team (verifier/loop.py)."""
 
-    def __init__(self, engine: InProcessEngine) -> None:
-        self.engine = engine
-        engine.loop.inline = True            # this thread is the model's
+    def __init__(self, build: Callable[[], InProcessEngine]) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="specflash-local-engine", daemon=True)
         self._thread.start()
+        try:
+            self.engine = asyncio.run_coroutine_threadsafe(self._build(build), self._loop).result()
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
+
+    @staticmethod
+    async def _build(build: Callable[[], InProcessEngine]) -> InProcessEngine:
+        engine = build()
+        engine.loop.inline = True            # this thread is the model's
+        return engine
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Refuses at once (`InvalidRequest`) a request naming a proposer this engine lacks; any
@@ -284,6 +294,12 @@ def build_local_engine(target_dir: str, draft_dir: str | None, settings: EngineS
     """(LocalEngine, tokenizer) for a checkpoint pair, loaded in this process, with fixed caches
     of `settings.num_blocks` (default: `EngineSettings()`)."""
     settings = (settings or EngineSettings()).model_copy(update=dict(num_cpus=torch.get_num_threads()))
-    pair = build_engine(target_dir, draft_dir, spec_len=settings.spec_len, tree_width=settings.tree_width,
-                        load_draft=draft_dir is not None, settings=settings)
-    return LocalEngine(pair.engine), pair.tokenizer
+    pairs = []
+
+    def build() -> InProcessEngine:
+        pairs.append(build_engine(target_dir, draft_dir, spec_len=settings.spec_len, tree_width=settings.tree_width,
+                                  load_draft=draft_dir is not None, settings=settings))
+        return pairs[0].engine
+
+    engine = LocalEngine(build)
+    return engine, pairs[0].tokenizer

@@ -5,10 +5,17 @@ in-process engine (cluster/local.py) differ only in where their drafters live. R
 in through `generate` (an async generator of chunks); each `step` admits and prefills new
 requests, lets in-process drafters draft (`pump`), collects the batch, runs the speculative
 step (`speculation.step.speculative_step`) and publishes. Every forward and prefill runs on
-one model thread, so one OpenMP thread team serves them all (asyncio's default pool would
-spread them over threads, each with a team of its own), and the event loop keeps serving
-drafters' exchanges and aborts while the target runs. `inline=True` runs them on the
-caller's thread instead (the blocking `generate` of the in-process engine).
+one model thread, and the event loop keeps serving drafters' exchanges and aborts while the
+target runs. `inline=True` runs them on the caller's thread instead (the blocking `generate`
+of the in-process engine).
+
+One thread runs a process's torch work, its models' building and warm-up included
+(`model_thread`: the actors build on it and hand it to the loop): libgomp gives each thread that opens a parallel region
+an OpenMP team of its own, and once two threads have, there are more OpenMP threads than
+cores and every team's idle threads sleep between regions instead of spinning. On this
+2-core CPU a micro-pair forward took 0.74 ms on the one thread that built the model and
+2.15 ms, on either thread, once the other had opened a region too (bench/README.md,
+"one torch thread per process").
 """
 from __future__ import annotations
 
@@ -45,16 +52,22 @@ def gc_report() -> dict:
     return {"gc_s": _GC["s"], "gc_full_collections": _GC["full"]}
 
 
+def model_thread() -> ThreadPoolExecutor:
+    """A new model thread: one worker, which should build the models it will run."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-model")
+
+
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, pump: Callable[..., Awaitable] | None = None,
-                 inline: bool = False) -> None:
+                 inline: bool = False, thread: ThreadPoolExecutor | None = None) -> None:
         """`pump(scheduler, run)`: in-process drafters, drafting before each collect
         (verifier/inprocess.py); None where drafters live elsewhere. `inline`: run the model's
-        work on the calling thread, not the model thread."""
+        work on the calling thread, not the model thread. `thread`: the model thread, the
+        one that built the models (`model_thread`); None = a new one."""
         self.scheduler = scheduler
         self.pump = pump
         self.inline = inline
-        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-model")
+        self._model_thread = thread or model_thread()
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         scheduler.on_work = self._poke
@@ -113,6 +126,8 @@ class EngineLoop:
         forward ran (False: idle, or waiting for trees)."""
         sch = self.scheduler
         start = time.monotonic()
+        if self._wake is not None:   # work that arrives from here on (a request, a tree) ends our waits
+            self._wake.clear()
         await self.admit()
         active = sch.active()
         if not active:
@@ -171,11 +186,18 @@ class EngineLoop:
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
 
     async def _sleep(self, seconds: float) -> None:
+        """Up to `seconds`, ended by any work that arrived since this step began (`_poke`): a
+        request added or a tree filed while the step awaited the model thread is not missed."""
         if self._wake is None:
             await asyncio.sleep(seconds)
             return
-        self._wake.clear()
+        # not asyncio.wait_for: on Python 3.11 it can swallow a cancellation that meets an
+        # already-set event, and the loop's task then never ends
+        if self._wake.is_set():       # waiting on a set event would not yield: let the others in first
+            await asyncio.sleep(0)
+            return
+        timer = asyncio.get_running_loop().call_later(seconds, self._wake.set)
         try:
-            await asyncio.wait_for(self._wake.wait(), seconds)
-        except asyncio.TimeoutError:
-            pass
+            await self._wake.wait()
+        finally:
+            timer.cancel()

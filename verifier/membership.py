@@ -44,7 +44,8 @@ class Membership:
             s = sch.streams.get(stream)
             if s is not None and s.admitted and s.drafter == call.drafter:
                 self.resync(s)
-        sch.on_work()
+        if call.drafter not in self.registry.in_process:   # those the loop pumps itself, then collects
+            sch.on_work()
 
     def _put(self, drafter: int, header, payload) -> None:
         sch = self.sch
