@@ -227,9 +227,12 @@ class LocalEngine:
         return await self._on_engine(self.engine.stats())
 
     def shutdown(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
-        self.engine.shutdown()
+        """The engine's loop task ended (not left pending for the garbage collector), then its thread."""
+        try:
+            asyncio.run_coroutine_threadsafe(self.engine.loop.aclose(), self._loop).result(timeout=30)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
 
 
 def speculation_for(mode: str, spec_len: int, tree_width: int, proposer: str = "model") -> SpeculationOptions:

@@ -105,6 +105,16 @@ class EngineLoop:
         if self._model_thread is not None:
             self._model_thread.shutdown(wait=False)
 
+    async def aclose(self) -> None:
+        """`close`, from the loop's own event loop: its task cancelled and awaited."""
+        task = self._task
+        self.close()
+        if task is not None and task.get_loop() is asyncio.get_running_loop():
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
     def _poke(self) -> None:
         if self._wake is not None:
             self._wake.set()
