@@ -16,11 +16,18 @@ cache carries over:
    off and on. Per turn: time to first token (TTFT), inter-token latency (ITL), the prompt
    tokens found cached; per configuration: the target's and the draft's hit rates.
 2. Interference: `--streams` greedy streams decoding, then one `--long-prompt`-token prompt
-   arrives; the p99 ITL of the decoding streams while it is prefilled (from its arrival to
-   its first token) against their p99 ITL in the `--settle-s` before it arrived (once every
-   stream decodes; `--prefill` picks the configurations): chunked prefill off, fixed
+   arrives; the p99 ITL of the decoding streams while it is prefilled ("during": from its
+   arrival to its first token) against their p99 ITL without that prompt (issue 25's goal:
+   at most 1.5x), in the configurations `--prefill` picks: chunked prefill off, fixed
    `--chunk`-token chunks, and chunks of at most that many tokens sized so that each takes at
    most `--share` of a decoding step (`kv_cache.prefill_step_share`, verifier/chunking.py).
+   "Without that prompt" is a control run, made once, first: the same streams (prompts, seed,
+   `--decode-tokens`) in a fresh engine where no prompt arrives. Its gaps are matched by
+   token index, not time: if stream s's gaps k..m (gap k: from its token k to token k+1) fell
+   "during", the control's are its stream s's gaps k..m, so both sides are steps at the same
+   context lengths (`ratio_control`, the headline). The older reading, the p99 ITL in the
+   `--settle-s` before the prompt arrived (once every stream decodes; `ratio`), stays beside
+   it: its steps have shorter contexts than the ones "during".
 
 Prints both tables; writes JSON and PNG plots under bench/results/ (`--out DIR`).
 """
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import random
 import sys
 import time
@@ -112,10 +120,61 @@ async def conversations(engine, tokenizer, spec: str, args) -> list[dict]:
     return turns
 
 
-async def interference(engine, tokenizer, args) -> dict:
-    """`--streams` decoding streams and one long prompt arriving among them (module doc, 2.)."""
+def stream_prompts(tokenizer, args) -> tuple[list[list[int]], random.Random]:
+    """The interference run's decoding streams' prompts, and the generator the long prompt
+    is drawn from next: the same for the run with the prompt and for the control."""
     rng = random.Random(args.seed + 1)
-    prompts = [text_tokens(tokenizer, rng, 32) for _ in range(args.streams)]
+    return [text_tokens(tokenizer, rng, 32) for _ in range(args.streams)], rng
+
+
+def gap_numbers(stream: dict, start: float, end: float) -> range:
+    """The numbers k of a `timed` stream's gaps (gap k: from its token k to token k+1) whose
+    token k+1 arrived in [start, end); its stamps only grow, so they form a range."""
+    stamps = stream["stamps"]
+    skip = len(stamps) - len(stream["gaps"])    # tokens without a gap: the first chunk's (1 unless it held more)
+    return range(bisect.bisect_left(stamps, start, skip) - 1, bisect.bisect_left(stamps, end, skip) - 1)
+
+
+def gap_at(stream: dict, k: int) -> float | None:
+    """A `timed` stream's gap k (from token k to token k+1), None where it has none."""
+    m = k - (len(stream["stamps"]) - len(stream["gaps"]) - 1)    # gaps[0] is gap number skip - 1
+    return stream["gaps"][m] if 0 <= m < len(stream["gaps"]) else None
+
+
+def match_control(streams: list[dict], control: list[dict], start: float, end: float) -> dict:
+    """Each stream's gaps whose token arrived in [start, end) of the run with the prompt
+    ("during"), the same stream's gaps of the same numbers in the control run (by token
+    index: the control's own times mean nothing here), the count of those the control lacks,
+    and each stream's span of gap numbers ([first, last], None where empty)."""
+    out = {"during": [], "control": [], "missing": 0, "spans": []}
+    for stream, alone in zip(streams, control, strict=True):
+        ks = gap_numbers(stream, start, end)
+        out["spans"].append([ks.start, ks.stop - 1] if ks else None)
+        for k in ks:
+            out["during"].append(gap_at(stream, k))
+            matched = gap_at(alone, k)
+            if matched is None:
+                out["missing"] += 1
+            else:
+                out["control"].append(matched)
+    return out
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return None if not (num and den) else num / den
+
+
+async def control_streams(engine, tokenizer, args) -> list[dict]:
+    """The interference run's decoding streams with no long prompt arriving (module doc, 2.)."""
+    prompts, _ = stream_prompts(tokenizer, args)
+    return list(await asyncio.gather(*(timed(engine, request(f"d{i}", p, args.decode_tokens, "off", 1))
+                                       for i, p in enumerate(prompts))))
+
+
+async def interference(engine, tokenizer, args, control: list[dict]) -> dict:
+    """`--streams` decoding streams and one long prompt arriving among them, against the same
+    streams in `control` (`control_streams`; module doc, 2.)."""
+    prompts, rng = stream_prompts(tokenizer, args)
     live = [[] for _ in prompts]
     decoding = [asyncio.create_task(timed(engine, request(f"d{i}", p, args.decode_tokens, "off", 1), live[i]))
                 for i, p in enumerate(prompts)]
@@ -126,17 +185,15 @@ async def interference(engine, tokenizer, args) -> dict:
     long = await timed(engine, request("long", text_tokens(tokenizer, rng, args.long_prompt), 2, "off", 1))
     streams = await asyncio.gather(*decoding)
     arrived, answered = long["start"], long["first"]
-    before, during = [], []
-    for s in streams:        # each gap is filed under the time its token arrived
-        for stamp, gap in zip(s["stamps"][1:], s["gaps"]):
-            if settled <= stamp < arrived:
-                before.append(gap)
-            elif stamp <= answered:
-                during.append(gap)
-    p99_before, p99_during = percentile(before, 99), percentile(during, 99)
+    before = [gap_at(s, k) for s in streams for k in gap_numbers(s, settled, arrived)]
+    matched = match_control(streams, control, arrived, answered)
+    during, alone = matched["during"], matched["control"]
+    p99_before, p99_during, p99_control = (percentile(g, 99) for g in (before, during, alone))
     return {"long_ttft_s": long["ttft_s"], "p99_itl_before_s": p99_before, "p99_itl_during_s": p99_during,
-            "ratio": None if not (p99_before and p99_during) else p99_during / p99_before,
-            "gaps_before": len(before), "gaps_during": len(during)}
+            "p99_itl_control_s": p99_control, "ratio": _ratio(p99_during, p99_before),
+            "ratio_control": _ratio(p99_during, p99_control), "gaps_before": len(before), "gaps_during": len(during),
+            "gaps_control": len(alone), "gaps_control_missing": matched["missing"],
+            "during_gap_numbers": matched["spans"]}
 
 
 def summarize(turns: list[dict]) -> dict:
@@ -162,12 +219,12 @@ def plot(result: dict, path: Path) -> Path:
         left.plot(turns, [x * 1e3 for x in ttft], marker="o", label=name)
     left.set(xlabel="turn", ylabel="TTFT, ms (median over conversations)", title="Time to first token per turn")
     left.legend()
-    names = list(result["interference"])
-    before = [result["interference"][n]["p99_itl_before_s"] or 0 for n in names]
-    during = [result["interference"][n]["p99_itl_during_s"] or 0 for n in names]
-    xs = range(len(names))
-    right.bar([x - 0.2 for x in xs], [b * 1e3 for b in before], 0.4, label="before the long prompt")
-    right.bar([x + 0.2 for x in xs], [d * 1e3 for d in during], 0.4, label="while it is prefilled")
+    names, xs = list(result["interference"]), range(len(result["interference"]))
+    bars = {"p99_itl_before_s": "before the long prompt", "p99_itl_control_s": "control: no prompt, same token indices",
+            "p99_itl_during_s": "while it is prefilled"}
+    for i, (key, label) in enumerate(bars.items()):
+        p99 = [(result["interference"][n][key] or 0) * 1e3 for n in names]
+        right.bar([x + (i - 1) * 0.27 for x in xs], p99, 0.27, label=label)
     right.set_xticks(list(xs), names)
     right.set(ylabel="p99 ITL of decoding streams, ms", title="A long prompt among decoding streams")
     right.legend()
@@ -187,11 +244,13 @@ def tables(result: dict) -> str:
                      common.cell(run["draft_hit_rate"], ".1%")])
     out = common.markdown_table(["config", "TTFT turn 1 ms", "TTFT later ms", "TTFT last ms", "ITL p50 ms",
                                  "ITL p99 ms", "target hit", "draft hit"], rows)
-    rows = [[name, common.cell(r["p99_itl_before_s"] and r["p99_itl_before_s"] * 1e3, ".1f"),
-             common.cell(r["p99_itl_during_s"] and r["p99_itl_during_s"] * 1e3, ".1f"), common.cell(r["ratio"], ".2f"),
+    ms = [f"p99_itl_{k}_s" for k in ("before", "control", "during")]
+    rows = [[name, *(common.cell(r[k] and r[k] * 1e3, ".1f") for k in ms), common.cell(r["ratio_control"], ".2f"),
+             common.cell(r["ratio"], ".2f"), f"{r['gaps_during']}/{r['gaps_control']}",
              common.cell(r["long_ttft_s"] * 1e3, ".0f")] for name, r in result["interference"].items()]
-    return out + "\n\n" + common.markdown_table(["prefill", "p99 ITL before ms", "p99 ITL during ms", "ratio",
-                                                 "long prompt TTFT ms"], rows)
+    return out + "\n\n" + common.markdown_table(
+        ["prefill", "p99 ITL before ms", "p99 ITL control ms", "p99 ITL during ms", "during/control",
+         "during/before", "gaps during/control", "long prompt TTFT ms"], rows)
 
 
 async def run_all(target: str, draft: str | None, args) -> dict:
@@ -208,18 +267,38 @@ async def run_all(target: str, draft: str | None, args) -> dict:
                 "turns": turns, "summary": summarize(turns),
                 "target_hit_rate": stats.get("prefix_hit_rate") if caching == "on" else 0.0,
                 "draft_hit_rate": stats.get("draft_prefix_hit_rate") if caching == "on" and spec != "off" else None}
+    if "interference" in args.parts:
+        result["interference_control"], result["interference"] = await interference_runs(target, draft, args)
+    return result
+
+
+async def interference_runs(target: str, draft: str | None, args) -> tuple[dict, dict]:
+    """The control run, then each `--prefill` configuration against it (module doc, 2.)."""
+    # One control for every configuration, chunking off: with no prompt arriving, chunking has
+    # nothing to cut but the streams' own 32-token prompts, prefilled before the first gap
+    # compared ("during" starts --settle-s after every stream decodes), so the streams' steps
+    # are the same whatever --prefill says, and this control does not depend on what it picks.
+    engine, tokenizer = engine_for(target, draft, False, 0, args)
+    try:
+        control = await control_streams(engine, tokenizer, args)
+    finally:
+        engine.shutdown()
+    summary = {"prefill": "one shot (no prompt arrives)",
+               "p99_itl_all_s": percentile([g for s in control for g in s["gaps"]], 99),
+               "gaps": [s["gaps"] for s in control],       # per stream; gaps[i] is gap number first_gap + i
+               "first_gap": [len(s["stamps"]) - len(s["gaps"]) - 1 for s in control]}
     runs = {"one shot": (0, 0.0), f"chunks of {args.chunk}": (args.chunk, 0.0),
             f"budget {args.share:g} of a step": (args.chunk, args.share)}
     runs = {name: run for name, run, key in zip(runs, runs.values(), PREFILL_RUNS) if key in args.prefill}
-    for name, (chunk, share) in runs.items() if "interference" in args.parts else ():
+    out = {}
+    for name, (chunk, share) in runs.items():
         engine, tokenizer = engine_for(target, draft, False, chunk, args, share)
         try:
-            result["interference"][name] = await interference(engine, tokenizer, args)
-            result["interference"][name]["engine"] = {k: v for k, v in (await engine.stats()).items()
-                                                      if k.startswith("prefill_")}
+            out[name] = await interference(engine, tokenizer, args, control)
+            out[name]["engine"] = {k: v for k, v in (await engine.stats()).items() if k.startswith("prefill_")}
         finally:
             engine.shutdown()
-    return result
+    return summary, out
 
 
 def main(argv: list[str] | None = None) -> int:

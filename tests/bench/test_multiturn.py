@@ -1,5 +1,6 @@
 """bench/multiturn.py, small: conversations with the prefix cache off and on, and a long prompt
-among decoding streams with and without chunked prefill; the table, JSON and plot come out."""
+among decoding streams with and without chunked prefill, against a control run of the same
+streams matched by token index; the table, JSON and plot come out."""
 import json
 
 import pytest
@@ -12,7 +13,7 @@ def test_the_multiturn_bench_runs_every_configuration(tiny_target, close_draft, 
         assert bench_script("multiturn").main([
             "--target", str(tiny_target), "--draft", str(close_draft), "--turns", "3", "--conversations", "1",
             "--system-tokens", "40", "--turn-tokens", "10", "--max-tokens", "4", "--long-prompt", "64",
-            "--streams", "2", "--decode-tokens", "40", "--settle-s", "0.2", "--chunk", "16", "--block-size", "8",
+            "--streams", "2", "--decode-tokens", "120", "--settle-s", "0.1", "--chunk", "16", "--block-size", "8",
             "--num-blocks", "256", "--out", str(tmp_path)]) == 0
     finally:
         torch.set_num_threads(threads)
@@ -32,13 +33,17 @@ def test_the_multiturn_bench_runs_every_configuration(tiny_target, close_draft, 
     assert set(result["interference"]) == {"one shot", "chunks of 16", "budget 0.5 of a step"}
     budgeted = result["interference"]["budget 0.5 of a step"]
     assert budgeted["engine"]["prefill_token_s"] > 0          # the budget measured its prefills
+    assert "p99 ITL control ms" in out and "during/control" in out
+    for run in result["interference"].values():               # one control run serves every configuration
+        assert run["gaps_control"] == run["gaps_during"] > 0 and run["gaps_control_missing"] == 0
+        assert run["ratio_control"] == pytest.approx(run["p99_itl_during_s"] / run["p99_itl_control_s"])
 
 
 def test_the_interference_run_takes_its_configurations_and_refuses_unknown_ones(
         tiny_target, close_draft, bench_script, tmp_path, capsys):
     threads = torch.get_num_threads()
     common = ["--target", str(tiny_target), "--draft", str(close_draft), "--parts", "interference",
-              "--long-prompt", "48", "--streams", "2", "--decode-tokens", "40", "--settle-s", "0.2", "--chunk", "16",
+              "--long-prompt", "48", "--streams", "2", "--decode-tokens", "120", "--settle-s", "0.1", "--chunk", "16",
               "--block-size", "8", "--num-blocks", "256", "--out", str(tmp_path)]
     try:
         assert bench_script("multiturn").main(common + ["--prefill", "budget"]) == 0
@@ -47,7 +52,40 @@ def test_the_interference_run_takes_its_configurations_and_refuses_unknown_ones(
     (result,) = [json.loads(p.read_text()) for p in tmp_path.glob("multiturn-*.json")]
     assert set(result["interference"]) == {"budget 0.5 of a step"}
     run = result["interference"]["budget 0.5 of a step"]
-    assert run["gaps_before"] > 0 and run["gaps_during"] > 0
+    assert run["gaps_before"] > 0 and run["gaps_during"] > 0   # the streams outlast the prompt's prefill
+    control = result["interference_control"]                  # the control's gaps at the "during" numbers
+    assert [len(g) for g in control["gaps"]] == [119, 119] and control["first_gap"] == [0, 0]
+    spans = run["during_gap_numbers"]
+    matched = [gaps[k - first] for gaps, first, span in zip(control["gaps"], control["first_gap"], spans)
+               if span for k in range(span[0], span[1] + 1)]
+    assert len(matched) == run["gaps_control"] == run["gaps_during"]
+    p99 = bench_script("multiturn").percentile(matched, 99)
+    assert run["p99_itl_control_s"] == pytest.approx(p99)
+    assert run["ratio_control"] == pytest.approx(run["p99_itl_during_s"] / p99)
     with pytest.raises(SystemExit) as exit_:
         bench_script("multiturn").main(common + ["--prefill", "budget,whole"])
     assert exit_.value.code == 2 and "--prefill takes" in capsys.readouterr().err
+
+
+def test_the_control_gaps_are_matched_by_token_index_not_by_time(bench_script):
+    bench = bench_script("multiturn")
+
+    def stream(stamps, gaps):
+        return {"stamps": stamps, "gaps": gaps}
+
+    # with the prompt: gap k ends at stamps[k + 1]; a stall (gap 3: 7 s) inside the window [2.5, 11.5)
+    slowed = stream([0.0, 1.0, 2.0, 3.0, 10.0, 11.0, 12.0], [1.0, 1.0, 1.0, 7.0, 1.0, 1.0])
+    # a first chunk of two tokens: no gap before token 1, so gaps[0] is gap 1 (token 1 to 2)
+    chunked = stream([0.0, 0.0, 5.0, 11.0, 20.0], [5.0, 6.0, 9.0])
+    # the control's tokens all came inside that window in time: matching by time would take every gap
+    alone = stream([2.6, 2.7, 2.8, 2.9, 3.0, 3.1, 3.2], [0.1, 0.2, 0.3, 0.4, 0.5, 0.6])
+    short = stream([3.0, 4.0, 5.0], [0.7, 0.8])          # gaps 0 and 1 only: gap 2 is missing
+    assert bench.gap_numbers(slowed, 2.5, 11.5) == range(2, 5)
+    assert bench.gap_numbers(chunked, 2.5, 11.5) == range(1, 3)
+    assert bench.gap_at(chunked, 0) is None and bench.gap_at(chunked, 1) == 5.0
+    matched = bench.match_control([slowed, chunked], [alone, short], 2.5, 11.5)
+    assert matched["during"] == [1.0, 7.0, 1.0, 5.0, 6.0]
+    assert matched["control"] == [0.3, 0.4, 0.5, 0.8]    # each stream's own gaps 2..4 and 1..2
+    assert matched["missing"] == 1 and matched["spans"] == [[2, 4], [1, 2]]
+    assert bench.match_control([slowed], [alone], 30.0, 40.0) == {"during": [], "control": [], "missing": 0,
+                                                                   "spans": [None]}
