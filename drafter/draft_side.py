@@ -167,13 +167,14 @@ class DraftSide:
 
     def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False,
                 max_len: int | None = None) -> float:
-        """On a GPU (or with `on_cpu`, for tests), before serving: draft for one dummy sequence
+        """On a GPU (or with `on_cpu`, as the actors do: verifier.target.TargetSide.warm_up),
+        before serving: draft for one dummy sequence
         at every depth up to `spec_len` (+ the bonus and bridge levels), with and without an
         assumed outcome, each twice (an EAGLE head reading zero features), so that Triton
         compiles now (`verifier.target.TargetSide.warm_up`); then the CUDA graphs of every draft
         shape the planner's trees can cost (`speculation.planner.draft_rows`) at every
         block-table width up to `max_len` tokens (None: what the cache holds). Returns the
-        seconds it took (0 on a CPU or without a draft model)."""
+        seconds it took (0 on a CPU without `on_cpu`, or without a draft model)."""
         cache = self.cache
         if self.model is None or cache is None or (cache.device.type != "cuda" and not on_cpu):
             return 0.0
@@ -230,7 +231,8 @@ class BridgeDraft:
         self.proposer.release(seq_id)
 
     def warm_up(self, depth: int, prompt_len: int = 32, on_cpu: bool = False) -> float:
-        """On a GPU (or with `on_cpu`, for tests), before the verifier serves: chains of 1..`depth`
+        """On a GPU (or with `on_cpu`, as the verifier actor does), before the verifier serves:
+        chains of 1..`depth`
         for a dummy sequence, each twice, then the CUDA graphs of a chain's forwards
         (`speculation.planner.draft_rows(depth)`), as `DraftSide.warm_up`. Returns the seconds taken."""
         cache = self.proposer.cache

@@ -102,7 +102,8 @@ class TargetSide:
 
     def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False, width: int = 1,
                 max_len: int | None = None) -> float:
-        """On a GPU (or with `on_cpu`, for tests), before serving: one dummy sequence through a
+        """On a GPU (or with `on_cpu`: the actors, whose fresh processes' first CPU forwards are
+        slow, see cluster/actors.py), before serving: one dummy sequence through a
         prefill, plain steps and chain verifications of 1..`spec_len` nodes, each shape twice,
         so that Triton compiles those kernels (the sampler's too); then the CUDA graphs of every
         verification shape the planner can choose (`speculation.planner.verify_rows`: trees of
@@ -110,7 +111,7 @@ class TargetSide:
         `max_len` tokens (None: what the cache holds), `models.cuda_graphs.GraphedLayers.warm_up`.
         So no compile or capture lands inside the first requests (on an H200 a cold first draft
         took 5 s, long enough for the verifier to count its drafter as gone). Returns the
-        seconds it took (0 on a CPU: nothing is compiled or captured there)."""
+        seconds it took (0 on a CPU without `on_cpu`)."""
         if self.cache.device.type != "cuda" and not on_cpu:
             return 0.0
         from models.sampling import SamplingParams
