@@ -21,13 +21,16 @@ cache carries over:
    at most 1.5x), in the configurations `--prefill` picks: chunked prefill off, fixed
    `--chunk`-token chunks, and chunks of at most that many tokens sized so that each takes at
    most `--share` of a decoding step (`kv_cache.prefill_step_share`, verifier/chunking.py).
-   "Without that prompt" is a control run, made once, first: the same streams (prompts, seed,
-   `--decode-tokens`) in a fresh engine where no prompt arrives. Its gaps are matched by
-   token index, not time: if stream s's gaps k..m (gap k: from its token k to token k+1) fell
-   "during", the control's are its stream s's gaps k..m, so both sides are steps at the same
-   context lengths (`ratio_control`, the headline). The older reading, the p99 ITL in the
-   `--settle-s` before the prompt arrived (once every stream decodes; `ratio`), stays beside
-   it: its steps have shorter contexts than the ones "during".
+   "Without that prompt" is a control run: the same streams (prompts, seed) in a fresh engine
+   where no prompt arrives, right after the run with the prompt (whose streams stop once it
+   answers), decoding as far as the last gap compared. Its gaps are matched by token index,
+   not time: if stream s's gaps k..m (gap k: from its token k to token k+1) fell "during", the
+   control's are its stream s's gaps k..m, so both sides are steps at the same context lengths
+   (`ratio_control`, the headline). `--repeats` such pairs per configuration, their gaps pooled
+   for the p99s (each pair's ratio kept too): on this machine one run's p99 moves by 2x from
+   one run to the next. The older reading, the p99 ITL in the `--settle-s` before the prompt
+   arrived (once every stream decodes; `ratio`), stays beside it: its steps have shorter
+   contexts than the ones "during".
 
 Prints both tables; writes JSON and PNG plots under bench/results/ (`--out DIR`).
 """
@@ -36,7 +39,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import contextlib
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -69,28 +74,30 @@ def engine_for(target: str, draft: str | None, caching: bool, chunk: int, args, 
     return build_local_engine(target, draft, settings)
 
 
-async def timed(engine, request, stamps: list | None = None) -> dict:
+async def timed(engine, request, rec: dict | None = None) -> dict:
     """One request: its tokens, TTFT, the gaps between tokens (a chunk of k tokens d seconds
-    after the previous one counts k gaps of d / k, as /metrics does) and its cached tokens.
-    `stamps`: a list the arrival time of each token is appended to as it comes."""
+    after the previous one counts k gaps of d / k, as /metrics does), the arrival time of each
+    token (`stamps`) and its cached tokens, filled into `rec` as they come: a caller that
+    cancels the task keeps what came (the request is then aborted)."""
+    rec = {} if rec is None else rec
     start = time.perf_counter()
-    first, last, tokens, gaps, cached = None, None, [], [], 0
-    stamps = [] if stamps is None else stamps
-    async for chunk in engine.generate(request):
-        if chunk.finish_reason == "error":
-            raise RuntimeError(f"{request.request_id}: {chunk.error}")
-        now = time.perf_counter()
-        if chunk.token_ids:
-            if first is None:
-                first = now
-            elif last is not None:
-                gaps += [(now - last) / len(chunk.token_ids)] * len(chunk.token_ids)
-            stamps += [now] * len(chunk.token_ids)
-            last = now
-        tokens += chunk.token_ids
-        cached = chunk.cached_tokens
-    return {"tokens": tokens, "ttft_s": None if first is None else first - start, "gaps": gaps,
-            "cached": cached, "stamps": stamps, "start": start, "first": first}
+    rec.update(tokens=[], gaps=[], stamps=[], cached=0, start=start, first=None, ttft_s=None)
+    last = None
+    async with contextlib.aclosing(engine.generate(request)) as chunks:
+        async for chunk in chunks:
+            if chunk.finish_reason == "error":
+                raise RuntimeError(f"{request.request_id}: {chunk.error}")
+            now = time.perf_counter()
+            if chunk.token_ids:
+                if rec["first"] is None:
+                    rec["first"], rec["ttft_s"] = now, now - start
+                elif last is not None:
+                    rec["gaps"] += [(now - last) / len(chunk.token_ids)] * len(chunk.token_ids)
+                rec["stamps"] += [now] * len(chunk.token_ids)
+                last = now
+            rec["tokens"] += chunk.token_ids
+            rec["cached"] = chunk.cached_tokens
+    return rec
 
 
 def request(rid: str, prompt: list[int], max_tokens: int, spec: str, spec_len: int):
@@ -164,26 +171,36 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return None if not (num and den) else num / den
 
 
-async def control_streams(engine, tokenizer, args) -> list[dict]:
-    """The interference run's decoding streams with no long prompt arriving (module doc, 2.)."""
+async def control_streams(engine, tokenizer, args, max_tokens: int) -> list[dict]:
+    """The interference run's decoding streams, `max_tokens` each, with no long prompt arriving
+    (module doc, 2.): all decode to the same length, so the batch stays whole to the end."""
     prompts, _ = stream_prompts(tokenizer, args)
-    return list(await asyncio.gather(*(timed(engine, request(f"d{i}", p, args.decode_tokens, "off", 1))
+    return list(await asyncio.gather(*(timed(engine, request(f"d{i}", p, max_tokens, "off", 1))
                                        for i, p in enumerate(prompts))))
 
 
-async def interference(engine, tokenizer, args, control: list[dict]) -> dict:
-    """`--streams` decoding streams and one long prompt arriving among them, against the same
-    streams in `control` (`control_streams`; module doc, 2.)."""
+async def with_prompt(engine, tokenizer, args) -> tuple[list[dict], dict, float]:
+    """`--streams` decoding streams and one long prompt arriving `--settle-s` after every stream
+    decodes; the streams are stopped once it answers. Returns (the streams, the prompt's record,
+    when the settled stretch began)."""
     prompts, rng = stream_prompts(tokenizer, args)
-    live = [[] for _ in prompts]
-    decoding = [asyncio.create_task(timed(engine, request(f"d{i}", p, args.decode_tokens, "off", 1), live[i]))
+    streams = [{"stamps": []} for _ in prompts]
+    decoding = [asyncio.create_task(timed(engine, request(f"d{i}", p, args.decode_tokens, "off", 1), streams[i]))
                 for i, p in enumerate(prompts)]
-    while not all(len(s) >= 2 for s in live):       # every stream decoding, then a settled stretch
+    while not all(len(s["stamps"]) >= 2 for s in streams):       # every stream decoding, then a settled stretch
         await asyncio.sleep(0.01)
     settled = time.perf_counter()                   # "before" counts from here: not the streams' own start
     await asyncio.sleep(args.settle_s)
     long = await timed(engine, request("long", text_tokens(tokenizer, rng, args.long_prompt), 2, "off", 1))
-    streams = await asyncio.gather(*decoding)
+    for task in decoding:                           # what comes after the prompt's answer is not compared
+        task.cancel()
+    await asyncio.gather(*decoding, return_exceptions=True)
+    return streams, long, settled
+
+
+def compare(streams: list[dict], long: dict, settled: float, control: list[dict]) -> dict:
+    """One pair's figures: "during" (the prompt's arrival to its first token) against the
+    control at the same gap numbers, and against the settled stretch before it arrived."""
     arrived, answered = long["start"], long["first"]
     before = [gap_at(s, k) for s in streams for k in gap_numbers(s, settled, arrived)]
     matched = match_control(streams, control, arrived, answered)
@@ -193,7 +210,9 @@ async def interference(engine, tokenizer, args, control: list[dict]) -> dict:
             "p99_itl_control_s": p99_control, "ratio": _ratio(p99_during, p99_before),
             "ratio_control": _ratio(p99_during, p99_control), "gaps_before": len(before), "gaps_during": len(during),
             "gaps_control": len(alone), "gaps_control_missing": matched["missing"],
-            "during_gap_numbers": matched["spans"]}
+            "during_gap_numbers": matched["spans"], "gaps": {"before": before, "during": during, "control": alone},
+            "control_gaps": [s["gaps"] for s in control],    # per stream; control_gaps[s][i] is gap first + i
+            "control_first_gap": [len(s["stamps"]) - len(s["gaps"]) - 1 for s in control]}
 
 
 def summarize(turns: list[dict]) -> dict:
@@ -218,7 +237,8 @@ def plot(result: dict, path: Path) -> Path:
         ttft = [percentile([t["ttft_s"] for t in run["turns"] if t["turn"] == k], 50) for k in turns]
         left.plot(turns, [x * 1e3 for x in ttft], marker="o", label=name)
     left.set(xlabel="turn", ylabel="TTFT, ms (median over conversations)", title="Time to first token per turn")
-    left.legend()
+    if result["conversations"]:
+        left.legend()
     names, xs = list(result["interference"]), range(len(result["interference"]))
     bars = {"p99_itl_before_s": "before the long prompt", "p99_itl_control_s": "control: no prompt, same token indices",
             "p99_itl_during_s": "while it is prefilled"}
@@ -268,37 +288,52 @@ async def run_all(target: str, draft: str | None, args) -> dict:
                 "target_hit_rate": stats.get("prefix_hit_rate") if caching == "on" else 0.0,
                 "draft_hit_rate": stats.get("draft_prefix_hit_rate") if caching == "on" and spec != "off" else None}
     if "interference" in args.parts:
-        result["interference_control"], result["interference"] = await interference_runs(target, draft, args)
+        result["interference"] = await interference_runs(target, draft, args)
     return result
 
 
-async def interference_runs(target: str, draft: str | None, args) -> tuple[dict, dict]:
-    """The control run, then each `--prefill` configuration against it (module doc, 2.)."""
-    # One control for every configuration, chunking off: with no prompt arriving, chunking has
-    # nothing to cut but the streams' own 32-token prompts, prefilled before the first gap
-    # compared ("during" starts --settle-s after every stream decodes), so the streams' steps
-    # are the same whatever --prefill says, and this control does not depend on what it picks.
-    engine, tokenizer = engine_for(target, draft, False, 0, args)
+async def interference_pair(target: str, draft: str | None, args, chunk: int, share: float) -> dict:
+    """The run with the prompt in a fresh engine of the configuration, then its control in a
+    fresh engine with chunking off (with no prompt arriving, chunking has nothing to cut but the
+    streams' own 32-token prompts, prefilled before the first gap compared), the streams decoding
+    as far as the last gap compared; back to back, so both see the machine of the same minutes."""
+    engine, tokenizer = engine_for(target, draft, False, chunk, args, share)
     try:
-        control = await control_streams(engine, tokenizer, args)
+        streams, long, settled = await with_prompt(engine, tokenizer, args)
+        prefill = {k: v for k, v in (await engine.stats()).items() if k.startswith("prefill_")}
     finally:
         engine.shutdown()
-    summary = {"prefill": "one shot (no prompt arrives)",
-               "p99_itl_all_s": percentile([g for s in control for g in s["gaps"]], 99),
-               "gaps": [s["gaps"] for s in control],       # per stream; gaps[i] is gap number first_gap + i
-               "first_gap": [len(s["stamps"]) - len(s["gaps"]) - 1 for s in control]}
+    spans = [gap_numbers(s, long["start"], long["first"]) for s in streams]
+    needed = max((ks.stop + 1 for ks in spans if ks), default=2)      # tokens up to the last gap compared
+    engine, tokenizer = engine_for(target, draft, False, 0, args)
+    try:
+        control = await control_streams(engine, tokenizer, args, needed)
+    finally:
+        engine.shutdown()
+    return {**compare(streams, long, settled, control), "engine": prefill}
+
+
+async def interference_runs(target: str, draft: str | None, args) -> dict:
+    """Each `--prefill` configuration, `--repeats` pairs of a run with the prompt and its control
+    (module doc, 2.): the p99s over every pair's gaps pooled, and each pair's own figures."""
     runs = {"one shot": (0, 0.0), f"chunks of {args.chunk}": (args.chunk, 0.0),
             f"budget {args.share:g} of a step": (args.chunk, args.share)}
     runs = {name: run for name, run, key in zip(runs, runs.values(), PREFILL_RUNS) if key in args.prefill}
     out = {}
     for name, (chunk, share) in runs.items():
-        engine, tokenizer = engine_for(target, draft, False, chunk, args, share)
-        try:
-            out[name] = await interference(engine, tokenizer, args, control)
-            out[name]["engine"] = {k: v for k, v in (await engine.stats()).items() if k.startswith("prefill_")}
-        finally:
-            engine.shutdown()
-    return summary, out
+        pairs = [await interference_pair(target, draft, args, chunk, share) for _ in range(args.repeats)]
+        pooled = {k: [g for p in pairs for g in p["gaps"][k]] for k in ("before", "during", "control")}
+        p99 = {k: percentile(g, 99) for k, g in pooled.items()}
+        out[name] = {"p99_itl_before_s": p99["before"], "p99_itl_during_s": p99["during"],
+                     "p99_itl_control_s": p99["control"], "ratio": _ratio(p99["during"], p99["before"]),
+                     "ratio_control": _ratio(p99["during"], p99["control"]),
+                     "ratio_control_per_pair": [p["ratio_control"] for p in pairs],
+                     "long_ttft_s": statistics.median(p["long_ttft_s"] for p in pairs),
+                     "gaps_before": len(pooled["before"]), "gaps_during": len(pooled["during"]),
+                     "gaps_control": len(pooled["control"]),
+                     "gaps_control_missing": sum(p["gaps_control_missing"] for p in pairs),
+                     "engine": pairs[-1]["engine"], "pairs": pairs}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,10 +350,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-prompt", type=common.positive_int, default=2048)
     parser.add_argument("--streams", type=common.positive_int, default=8)
     parser.add_argument("--decode-tokens", type=common.positive_int, default=400,
-                        help="tokens each decoding stream generates (it must outlast the long prompt)")
+                        help="at most this many tokens a decoding stream (it must outlast the long prompt)")
     parser.add_argument("--settle-s", type=common.positive_float, default=3.0,
                         help="seconds the streams decode before the long prompt arrives")
     parser.add_argument("--chunk", type=common.positive_int, default=128)
+    parser.add_argument("--repeats", type=common.positive_int, default=1,
+                        help="pairs (a run with the long prompt, then its control) per configuration")
     parser.add_argument("--share", type=common.positive_float, default=0.5,
                         help="prefill_step_share of the budgeted interference run")
     parser.add_argument("--block-size", type=common.positive_int, default=16)

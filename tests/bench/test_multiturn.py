@@ -34,9 +34,10 @@ def test_the_multiturn_bench_runs_every_configuration(tiny_target, close_draft, 
     budgeted = result["interference"]["budget 0.5 of a step"]
     assert budgeted["engine"]["prefill_token_s"] > 0          # the budget measured its prefills
     assert "p99 ITL control ms" in out and "during/control" in out
-    for run in result["interference"].values():               # one control run serves every configuration
+    for run in result["interference"].values():               # each configuration's pair: its own control
         assert run["gaps_control"] == run["gaps_during"] > 0 and run["gaps_control_missing"] == 0
         assert run["ratio_control"] == pytest.approx(run["p99_itl_during_s"] / run["p99_itl_control_s"])
+        assert len(run["pairs"]) == 1 and run["ratio_control_per_pair"] == [run["ratio_control"]]
 
 
 def test_the_interference_run_takes_its_configurations_and_refuses_unknown_ones(
@@ -46,20 +47,25 @@ def test_the_interference_run_takes_its_configurations_and_refuses_unknown_ones(
               "--long-prompt", "48", "--streams", "2", "--decode-tokens", "120", "--settle-s", "0.1", "--chunk", "16",
               "--block-size", "8", "--num-blocks", "256", "--out", str(tmp_path)]
     try:
-        assert bench_script("multiturn").main(common + ["--prefill", "budget"]) == 0
+        assert bench_script("multiturn").main(common + ["--prefill", "budget", "--repeats", "2"]) == 0
     finally:
         torch.set_num_threads(threads)
     (result,) = [json.loads(p.read_text()) for p in tmp_path.glob("multiturn-*.json")]
     assert set(result["interference"]) == {"budget 0.5 of a step"}
     run = result["interference"]["budget 0.5 of a step"]
     assert run["gaps_before"] > 0 and run["gaps_during"] > 0   # the streams outlast the prompt's prefill
-    control = result["interference_control"]                  # the control's gaps at the "during" numbers
-    assert [len(g) for g in control["gaps"]] == [119, 119] and control["first_gap"] == [0, 0]
-    spans = run["during_gap_numbers"]
-    matched = [gaps[k - first] for gaps, first, span in zip(control["gaps"], control["first_gap"], spans)
-               if span for k in range(span[0], span[1] + 1)]
+    assert len(run["pairs"]) == 2 and len(run["ratio_control_per_pair"]) == 2     # --repeats 2
+    matched = []
+    for pair in run["pairs"]:      # each control's gaps at its run's "during" numbers, recomputed from the JSON
+        spans, gaps, firsts = pair["during_gap_numbers"], pair["control_gaps"], pair["control_first_gap"]
+        last = max(span[1] for span in spans if span)
+        assert max(first + len(g) for first, g in zip(firsts, gaps)) == last + 1   # decoded just that far
+        own = [g[k - first] for g, first, span in zip(gaps, firsts, spans) if span
+               for k in range(span[0], span[1] + 1)]
+        assert own == pair["gaps"]["control"] and len(own) == pair["gaps_during"]
+        matched += own
+    p99 = bench_script("multiturn").percentile(matched, 99)      # pooled over the pairs
     assert len(matched) == run["gaps_control"] == run["gaps_during"]
-    p99 = bench_script("multiturn").percentile(matched, 99)
     assert run["p99_itl_control_s"] == pytest.approx(p99)
     assert run["ratio_control"] == pytest.approx(run["p99_itl_during_s"] / p99)
     with pytest.raises(SystemExit) as exit_:
