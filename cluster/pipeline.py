@@ -51,8 +51,8 @@ RETRYABLE = "retryable: "
 # Torch's OpenMP threads spin after each parallel region. A drafter that spins steals the core
 # its verifier's turn runs on, so drafters wait passively. A lone stream's turns are drafted in the
 # verifier's own process, where waking passive threads for every op costs what it costs the
-# in-process engine: the verifier keeps libgomp's default, a bounded spin (bench/README.md,
-# "the actors' OpenMP wait policy": embedded pair 32.7 against 21.5 tokens/s with a passive
+# in-process engine: the verifier keeps libgomp's default, a bounded spin (docs/bench-history.md,
+# "the OpenMP wait policy per actor role": embedded pair 32.7 against 21.5 tokens/s with a passive
 # verifier; on the micro pair the pipeline's ratio to sync moved within noise). Each role's policy:
 # SPECFLASH_<ROLE>_OMP_WAIT_POLICY, else OMP_WAIT_POLICY, else this; "" leaves libgomp's default.
 ACTOR_WAIT_POLICY = {"verifier": "", "drafter": "PASSIVE"}
