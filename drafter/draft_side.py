@@ -185,15 +185,16 @@ class DraftSide:
         params, gen = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
         prefix = [1] * prompt_len
         zeros = torch.zeros(prompt_len - 1, self.model.model.config.hidden_size)
-        try:
-            for k in range(1, spec_len + 1):
-                for assume, bridge in ((True, 0), (True, 1), (False, 0)):
-                    for _ in (0, 1):
-                        self.observe_features(sid, 0, zeros)   # the target's features, were it EAGLE
-                        self.propose([DraftItem(sid, prefix, params, gen, k, 1, 0, bridge)], assume)
-                        self.rollback(sid, len(prefix) - 1)
-        finally:
-            self.release(sid)
+        with cache.uncounted():            # the dummy's lookups are not the clients' hit rate
+            try:
+                for k in range(1, spec_len + 1):
+                    for assume, bridge in ((True, 0), (True, 1), (False, 0)):
+                        for _ in (0, 1):
+                            self.observe_features(sid, 0, zeros)   # the target's features, were it EAGLE
+                            self.propose([DraftItem(sid, prefix, params, gen, k, 1, 0, bridge)], assume)
+                            self.rollback(sid, len(prefix) - 1)
+            finally:
+                self.release(sid)
         if self.graphs is not None:
             st = self.settings
             self.graphs.warm_up(cache, draft_rows(spec_len, st.tree_width, st.bridge_depth), max_len=max_len)

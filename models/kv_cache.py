@@ -21,6 +21,8 @@ model's K/V writes. Contract: docs/internals.md, `models` section.
 """
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -188,6 +190,16 @@ class PagedKVCache:
         `num_blocks`), and the references held (a block shared by two sequences counts 2)."""
         return {"free": len(self._free), "cached_unreferenced": len(self._evictable),
                 "referenced": sum(1 for r in self._refs if r > 0), "references": sum(self._refs)}
+
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Lookups made inside (an engine's warm-up on a dummy sequence) leave the hit-rate
+        counters as they were."""
+        queries, hits = self.prefix_queries, self.prefix_hits
+        try:
+            yield self
+        finally:
+            self.prefix_queries, self.prefix_hits = queries, hits
 
     def prefix_stats(self) -> dict:
         return {"queries": self.prefix_queries, "hits": self.prefix_hits, "evictions": self.evictions,

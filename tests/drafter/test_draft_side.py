@@ -122,3 +122,20 @@ def test_draft_warm_up_captures_every_draft_shape_of_an_eagle_head():
             assert after["eager"] - before["eager"] == 1, (before, after)     # the prompt's catch-up
         else:
             assert after["captures"] > before["captures"]
+
+
+def test_a_warm_up_leaves_the_prefix_caches_hit_rates_as_they_were(tiny_target, close_draft):
+    """The actors warm up at start-up (on the CPU too): the dummy sequence's lookups must not
+    count as the clients' misses (the draft's hit rate is compared with the target's)."""
+    from verifier.target import TargetSide
+
+    settings = EngineSettings(num_blocks=64, spec_len=3, prefix_caching=True)
+    draft = DraftSide.build(str(close_draft), config_of(str(tiny_target)).vocab_size, settings)
+    target = TargetSide(str(tiny_target), 64, 16, prefix_caching=True)
+    assert draft.warm_up(3, on_cpu=True) > 0 and target.warm_up(3, on_cpu=True) > 0
+    for cache in (draft.cache, target.cache):
+        stats = cache.prefix_stats()
+        assert stats["queries"] == stats["hits"] == 0
+        assert cache.num_free_blocks == cache.num_blocks         # nothing of the dummy's held
+    draft.cache.add_sequence("real", list(range(40)))               # a client's lookup still counts
+    assert draft.cache.prefix_stats()["queries"] == 40
