@@ -168,8 +168,8 @@ class DraftSide:
     def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False,
                 max_len: int | None = None) -> float:
         """On a GPU (or with `on_cpu`, as the actors do: verifier.target.TargetSide.warm_up),
-        before serving: draft for one dummy sequence
-        at every depth up to `spec_len` (+ the bonus and bridge levels), with and without an
+        before serving: draft for one dummy sequence at every depth up to `spec_len` (+ the
+        bonus and bridge levels), with and without an
         assumed outcome, each twice (an EAGLE head reading zero features), so that Triton
         compiles now (`verifier.target.TargetSide.warm_up`); then the CUDA graphs of every draft
         shape the planner's trees can cost (`speculation.planner.draft_rows`) at every
@@ -233,8 +233,7 @@ class BridgeDraft:
 
     def warm_up(self, depth: int, prompt_len: int = 32, on_cpu: bool = False) -> float:
         """On a GPU (or with `on_cpu`, as the verifier actor does), before the verifier serves:
-        chains of 1..`depth`
-        for a dummy sequence, each twice, then the CUDA graphs of a chain's forwards
+        chains of 1..`depth` for a dummy sequence, each twice, then the CUDA graphs of a chain's forwards
         (`speculation.planner.draft_rows(depth)`), as `DraftSide.warm_up`. Returns the seconds taken."""
         cache = self.proposer.cache
         if cache.device.type != "cuda" and not on_cpu:

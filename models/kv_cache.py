@@ -22,7 +22,6 @@ model's K/V writes. Contract: docs/internals.md, `models` section.
 from __future__ import annotations
 
 import contextlib
-
 import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence

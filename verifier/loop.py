@@ -10,12 +10,12 @@ target runs. `inline=True` runs them on the caller's thread instead (the blockin
 of the in-process engine).
 
 One thread runs a process's torch work, its models' building and warm-up included
-(`model_thread`: the actors build on it and hand it to the loop): libgomp gives each thread that opens a parallel region
-an OpenMP team of its own, and once two threads have, there are more OpenMP threads than
-cores and every team's idle threads sleep between regions instead of spinning. On this
-2-core CPU a micro-pair forward took 0.74 ms on the one thread that built the model and
-2.15 ms, on either thread, once the other had opened a region too (bench/README.md,
-"one torch thread per process").
+(`model_thread`: the actors build on it and hand it to the loop). libgomp gives each thread
+that opens a parallel region an OpenMP team of its own, and once two threads have, there are
+more OpenMP threads than cores and every team's idle threads sleep between regions instead of
+spinning. On this 2-core CPU a micro-pair forward took 0.74 ms on the one thread that built
+the model and 2.15 ms, on either thread, once the other had opened a region too
+(bench/README.md, "`specflash generate` in every mode": one OpenMP team per process).
 """
 from __future__ import annotations
 
