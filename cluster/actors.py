@@ -1,9 +1,10 @@
 """The drafter and verifier as Ray actors: thin shells over the Ray-free runtimes (DESIGN.md §3, §7).
 
-`VerifierActor` is an asyncio actor running `verifier.loop.EngineLoop` over the scheduler
-(verifier/scheduler.py); its `exchange` method is where remote drafters deliver trees and
-take signals (long-polling while none are queued: the drafters' backpressure), and it fetches
-each filed tree from the object store while its target runs. `DrafterActor` runs the
+`VerifierActor` is an asyncio actor whose `verifier.loop.EngineLoop` (over the scheduler,
+verifier/scheduler.py) runs inline on an `EngineThread`, the thread that built its models:
+Ray's event loop only hands that thread requests, exchanges and aborts and streams its
+chunks back. Its `exchange` method is where remote drafters deliver trees and take signals
+(long-polling while none are queued: the drafters' backpressure). `DrafterActor` runs the
 drafter's loop (drafter/runtime.py) on a thread of its own over a `cluster.transport.RayLink`.
 
 Both may be restarted by Ray (`max_restarts`, `remote_classes`) at any time. A restarted
@@ -70,10 +71,11 @@ def rss_bytes() -> int:
 class VerifierActor:
     def __init__(self, target_dir: str, settings: dict, draft_dir: str | None = None) -> None:
         """`draft_dir`: the draft model, for bridge chains (`bridge_depth` > 0; unused otherwise).
-        The models are built and warmed up on the model thread that will run them: a second
-        thread's OpenMP team would slow every forward (verifier/loop.py)."""
+        The models are built and warmed up on the engine's thread, which then runs them and
+        the engine's loop: a second thread's OpenMP team would slow every forward, and a
+        hand-off a step to a model thread costs more than a small forward (verifier/loop.py)."""
         from models.presets import is_eagle_spec
-        from verifier.loop import EngineLoop, model_thread
+        from verifier.loop import EngineThread
 
         self.settings = st = EngineSettings(**settings)
         chains = st.bridge_depth > 0 and "model" in st.proposers
@@ -84,20 +86,30 @@ class VerifierActor:
             raise ValueError("bridge_depth > 0 drafts bridge chains with the draft model, which an EAGLE head "
                              "cannot do without the target's features; set bridge_depth 0")
         self.incarnation = uuid.uuid4().hex
-        thread = model_thread()
-        self.scheduler, self.local, self.warm_up_s = thread.submit(self._build, target_dir, draft_dir,
-                                                                   chains, eagle).result()
+        self.engine = EngineThread("verifier-engine")
+        try:
+            self.engine.wait(self._build(target_dir, draft_dir, chains, eagle))
+        except BaseException:
+            self.engine.stop()
+            raise
+        self.channels = ChannelServer(self._channel_exchange)
+
+    async def _build(self, target_dir: str, draft_dir: str | None, chains: bool, eagle: bool) -> None:
+        """The models, the scheduler and its loop (started), on the engine's thread."""
+        from verifier.loop import EngineLoop
+
+        self.scheduler, self.local, self.warm_up_s = self._models(target_dir, draft_dir, chains, eagle)
         self.scheduler.fetch = self._fetch
-        self.loop = EngineLoop(self.scheduler, self.local, thread=thread)
+        self.loop = EngineLoop(self.scheduler, self.local, inline=True)
         if self.local is not None:
             self.local.attach(self.scheduler)
             self.scheduler.registry.local = LOCAL_DRAFTER
         self._mail: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
         self.scheduler.registry.on_mail = lambda drafter: self._mail[drafter].set()
-        self.channels = ChannelServer(self._channel_exchange)
+        self.loop.ensure_running()
 
-    def _build(self, target_dir: str, draft_dir: str | None, chains: bool, eagle: bool):
-        """(scheduler, stand-in drafter or None, warm-up seconds), on the model thread."""
+    def _models(self, target_dir: str, draft_dir: str | None, chains: bool, eagle: bool):
+        """(scheduler, stand-in drafter or None, warm-up seconds)."""
         from drafter.draft_side import BridgeDraft
         from models.presets import eos_of
         from verifier.scheduler import Scheduler
@@ -140,7 +152,7 @@ class VerifierActor:
 
     # -- called through Ray ----------------------------------------------------------------
     async def ready(self) -> bool:
-        self.loop.ensure_running()
+        await self.engine.call(self.loop.ensure_running)
         return True
 
     async def generate(self, request_id: str, prompt: list[int], sampling: dict, speculation: dict,
@@ -148,12 +160,13 @@ class VerifierActor:
         """Async generator of GenerationChunk; Ray streams each one to the caller."""
         from models.sampling import SamplingParams
 
-        async for chunk in self.loop.generate(request_id, prompt, SamplingParams(**sampling),
-                                              SpeculationOptions(**speculation), prefix_cache):
+        chunks = self.loop.generate(request_id, prompt, SamplingParams(**sampling),
+                                    SpeculationOptions(**speculation), prefix_cache)
+        async for chunk in self.engine.stream(chunks):
             yield chunk
 
     async def abort(self, request_id: str) -> bool:
-        return self.scheduler.abort(request_id)
+        return await self.engine.call(self.scheduler.abort, request_id)
 
     async def exchange(self, drafter: int, incarnation: str, puts: list, wait_s: float,
                        draft_s: float = 0.0, draft_levels: int = 0, resync: list | tuple = (),
@@ -161,6 +174,14 @@ class VerifierActor:
                        idle: bool | None = None) -> bytes:
         """Drafter -> verifier (`speculation.transport.Exchange`, positionally): file its trees
         in the ring; return the signals queued for it, waiting up to `wait_s` for one."""
+        return await self.engine.run(self._exchange(drafter, incarnation, puts, wait_s, draft_s, draft_levels,
+                                                    resync, node, cpus, gpus, idle))
+
+    async def _exchange(self, drafter: int, incarnation: str, puts: list, wait_s: float,
+                        draft_s: float = 0.0, draft_levels: int = 0, resync: list | tuple = (),
+                        node: str = "", cpus: float = 0.0, gpus: list | None = None,
+                        idle: bool | None = None) -> bytes:
+        """`exchange`, on the engine's loop."""
         self.loop.ensure_running()
         try:
             trees = unpack_puts(puts)     # refuses the whole call on a bad frame
@@ -182,14 +203,14 @@ class VerifierActor:
     async def open_channel(self, drafter: int, req, drafter_handle, node: str):
         """A drafter's exchanges over channels from now on (cluster/channels.py): we read `req`
         on a thread; the reply channel is returned."""
-        self.loop.ensure_running()
-        return self.channels.connect(drafter, req, drafter_handle, node, asyncio.get_running_loop())
+        await self.engine.call(self.loop.ensure_running)
+        return self.channels.connect(drafter, req, drafter_handle, node, self.engine.loop)
 
     async def _channel_exchange(self, msg: tuple) -> tuple[str, object]:
-        """One channel message as the `exchange` call it stands for: ("ok", signals),
-        ("refused", why) for a bad frame, ("error", why) otherwise."""
+        """One channel message as the `exchange` call it stands for, on the engine's loop:
+        ("ok", signals), ("refused", why) for a bad frame, ("error", why) otherwise."""
         try:
-            return "ok", await self.exchange(*msg)
+            return "ok", await self._exchange(*msg)
         except WireError as e:
             return "refused", str(e)
         except Exception as e:
@@ -197,17 +218,28 @@ class VerifierActor:
             return "error", f"{type(e).__name__}: {e}"
 
     async def health(self) -> dict:
-        return {**self.scheduler.health(), "incarnation": self.incarnation, "node_id": node_id(),
-                "channel_exchanges": self.channels.served}
+        return {**await self.engine.call(self.scheduler.health), "incarnation": self.incarnation,
+                "node_id": node_id(), "channel_exchanges": self.channels.served}
 
     async def get_stats(self) -> dict:
+        return await self.engine.call(self._stats)
+
+    def _stats(self) -> dict:
         from verifier.loop import gc_report
 
         local = None if self.local is None else self.local.drafters[0].stats.as_dict()
         return {**self.scheduler.report(), "warm_up_s": self.warm_up_s, "local_drafter": local, **gc_report()}
 
     async def kv_usage(self) -> dict:
-        return {**self.scheduler.kv_usage(), "rss_bytes": rss_bytes(), "incarnation": self.incarnation}
+        return {**await self.engine.call(self.scheduler.kv_usage), "rss_bytes": rss_bytes(),
+                "incarnation": self.incarnation}
+
+    def shutdown(self) -> None:
+        """The engine's loop task ended, then its thread (tests; Ray ends an actor's process)."""
+        try:
+            self.engine.wait(self.loop.aclose(), timeout=30)
+        finally:
+            self.engine.stop()
 
     # -- trees from the object store -------------------------------------------------------
     def _fetch(self, entry) -> None:

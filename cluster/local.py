@@ -20,7 +20,6 @@ taking turns), with the verifier's own prompt lookup where the draft model is of
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,20 +163,20 @@ class InProcessEngine:
 class LocalEngine:
     """An `InProcessEngine` behind the `speculation.requests.Engine` protocol (serving/).
 
-    The engine runs on a thread of its own, with an event loop of its own, as an actor would:
-    its steps (forwards included) never hold up the caller's loop, and its work (freeing an
-    aborted request's KV blocks, say) goes on whatever the callers' loops do. Chunks cross to
-    the caller's loop as they come. `build()` makes the engine on that thread, which then runs
-    its models: one OpenMP team (verifier/loop.py)."""
+    The engine runs on an `verifier.loop.EngineThread`, as the verifier actor's does: its steps
+    (forwards included) never hold up the caller's loop, and its work (freeing an aborted
+    request's KV blocks, say) goes on whatever the callers' loops do. Chunks cross to the
+    caller's loop as they come. `build()` makes the engine on that thread, which then runs its
+    models: one OpenMP team (verifier/loop.py)."""
 
     def __init__(self, build: Callable[[], InProcessEngine]) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="specflash-local-engine", daemon=True)
-        self._thread.start()
+        from verifier.loop import EngineThread
+
+        self.thread = EngineThread("specflash-local-engine")
         try:
-            self.engine = asyncio.run_coroutine_threadsafe(self._build(build), self._loop).result()
+            self.engine = self.thread.wait(self._build(build))
         except BaseException:
-            self._loop.call_soon_threadsafe(self._loop.stop)
+            self.thread.stop()
             raise
 
     @staticmethod
@@ -191,48 +190,31 @@ class LocalEngine:
         other request it cannot serve ends with one error chunk."""
         e = self.engine
         resolve_speculation(request.speculation, e.settings, e.settings.proposers)
-        return self._stream(request)
+        return self.thread.stream(self._chunks(request))
 
-    async def _stream(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        caller, chunks = asyncio.get_running_loop(), asyncio.Queue()
-        emit = lambda chunk: caller.call_soon_threadsafe(chunks.put_nowait, chunk)   # noqa: E731
-        asyncio.run_coroutine_threadsafe(self._run(request, emit), self._loop)
-        finished = False
-        try:
-            while not finished:
-                chunk = await chunks.get()
-                finished = chunk.finished
-                yield chunk
-        finally:
-            if not finished:
-                await self.abort(request.request_id)
-
-    async def _run(self, request: GenerationRequest, emit) -> None:
+    async def _chunks(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """The request's chunks, on the engine's loop."""
         try:
             async for chunk in self.engine.generate_stream(request):
-                emit(chunk)
+                yield chunk
         except InvalidRequest as err:
-            emit(GenerationChunk(request.request_id, [], True, "error", error=str(err)))
-
-    async def _on_engine(self, coro):
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+            yield GenerationChunk(request.request_id, [], True, "error", error=str(err))
 
     async def abort(self, request_id: str) -> None:
-        await self._on_engine(self.engine.abort(request_id))
+        await self.thread.run(self.engine.abort(request_id))
 
     async def health(self) -> dict:
-        return await self._on_engine(self.engine.health())
+        return await self.thread.run(self.engine.health())
 
     async def stats(self) -> dict:
-        return await self._on_engine(self.engine.stats())
+        return await self.thread.run(self.engine.stats())
 
     def shutdown(self) -> None:
         """The engine's loop task ended (not left pending for the garbage collector), then its thread."""
         try:
-            asyncio.run_coroutine_threadsafe(self.engine.loop.aclose(), self._loop).result(timeout=30)
+            self.thread.wait(self.engine.loop.aclose(), timeout=30)
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
+            self.thread.stop()
 
 
 def speculation_for(mode: str, spec_len: int, tree_width: int, proposer: str = "model") -> SpeculationOptions:

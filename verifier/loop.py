@@ -1,30 +1,38 @@
-"""The scheduler's loop on an asyncio event loop, forwards on one model thread.
+"""The scheduler's loop on an asyncio event loop, and the thread that runs it with its models.
 
 `EngineLoop` is what every engine runs: the Ray verifier actor (cluster/actors.py) and the
 in-process engine (cluster/local.py) differ only in where their drafters live. Requests come
 in through `generate` (an async generator of chunks); each `step` admits and prefills new
 requests, lets in-process drafters draft (`pump`), collects the batch, runs the speculative
-step (`speculation.step.speculative_step`) and publishes. Every forward and prefill runs on
-one model thread, and the event loop keeps serving drafters' exchanges and aborts while the
-target runs. `inline=True` runs them on the caller's thread instead (the blocking `generate`
-of the in-process engine).
+step (`speculation.step.speculative_step`) and publishes.
 
-One thread runs a process's torch work, its models' building and warm-up included
-(`model_thread`: the actors build on it and hand it to the loop). libgomp gives each thread
-that opens a parallel region an OpenMP team of its own, and once two threads have, there are
-more OpenMP threads than cores and every team's idle threads sleep between regions instead of
-spinning. On this 2-core CPU a micro-pair forward took 0.74 ms on the one thread that built
-the model and 2.15 ms, on either thread, once the other had opened a region too
-(bench/README.md, "`specflash generate` in every mode": one OpenMP team per process).
+Both shells run the loop `inline` on an `EngineThread`: a thread with an event loop of its
+own, which builds the models, warms them up and runs every forward between its steps, while
+the callers (Ray's event loop in the actor, the server's in the local engine) only hand it
+requests, drafters' exchanges and aborts and take its chunks (`EngineThread.stream`). With
+forwards of a millisecond, the two hand-offs a step to a separate model thread and the event
+loop's wake-ups contending for the GIL cost more than the forwards (bench/README.md, "micro
+pair"). Without `inline` each forward runs on a model thread of the loop's own
+(`model_thread`: the blocking tests' harness).
+
+One thread runs a process's torch work, its models' building and warm-up included. libgomp
+gives each thread that opens a parallel region an OpenMP team of its own, and once two
+threads have, there are more OpenMP threads than cores and every team's idle threads sleep
+between regions instead of spinning. On this 2-core CPU a micro-pair forward took 0.74 ms on
+the one thread that built the model and 2.15 ms, on either thread, once the other had opened
+a region too (bench/README.md, "`specflash generate` in every mode": one OpenMP team per
+process).
 """
 from __future__ import annotations
 
 import asyncio
 import gc
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from speculation.requests import GenerationChunk, SpeculationOptions
 from speculation.step import speculative_step
@@ -57,17 +65,105 @@ def model_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="verifier-model")
 
 
+@dataclass
+class _Raised:
+    """What `EngineThread.stream` relays when its source raised."""
+
+    error: BaseException
+
+
+_END = object()     # `EngineThread.stream`'s source is exhausted
+
+
+class EngineThread:
+    """A thread with an event loop of its own: it builds an engine's models and runs the
+    engine's loop (inline) and every forward; other threads' event loops reach it through
+    `run` / `call` / `stream`, and a plain thread through `wait`."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def ident(self) -> int | None:
+        return self._thread.ident
+
+    def wait(self, coro: Coroutine, timeout: float | None = None):
+        """Run `coro` on the engine's loop; block this (other) thread for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def run(self, coro: Coroutine):
+        """Await `coro`, run on the engine's loop, from another thread's event loop."""
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
+    async def call(self, fn: Callable, *args):
+        """`fn(*args)` on the engine's loop (it may read and change the engine's state)."""
+        return await self.run(_called(fn, args))
+
+    async def stream(self, source: AsyncIterator) -> AsyncIterator:
+        """`source`'s items, iterated on the engine's loop, on the caller's loop as they come;
+        its error raised here. Leaving early cancels the source there and waits for its
+        cleanup (a request's abort) to have run."""
+        caller, items = asyncio.get_running_loop(), asyncio.Queue()
+
+        def put(item) -> None:
+            caller.call_soon_threadsafe(items.put_nowait, item)
+
+        async def relay() -> None:
+            try:
+                async for item in source:
+                    put(item)
+                put(_END)
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:
+                put(_Raised(e))
+
+        task = await self.call(asyncio.ensure_future, relay())
+        ended = False
+        try:
+            while True:
+                item = await items.get()
+                if item is _END or isinstance(item, _Raised):
+                    ended = True
+                    if item is _END:
+                        return
+                    raise item.error
+                yield item
+        finally:
+            if not ended:
+                await self.run(_cancelled(task))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the loop and join the thread (the engine's tasks should have ended first)."""
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout)
+
+
+async def _called(fn: Callable, args: tuple):
+    return fn(*args)
+
+
+async def _cancelled(task: asyncio.Task) -> None:
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+
+
 class EngineLoop:
     def __init__(self, scheduler: Scheduler, pump: Callable[..., Awaitable] | None = None,
-                 inline: bool = False, thread: ThreadPoolExecutor | None = None) -> None:
+                 inline: bool = False) -> None:
         """`pump(scheduler, run)`: in-process drafters, drafting before each collect
         (verifier/inprocess.py); None where drafters live elsewhere. `inline`: run the model's
-        work on the calling thread, not the model thread. `thread`: the model thread, the
-        one that built the models (`model_thread`); None = a new one."""
+        work on the calling thread (an `EngineThread`), not on a model thread of the loop's
+        own (made when first needed)."""
         self.scheduler = scheduler
         self.pump = pump
         self.inline = inline
-        self._model_thread = thread or model_thread()
+        self._model_thread: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         scheduler.on_work = self._poke
@@ -193,6 +289,8 @@ class EngineLoop:
     async def run_model(self, fn: Callable, *args):
         if self.inline:
             return fn(*args)
+        if self._model_thread is None:
+            self._model_thread = model_thread()
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
 
     async def _sleep(self, seconds: float) -> None:

@@ -72,7 +72,7 @@ def test_the_verifier_actor_builds_warms_up_and_serves_on_its_model_thread(tiny_
     try:
         assert len(asyncio.run(serve())) == 12
     finally:
-        actor.loop.close()
+        actor.shutdown()
     assert forward_threads == built_on and len(built_on) == 1
     assert actor.local.drafters[0].stats.as_dict()["draft_s"] > 0     # the stand-in drafted on it too
 
@@ -100,7 +100,7 @@ def test_the_local_engine_builds_on_the_thread_that_runs_it(tiny_target, close_d
             return sum([len(c.token_ids) async for c in engine.generate(request)])
 
         assert asyncio.run(serve()) == 8
-        assert forward_threads == {engine._thread.ident}
+        assert forward_threads == {engine.thread.ident}
     finally:
         engine.shutdown()
 

@@ -30,10 +30,14 @@ def test_channels_carry_the_exchanges_and_output_is_exact(make_engine, tiny_targ
     for (tokens, last), p in zip(outs, ps):
         assert tokens == hf_greedy(hf_target, p, 40) and last.finish_reason == "length"
         assert last.num_drafted > 0
+    # every exchange after the first went through the channels, none by actor call; the idle
+    # drafter goes on long-polling, so its count is read between two of the verifier's (and a
+    # reply the verifier has written may not have been read yet)
+    served_before = _served(engine)
     info = ray.get(drafter.info.remote(), timeout=10)
+    served_after = _served(engine)
     assert info["channel_exchanges"] > 10 and info["channel_exchanges_lost"] == 0, info
-    # every exchange after the first went through the channels, none by actor call
-    assert _served(engine) == info["channel_exchanges"]
+    assert served_before - 1 <= info["channel_exchanges"] <= served_after
 
 
 def test_actor_calls_when_channels_are_off(make_engine, tiny_target, close_draft, hf_target):
