@@ -165,27 +165,40 @@ class DraftSide:
                 proposer.cache_committed(stream, committed)
             proposer.release(stream)
 
-    def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False,
+    def warm_up(self, spec_len: int, prompt_len: int = 32, *, on_cpu: bool = True,
                 max_len: int | None = None) -> float:
-        """On a GPU (or with `on_cpu`, as the actors do: verifier.target.TargetSide.warm_up),
-        before serving: draft for one dummy sequence at every depth up to `spec_len` (+ the
-        bonus and bridge levels), with and without an
-        assumed outcome, each twice (an EAGLE head reading zero features), so that Triton
-        compiles now (`verifier.target.TargetSide.warm_up`); then the CUDA graphs of every draft
-        shape the planner's trees can cost (`speculation.planner.draft_rows`) at every
-        block-table width up to `max_len` tokens (None: what the cache holds). Returns the
-        seconds it took (0 on a CPU without `on_cpu`, or without a draft model)."""
-        cache = self.cache
-        if self.model is None or cache is None or (cache.device.type != "cuda" and not on_cpu):
-            return 0.0
-        from models.sampling import SamplingParams
-        from speculation.planner import draft_rows
+        """Before serving (as `verifier.target.TargetSide.warm_up`, whose reasons hold here:
+        Triton's compiles on a GPU, the first forwards' one-off work on a CPU): draft for one
+        dummy sequence at every depth up to `spec_len` (+ the bonus and bridge levels), with and
+        without an assumed outcome, each twice (an EAGLE head reading zero features); then on a
+        GPU the CUDA graphs of every draft shape the planner's trees can cost
+        (`speculation.planner.draft_rows`) at every block-table width up to `max_len` tokens
+        (None: what the cache holds). The dummy prompt is shortened to fit the cache, the dummy
+        skipped where not even that fits (`speculation.planner.warm_up_prompt_len`). `on_cpu`:
+        ignored, kept for old callers. Returns the seconds it took (0 without a draft model, or
+        when skipped)."""
+        from speculation.planner import draft_rows, warm_up_prompt_len
 
-        start, sid = time.perf_counter(), "__warm_up__"
-        params, gen = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
-        prefix = [1] * prompt_len
-        zeros = torch.zeros(prompt_len - 1, self.model.model.config.hidden_size)
-        with cache.uncounted():            # the dummy's lookups are not the clients' hit rate
+        cache = self.cache
+        if self.model is None or cache is None:
+            return 0.0
+        start = time.perf_counter()
+        prompt_len = warm_up_prompt_len(cache, prompt_len, spec_len + 2,    # depth, bonus, bridge
+                                        self.model.model.config.max_position_embeddings)
+        if prompt_len:
+            self._warm_up_drafts([1] * prompt_len, spec_len)
+        if self.graphs is not None:
+            st = self.settings
+            self.graphs.warm_up(cache, draft_rows(spec_len, st.tree_width, st.bridge_depth), max_len=max_len)
+        return time.perf_counter() - start if prompt_len or self.graphs is not None else 0.0
+
+    def _warm_up_drafts(self, prefix: list[int], spec_len: int) -> None:
+        """`warm_up`'s dummy drafts, each rolled back to the prefix; the stream released after."""
+        from models.sampling import SamplingParams
+
+        sid, params, gen = "__warm_up__", SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
+        zeros = torch.zeros(len(prefix) - 1, self.model.model.config.hidden_size)
+        with self.cache.uncounted():       # the dummy's lookups are not the clients' hit rate
             try:
                 for k in range(1, spec_len + 1):
                     for assume, bridge in ((True, 0), (True, 1), (False, 0)):
@@ -195,10 +208,6 @@ class DraftSide:
                             self.rollback(sid, len(prefix) - 1)
             finally:
                 self.release(sid)
-        if self.graphs is not None:
-            st = self.settings
-            self.graphs.warm_up(cache, draft_rows(spec_len, st.tree_width, st.bridge_depth), max_len=max_len)
-        return time.perf_counter() - start
 
 
 class BridgeDraft:
@@ -231,24 +240,27 @@ class BridgeDraft:
     def release(self, seq_id: str) -> None:
         self.proposer.release(seq_id)
 
-    def warm_up(self, depth: int, prompt_len: int = 32, on_cpu: bool = False) -> float:
-        """On a GPU (or with `on_cpu`, as the verifier actor does), before the verifier serves:
-        chains of 1..`depth` for a dummy sequence, each twice, then the CUDA graphs of a chain's forwards
-        (`speculation.planner.draft_rows(depth)`), as `DraftSide.warm_up`. Returns the seconds taken."""
-        cache = self.proposer.cache
-        if cache.device.type != "cuda" and not on_cpu:
-            return 0.0
+    def warm_up(self, depth: int, prompt_len: int = 32, *, on_cpu: bool = True) -> float:
+        """Before the verifier serves, as `DraftSide.warm_up`: chains of 1..`depth` for a dummy
+        sequence (shortened to fit the cache, skipped where even that does not fit), each
+        twice, then on a GPU the CUDA graphs of a chain's forwards
+        (`speculation.planner.draft_rows(depth)`). `on_cpu`: ignored, kept for old callers.
+        Returns the seconds taken (0 when skipped)."""
         from models.sampling import SamplingParams
-        from speculation.planner import draft_rows
+        from speculation.planner import draft_rows, warm_up_prompt_len
 
+        cache = self.proposer.cache
         start, sid = time.perf_counter(), "__warm_up__"
         params, gen = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
-        try:
-            for r in [r for r in range(1, depth + 1) for _ in (0, 1)]:
-                self.chains([DraftRequest(sid, [1] * prompt_len, params, gen, r)])
-        finally:
-            self.release(sid)
+        prompt_len = warm_up_prompt_len(cache, prompt_len, depth + 1,      # the chain and the guess
+                                        self.proposer.model.config.max_position_embeddings)
+        with cache.uncounted():            # the dummy's lookups are not the clients' hit rate
+            try:
+                for r in [r for r in range(1, depth + 1) for _ in (0, 1)] if prompt_len else []:
+                    self.chains([DraftRequest(sid, [1] * prompt_len, params, gen, r)])
+            finally:
+                self.release(sid)
         graphs = getattr(self.proposer.model, "graphs", None)
         if graphs is not None:
             graphs.warm_up(cache, draft_rows(depth))
-        return time.perf_counter() - start
+        return time.perf_counter() - start if prompt_len or graphs is not None else 0.0

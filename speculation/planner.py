@@ -98,6 +98,19 @@ def draft_rows(spec_len: int, width: int = 1, bridge_depth: int = 0) -> list[int
     return list(range(1, 2 + (spec_len + 1 + bridge_depth) * width))
 
 
+def warm_up_prompt_len(cache, prompt_len: int, extra: int, max_context: int | None = None) -> int:
+    """The dummy prompt a warm-up runs (`verifier.target.TargetSide.warm_up`, `drafter.draft_side.
+    DraftSide.warm_up`): `prompt_len` tokens, fewer where the free blocks of `cache` (or
+    `max_context` positions) cannot hold them plus the `extra` tokens its trees or drafts add
+    behind them; 0 (skip the dummy) where not even 2 tokens fit, a prompt of one token
+    feeding nothing to warm."""
+    room = cache.num_free_blocks * cache.block_size
+    if max_context is not None:
+        room = min(room, max_context)
+    n = min(prompt_len, room - extra)
+    return n if n >= 2 else 0
+
+
 class CostModel:
     """verify(rows) ≈ a + b · rows and draft(levels) ≈ d · levels, fitted by
     exponentially-weighted least squares; a prior until the first measurement,

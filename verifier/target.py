@@ -100,36 +100,45 @@ class TargetSide:
         self.partial.discard(seq_id)
         self._pieces.pop(seq_id, None)
 
-    def warm_up(self, spec_len: int, prompt_len: int = 32, on_cpu: bool = False, width: int = 1,
+    def warm_up(self, spec_len: int, prompt_len: int = 32, *, on_cpu: bool = True, width: int = 1,
                 max_len: int | None = None) -> float:
-        """On a GPU (or with `on_cpu`: the actors, whose fresh processes' first CPU forwards are
-        slow, see cluster/actors.py), before serving: one dummy sequence through a
-        prefill, plain steps and chain verifications of 1..`spec_len` nodes, each shape twice,
-        so that Triton compiles those kernels (the sampler's too); then the CUDA graphs of every
-        verification shape the planner can choose (`speculation.planner.verify_rows`: trees of
-        up to `spec_len` levels of `width`) for one sequence at every block-table width up to
-        `max_len` tokens (None: what the cache holds), `models.cuda_graphs.GraphedLayers.warm_up`.
-        So no compile or capture lands inside the first requests (on an H200 a cold first draft
-        took 5 s, long enough for the verifier to count its drafter as gone). Returns the
-        seconds it took (0 on a CPU without `on_cpu`)."""
-        if self.cache.device.type != "cuda" and not on_cpu:
-            return 0.0
-        from models.sampling import SamplingParams
-        from models.tree import TokenTree
-        from speculation.planner import verify_rows
+        """Before serving: one dummy sequence through a prefill, plain steps and chain
+        verifications of 1..`spec_len` nodes, each shape twice, so that no one-off work lands
+        inside the first requests: on a GPU Triton compiles those kernels (the sampler's too),
+        on a CPU the first forwards' allocations and weight packing (a fresh in-process engine's
+        first request took 2 s cold against 0.3 s warmed on the embedded pair). Then on a GPU
+        the CUDA graphs of every verification shape the planner can choose
+        (`speculation.planner.verify_rows`: trees of up to `spec_len` levels of `width`) for one
+        sequence at every block-table width up to `max_len` tokens (None: what the cache holds),
+        `models.cuda_graphs.GraphedLayers.warm_up` (on an H200 a cold first draft took 5 s, long
+        enough for the verifier to count its drafter as gone). The dummy takes at most
+        `prompt_len` + `spec_len` tokens (each verification is rolled back), fewer in a smaller
+        cache (`speculation.planner.warm_up_prompt_len`); none where not even that fits. It
+        leaves every block free and the prefix cache's hit counts as they were. `on_cpu`:
+        ignored, kept for old callers. Returns the seconds it took (0 when skipped)."""
+        from speculation.planner import verify_rows, warm_up_prompt_len
 
         start, sid = time.perf_counter(), "__warm_up__"
-        committed = [1] * prompt_len
-        params, gen = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
-        with self.cache.uncounted():       # the dummy's lookups are not the clients' hit rate
-            self.prefill(sid, committed, use_cache=False)
-            try:
-                for k in [0, 0] + [k for k in range(1, spec_len + 1) for _ in (0, 1)]:
-                    tree = TokenTree.empty(len(committed)) if k == 0 else TokenTree.chain([1] * k, None, len(committed))
-                    res = self.verifier.verify([VerifyRequest(sid, committed[-1], tree, params, gen)])[0]
-                    committed += res.token_ids
-            finally:
-                self.release(sid)
+        prompt_len = warm_up_prompt_len(self.cache, prompt_len, spec_len, self.max_context)
+        if prompt_len:
+            self._warm_up_forwards(sid, [1] * prompt_len, spec_len)
         if self.graphs is not None:
             self.graphs.warm_up(self.cache, verify_rows(spec_len, width), max_len=max_len)
-        return time.perf_counter() - start
+        return time.perf_counter() - start if prompt_len or self.graphs is not None else 0.0
+
+    def _warm_up_forwards(self, sid: str, prompt: list[int], spec_len: int) -> None:
+        """`warm_up`'s dummy steps: 2 plain steps, then chains of 1..`spec_len` twice each, each
+        rolled back to the prompt so that the sequence never outgrows it by more than a tree."""
+        from models.sampling import SamplingParams
+        from models.tree import TokenTree
+
+        params, gen = SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
+        with self.cache.uncounted():       # the dummy's lookups are not the clients' hit rate
+            try:
+                self.prefill(sid, prompt, use_cache=False)
+                for k in [0, 0] + [k for k in range(1, spec_len + 1) for _ in (0, 1)]:
+                    tree = TokenTree.empty(len(prompt)) if k == 0 else TokenTree.chain([1] * k, None, len(prompt))
+                    self.verifier.verify([VerifyRequest(sid, prompt[-1], tree, params, gen)])
+                    self.cache.truncate(sid, len(prompt) - 1)
+            finally:
+                self.release(sid)

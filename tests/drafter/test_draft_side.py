@@ -39,8 +39,7 @@ def test_the_verifiers_chain_is_the_path_the_drafter_assumes(tiny_target, close_
                 prefix = prefix + [(7 * step + 3) % 50, (5 * step + 1) % 50]    # the prefix grows
             verifier.release("s")
             assert verifier.proposer.cache.num_free_blocks == verifier.proposer.cache.num_blocks
-            assert verifier.warm_up(2) == 0.0                       # nothing to compile on a CPU
-            assert verifier.warm_up(2, on_cpu=True) > 0.0
+            assert verifier.warm_up(2) > 0.0                        # on the CPU too
             assert verifier.proposer.cache.num_free_blocks == verifier.proposer.cache.num_blocks
     finally:
         torch.set_num_threads(threads)
@@ -69,8 +68,7 @@ def test_draft_warm_up_leaves_no_trace(tiny_target, close_draft):
         settings = EngineSettings(num_blocks=32)
         fresh = _side(close_draft, tiny_target, settings)
         warmed = _side(close_draft, tiny_target, settings)
-        assert warmed.warm_up(3) == 0.0
-        assert warmed.warm_up(3, on_cpu=True) > 0.0
+        assert warmed.warm_up(3) > 0.0                          # on the CPU too
         assert warmed.cache.num_free_blocks == warmed.cache.num_blocks
         prefix = [5, 9, 2, 7, 3, 8, 1, 4]
 
@@ -103,7 +101,7 @@ def test_draft_warm_up_captures_every_draft_shape_of_an_eagle_head():
         side = DraftSide({"model": model_proposer(head, 512, settings), "ngram": NgramProposer(512, 5)}, settings)
         assert side.needs_features and side.graphs is head.graphs
         if warm:
-            assert side.warm_up(4, on_cpu=True) > 0
+            assert side.warm_up(4) > 0
             assert side.cache.num_free_blocks == side.cache.num_blocks
         before = side.graphs.stats()
         prefix, greedy, gen = [5, 9, 2, 7, 3, 8, 1, 4, 6], SamplingParams(temperature=0.0), torch.Generator()
@@ -125,17 +123,33 @@ def test_draft_warm_up_captures_every_draft_shape_of_an_eagle_head():
 
 
 def test_a_warm_up_leaves_the_prefix_caches_hit_rates_as_they_were(tiny_target, close_draft):
-    """The actors warm up at start-up (on the CPU too): the dummy sequence's lookups must not
+    """Every engine warms up at start-up (on the CPU too): the dummy sequence's lookups must not
     count as the clients' misses (the draft's hit rate is compared with the target's)."""
     from verifier.target import TargetSide
 
     settings = EngineSettings(num_blocks=64, spec_len=3, prefix_caching=True)
     draft = DraftSide.build(str(close_draft), config_of(str(tiny_target)).vocab_size, settings)
     target = TargetSide(str(tiny_target), 64, 16, prefix_caching=True)
-    assert draft.warm_up(3, on_cpu=True) > 0 and target.warm_up(3, on_cpu=True) > 0
+    assert draft.warm_up(3) > 0 and target.warm_up(3) > 0
     for cache in (draft.cache, target.cache):
         stats = cache.prefix_stats()
         assert stats["queries"] == stats["hits"] == 0
         assert cache.num_free_blocks == cache.num_blocks         # nothing of the dummy's held
     draft.cache.add_sequence("real", list(range(40)))               # a client's lookup still counts
     assert draft.cache.prefix_stats()["queries"] == 40
+
+
+def test_draft_warm_ups_fit_their_dummy_in_a_small_cache_or_skip_it():
+    """Both drafts' warm-ups shorten the dummy prompt to what a small cache holds beside the
+    drafted levels, or skip it (0 s) where not even that fits; nothing raises, every block free."""
+    threads = torch.get_num_threads()
+    try:
+        for num_blocks, warms in ((3, True), (2, True), (1, False)):
+            settings = EngineSettings(num_blocks=num_blocks, block_size=4, spec_len=4, bridge_depth=2)
+            side = _side("random:tiny-draft", "random:tiny", settings)
+            bridge = BridgeDraft("random:tiny-draft", "random:tiny", settings)
+            assert (side.warm_up(4) > 0.0) == (bridge.warm_up(2) > 0.0) == warms, num_blocks
+            for cache in (side.cache, bridge.proposer.cache):
+                assert cache.num_free_blocks == num_blocks and not cache._lens
+    finally:
+        torch.set_num_threads(threads)

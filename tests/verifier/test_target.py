@@ -1,7 +1,7 @@
-"""The target's warm-up (verifier/target.py): on a GPU it runs a dummy sequence through the
-shapes requests meet before serving (the drafter's is in tests/drafter/test_draft_side.py).
-Forced here on the CPU: it must leave nothing behind — every KV block free, no sequence
-state — and change no later result."""
+"""The target's warm-up (verifier/target.py): before serving it runs a dummy sequence through
+the shapes requests meet, on a GPU and on the CPU (the drafter's is in
+tests/drafter/test_draft_side.py). It must leave nothing behind — every KV block free, no
+sequence state — change no later result, and fit any cache: shortened, or skipped."""
 from __future__ import annotations
 
 import torch
@@ -29,8 +29,7 @@ def test_target_warm_up_leaves_no_trace(tiny_target):
     try:
         fresh = TargetSide(str(tiny_target), num_blocks=32)
         warmed = TargetSide(str(tiny_target), num_blocks=32)
-        assert warmed.warm_up(4) == 0.0                       # nothing to compile on a CPU
-        assert warmed.warm_up(4, on_cpu=True) > 0.0
+        assert warmed.warm_up(4) > 0.0                        # on the CPU too
         assert warmed.cache.num_free_blocks == warmed.cache.num_blocks
         prompt = [5, 9, 2, 7, 3, 8]
         assert _greedy(warmed, prompt, 6) == _greedy(fresh, prompt, 6)
@@ -50,7 +49,7 @@ def test_warm_up_captures_every_verification_shape_of_the_planner():
         cuda_graphs.enable(model, capture=cuda_graphs.stand_in_capture)
         side = TargetSide("", num_blocks=16, model=model)       # 256 tokens: widths of 1..16 blocks
         if warm:
-            side.warm_up(4, on_cpu=True)
+            side.warm_up(4)
             assert side.cache.num_free_blocks == side.cache.num_blocks
         before = side.graphs.stats()
         from models.tree import TokenTree
@@ -70,3 +69,15 @@ def test_warm_up_captures_every_verification_shape_of_the_planner():
             assert after["eager"] - before["eager"] == 1, (before, after)       # the prefill
         else:                                                    # the control: captured while serving
             assert after["captures"] > before["captures"] and after["eager"] - before["eager"] > 5
+
+
+def test_warm_up_fits_its_dummy_in_a_small_cache_or_skips_it():
+    """A cache too small for the 32-token dummy and its trees gets a shorter one; one that cannot
+    hold even 2 tokens plus a tree is skipped (0 s); nothing raises and every block is free."""
+    from models.presets import random_model
+
+    model = random_model("random:tiny")
+    for num_blocks, block_size, warms in ((3, 4, True), (2, 4, True), (1, 4, False), (1, 1, False)):
+        side = TargetSide("", num_blocks=num_blocks, block_size=block_size, model=model)
+        assert (side.warm_up(4) > 0.0) == warms, (num_blocks, block_size)
+        assert side.cache.num_free_blocks == num_blocks and not side.cache._lens
