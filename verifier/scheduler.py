@@ -6,7 +6,8 @@ drafted trees, the planner and the step costs; `verifier.loop.EngineLoop` drives
 Ray verifier actor (cluster/actors.py) is that loop plus remote drafters calling `receive`;
 the in-process engine is the same loop with a drafter in its own process, pumped before each
 collect (verifier/inprocess.py). Drafter membership (attach, resync, rebalance) is
-`verifier.membership.Membership`.
+`verifier.membership.Membership`; admission (who joins the batch, their prefills and chunked
+prefill's riders) is `verifier.admission.Admission`.
 
 Each step takes, for every active sequence, the first valid tree in its ring (or a tree of
 zero nodes when speculation is off, its drafter is dead, or its tree is late), verifies them
@@ -42,6 +43,8 @@ from speculation.stats import SpecStats
 from speculation.step import StepItem, StepOutcome
 from speculation.transport import Exchange
 from speculation.wire import Signal
+# settle_riders is imported from here by verifier/loop.py
+from verifier.admission import Admission, check_request, settle_riders  # noqa: F401
 from verifier.chunking import PrefillBudget
 from verifier.costs import StepCosts
 from verifier.lookup import VerifierLookup
@@ -49,7 +52,6 @@ from verifier.membership import Membership
 from verifier.registry import DrafterRegistry
 from verifier.ring import Ring, RingEntry
 from verifier.stream import VerifyStream
-from verifier.target import PREFILLING
 from verifier.verifier import PromptChunk
 
 log = logging.getLogger("specflash.verifier")
@@ -58,20 +60,6 @@ log = logging.getLogger("specflash.verifier")
 def drafted(batch: list[StepItem]) -> list[StepItem]:
     """The batch's trees drafted by a drafter (not prompt-lookup ones)."""
     return [it for it in batch if it.header is not None and it.tree.num_nodes]
-
-
-def check_request(prompt: list[int], params: SamplingParams, ctx: int, vocab: int) -> None:
-    """`InvalidRequest` for a prompt or sampling parameters this target cannot serve."""
-    if not prompt:
-        raise InvalidRequest("the prompt is empty: it must hold at least one token", "prompt")
-    if len(prompt) >= ctx:
-        raise InvalidRequest(f"the prompt is {len(prompt)} tokens long; the target's context is {ctx} "
-                             f"tokens (room is needed for at least one more)", "prompt")
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise InvalidRequest(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})", "prompt")
-    if any(t >= vocab for t, _ in params.logit_bias):
-        raise InvalidRequest(f"logit_bias names token ids outside the vocabulary [0, {vocab})", "logit_bias")
 
 
 def observe_verified(sch, s: VerifyStream, tree: TokenTree, header, res, chained: bool) -> None:
@@ -99,19 +87,6 @@ def take_tree(entry: RingEntry) -> None:
     entry.tree = entry.payload
 
 
-def settle_riders(sch: "Scheduler", riders: list[PromptChunk], seconds: float) -> None:
-    """After a step whose forward fed `riders` (`seconds`: the forward's): their outcomes in the
-    scheduler `sch`, as `Scheduler.prefilled` settles a prefill of their own."""
-    sch.riders = []
-    features = {c.seq_id: sch.target.after_chunk(c) for c in riders}
-    for c in riders:
-        s = sch.streams.get(c.seq_id)
-        if s is not None:
-            s.observe_prefill(seconds / len(riders), sch.target.cached_tokens(c.seq_id), sch.stats,
-                              features[c.seq_id] is not PREFILLING)
-    sch.prefilled([c.seq_id for c in riders], features)
-
-
 class Scheduler:
     def __init__(self, target, settings: EngineSettings, *, eos_ids=(), bridge_draft=None,
                  node_id: str = "", gpu_ids: list[str] | None = None) -> None:
@@ -131,12 +106,12 @@ class Scheduler:
         self.costs = StepCosts(self.adaptive, target.model, settings, self.threads)
         self.costs.choose(settings.ring_slots > 1, self.threads)
         self.chunks = PrefillBudget(settings.prefill_chunk, settings.prefill_step_share)
-        self.feeds: dict[str, int | None] = {}   # this step's prefills: tokens each may feed (None: all)
-        self.riders: list[PromptChunk] = []     # those fed inside the next verification forward
+        self.riders: list[PromptChunk] = []     # prompts' chunks fed inside the next verification forward
         self.lookup = VerifierLookup(settings.lookup, few_row_limit(target.model))
         self.adaptive.row_limit = self.lookup.planner.row_limit
         self.registry = DrafterRegistry(settings, node_id, gpu_ids, self.threads)
         self.members = Membership(self)
+        self.admission = Admission(self)
         self.stats = SpecStats()
         self.streams: dict[str, VerifyStream] = {}
         self.joins: deque[str] = deque()
@@ -222,108 +197,17 @@ class Scheduler:
     def drop(self, entries: list[RingEntry]) -> None:         # counts add up: none adds nothing
         self.stats.observe_dropped(len(entries), sum(e.header.num_nodes for e in entries))
 
-    # -- admission -----------------------------------------------------------------------
+    # -- admission (verifier/admission.py) -------------------------------------------------
     def plan_admission(self) -> tuple[list[str], list[str], int]:
-        """Finished sequences to free and waiting ones to admit (within the batch size and the KV
-        budget), each admitted one given its ring, first budget and drafter, so that the drafter
-        drafts its first tree while the target prefills. Returns (to free, joins, the threads of
-        their prefill)."""
-        to_free, self.to_free = self.to_free, []
-        joins = []
-        budget = self.target.cache.num_blocks - sum(self.reserved_blocks.values())
-        running = sum(1 for s in self.streams.values() if s.prefilled)
-        # the prefill's token budget (verifier/chunking.py): prompts under way first, oldest first
-        self.feeds = {}
-        self.chunks.start(decoding=running > 0)
-        for rid, s in [(r, s) for r, s in self.streams.items() if s.under_way]:
-            if self.chunks.spent:
-                break
-            have = self.target.cache.seq_len(rid) if self.target.cache.has_sequence(rid) else 0
-            self.feeds[rid] = self.chunks.grant(len(s.prompt) - 1 - have)
-        while self.joins and running + len(joins) < self.settings.max_batch_size and not self.chunks.spent:
-            s = self.streams[self.joins[0]]
-            need = -(-(len(s.prompt) + s.params.max_tokens + MAX_SPEC_LEN * s.tree_width + 2)
-                     // self.settings.block_size)
-            if need > self.target.cache.num_blocks:
-                self.joins.popleft()
-                self.finish(s, "error", error=f"request needs {need} KV blocks; the verifier has "
-                            f"{self.target.cache.num_blocks}")
-                continue
-            if need > budget:
-                break                        # wait for running sequences to finish
-            budget -= need
-            self.reserved_blocks[s.request_id] = need
-            self.feeds[s.request_id] = self.chunks.grant(max(1, len(s.prompt) - 1))
-            joins.append(self.joins.popleft())
-        if joins:
-            self._admit(joins)
-        joins += [rid for rid in self.feeds if rid not in joins]   # the next chunks of prompts under way
-        # while streams decode, a chunk rides in their next verification forward (no pass of its own)
-        rides = [r for r in joins if running and self.chunks.chunk and self.streams[r].params.prompt_logprobs is None]
-        self.riders = [PromptChunk(r, self.streams[r].prompt, self.streams[r].prefix_cache, self.feeds[r]) for r in rides]
-        joins = [rid for rid in joins if rid not in rides]
-        # a prefill, like a plain step, may run on the idle drafters' cores
-        threads = self.registry.lendable_threads() if self.members.drafters_idle() else self.threads
-        return to_free, joins, threads
-
-    def _admit(self, joins: list[str]) -> None:
-        beside = [t.budget for t in self.streams.values() if t.prefilled]
-        for rid in joins:
-            s = self.streams[rid]
-            self.adaptive.add(rid, s.mode, s.spec_len, s.tree_width)
-            if s.proposer == "model":
-                self.lookup.add(rid, s.mode, s.spec_len)
-        # first budgets planned with the running batch (a tree that a large batch's plan would
-        # never allow would also take its steps off the borrowed cores)
-        self.plan_overlap()
-        lendable = self.registry.lendable_threads(now=False)
-        extra = self.costs.refilling(len(beside) + len(joins), lendable)
-        first = self.adaptive.plan_joining(joins, beside + [(0, 0)] * extra,
-                                           self.costs.plain_step_s(len(beside) + len(joins) + extra, lendable))
-        for rid in joins:
-            s = self.streams[rid]
-            s.admitted = True
-            self.ring.add_stream(rid)
-            s.budget = s.capped(first[rid])
-            self.adaptive.started(rid, s.budget[0])
-            self.stats.observe_join(s.budget[0] > 0)
-            if not self.features:        # a feature-conditioned drafter waits for the prefill's features
-                self.members.assign_new(s)
+        """(to free, joins, their prefill's threads): `Admission.plan`."""
+        return self.admission.plan()
 
     def prefill(self, to_free: list[str], joins: list[str], threads: int) -> dict:
-        """Free and prefill, on the model thread. Returns the prefills' target features (if any)."""
-        start = time.perf_counter()
-        torch.set_num_threads(threads)           # per call: the step before may have run on lent cores
-        for rid in to_free:
-            self.target.release(rid, self.freed_tokens.pop(rid, None))
-            if self.bridge_draft is not None:
-                self.bridge_draft.release(rid)
-        features = {}
-        for rid in joins:
-            s = self.streams.get(rid)
-            features[rid] = self.target.prefill(rid, s.prompt if s is not None else [0],
-                                                s is not None and s.prefix_cache, self.feeds.get(rid) or 0)
-            if s is not None and s.params.prompt_logprobs is not None:
-                s.prompt_logprobs = self.target.prompt_logprobs(s.prompt, s.params)
-        seconds = (time.perf_counter() - start) / max(1, len(joins))
-        for rid in joins:
-            if rid in self.streams:
-                done = features[rid] is not PREFILLING
-                self.streams[rid].observe_prefill(seconds, self.target.cached_tokens(rid), self.stats, done)
-        return features
+        """Free and prefill, on the model thread (`Admission.prefill`): the prefills' features."""
+        return self.admission.prefill(to_free, joins, threads)
 
     def prefilled(self, joins: list[str], features: dict) -> None:
-        for rid in joins:
-            s = self.streams.get(rid)
-            if s is None:                    # aborted during its prefill
-                self.to_free.append(rid)
-                continue
-            if features[rid] is PREFILLING:  # chunks of its prompt remain
-                continue
-            s.prefilled = True
-            if self.features:
-                s.features.append(features[rid])
-                self.members.assign_new(s)
+        self.admission.prefilled(joins, features)
 
     def active(self) -> list[VerifyStream]:
         return [s for s in self.streams.values() if s.prefilled]
