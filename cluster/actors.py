@@ -121,11 +121,11 @@ class VerifierActor:
                           prefix_caching=st.prefix_caching)
         # a GPU compiles and captures; a CPU pays its first forwards' one-time costs (the first
         # request's TTFT on the embedded pair: 1.9-2.1 s cold, 0.3 s warmed up)
-        warm_up_s = side.warm_up(st.spec_len, width=st.tree_width, on_cpu=True)
+        warm_up_s = side.warm_up(st.spec_len, width=st.tree_width)
         bridge = None
         if chains:
             bridge = BridgeDraft(draft_dir, target_dir, st)
-            warm_up_s += bridge.warm_up(min(st.bridge_depth, MAX_BRIDGE_DEPTH), on_cpu=True)
+            warm_up_s += bridge.warm_up(min(st.bridge_depth, MAX_BRIDGE_DEPTH))
         scheduler = Scheduler(side, st, eos_ids=eos_of(target_dir), bridge_draft=bridge,
                               node_id=node_id(), gpu_ids=gpu_ids(st.device))
         local, local_s = self._local_drafter(draft_dir, target_dir)
@@ -146,7 +146,7 @@ class VerifierActor:
 
         here = st.model_copy(update=dict(ring_slots=1))
         side = DraftSide.build(draft_dir, config_of(target_dir).vocab_size, here)
-        warm_up_s = side.warm_up(st.spec_len, on_cpu=True)
+        warm_up_s = side.warm_up(st.spec_len)
         drafter = Drafter(LOCAL_DRAFTER, side, here, node_id(), gpu_ids(st.device))
         return InProcessDrafters([drafter], st.num_cpus), warm_up_s
 
@@ -283,7 +283,7 @@ class DrafterActor:
             torch.set_num_threads(threads_of(settings.num_cpus))
             side = DraftSide.build(draft_dir, config_of(target_dir).vocab_size, settings, wrap=wrap_proposer)
             drafter = Drafter(index, side, settings, node_id(), gpu_ids(settings.device))
-            warm_up_s = side.warm_up(settings.spec_len, on_cpu=True)
+            warm_up_s = side.warm_up(settings.spec_len)
         except BaseException as e:
             built.set_exception(e)
             return

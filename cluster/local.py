@@ -72,8 +72,8 @@ class InProcessEngine:
         self.drafters = InProcessDrafters([self.drafter], settings.num_cpus)
         self.loop = EngineLoop(self.scheduler, self.drafters)
         self.drafters.attach(self.scheduler)
-        if self.fixed_blocks:    # GPU: compile and capture every planner shape now (caches sized per
-            # call would drop the graphs with the cache they were captured on; those stay lazy)
+        if self.fixed_blocks:    # warm up now (a GPU captures every planner shape too); caches sized
+            # per call would drop the graphs with the cache they were captured on: those stay lazy
             self.side.warm_up(settings.spec_len, width=settings.tree_width)
             side.warm_up(settings.spec_len)
 

@@ -165,8 +165,7 @@ class DraftSide:
                 proposer.cache_committed(stream, committed)
             proposer.release(stream)
 
-    def warm_up(self, spec_len: int, prompt_len: int = 32, *, on_cpu: bool = True,
-                max_len: int | None = None) -> float:
+    def warm_up(self, spec_len: int, prompt_len: int = 32, *, max_len: int | None = None) -> float:
         """Before serving (as `verifier.target.TargetSide.warm_up`, whose reasons hold here:
         Triton's compiles on a GPU, the first forwards' one-off work on a CPU): draft for one
         dummy sequence at every depth up to `spec_len` (+ the bonus and bridge levels), with and
@@ -174,9 +173,8 @@ class DraftSide:
         GPU the CUDA graphs of every draft shape the planner's trees can cost
         (`speculation.planner.draft_rows`) at every block-table width up to `max_len` tokens
         (None: what the cache holds). The dummy prompt is shortened to fit the cache, the dummy
-        skipped where not even that fits (`speculation.planner.warm_up_prompt_len`). `on_cpu`:
-        ignored, kept for old callers. Returns the seconds it took (0 without a draft model, or
-        when skipped)."""
+        skipped where not even that fits (`speculation.planner.warm_up_prompt_len`). Returns
+        the seconds it took (0 without a draft model, or when skipped)."""
         from speculation.planner import draft_rows, warm_up_prompt_len
 
         cache = self.cache
@@ -240,12 +238,11 @@ class BridgeDraft:
     def release(self, seq_id: str) -> None:
         self.proposer.release(seq_id)
 
-    def warm_up(self, depth: int, prompt_len: int = 32, *, on_cpu: bool = True) -> float:
+    def warm_up(self, depth: int, prompt_len: int = 32) -> float:
         """Before the verifier serves, as `DraftSide.warm_up`: chains of 1..`depth` for a dummy
         sequence (shortened to fit the cache, skipped where even that does not fit), each
         twice, then on a GPU the CUDA graphs of a chain's forwards
-        (`speculation.planner.draft_rows(depth)`). `on_cpu`: ignored, kept for old callers.
-        Returns the seconds taken (0 when skipped)."""
+        (`speculation.planner.draft_rows(depth)`). Returns the seconds taken (0 when skipped)."""
         from models.sampling import SamplingParams
         from speculation.planner import draft_rows, warm_up_prompt_len
 

@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 from speculation.requests import GenerationChunk, SpeculationOptions
 from speculation.step import speculative_step
-from verifier.scheduler import Scheduler, settle_riders
+from verifier.admission import settle_riders
+from verifier.scheduler import Scheduler
 
 log = logging.getLogger("specflash.verifier")
 

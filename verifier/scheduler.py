@@ -43,8 +43,7 @@ from speculation.stats import SpecStats
 from speculation.step import StepItem, StepOutcome
 from speculation.transport import Exchange
 from speculation.wire import Signal
-# settle_riders is imported from here by verifier/loop.py
-from verifier.admission import Admission, check_request, settle_riders  # noqa: F401
+from verifier.admission import Admission, check_request
 from verifier.chunking import PrefillBudget
 from verifier.costs import StepCosts
 from verifier.lookup import VerifierLookup

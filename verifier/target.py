@@ -100,7 +100,7 @@ class TargetSide:
         self.partial.discard(seq_id)
         self._pieces.pop(seq_id, None)
 
-    def warm_up(self, spec_len: int, prompt_len: int = 32, *, on_cpu: bool = True, width: int = 1,
+    def warm_up(self, spec_len: int, prompt_len: int = 32, *, width: int = 1,
                 max_len: int | None = None) -> float:
         """Before serving: one dummy sequence through a prefill, plain steps and chain
         verifications of 1..`spec_len` nodes, each shape twice, so that no one-off work lands
@@ -114,8 +114,8 @@ class TargetSide:
         enough for the verifier to count its drafter as gone). The dummy takes at most
         `prompt_len` + `spec_len` tokens (each verification is rolled back), fewer in a smaller
         cache (`speculation.planner.warm_up_prompt_len`); none where not even that fits. It
-        leaves every block free and the prefix cache's hit counts as they were. `on_cpu`:
-        ignored, kept for old callers. Returns the seconds it took (0 when skipped)."""
+        leaves every block free and the prefix cache's hit counts as they were. Returns the
+        seconds it took (0 when skipped)."""
         from speculation.planner import verify_rows, warm_up_prompt_len
 
         start, sid = time.perf_counter(), "__warm_up__"
