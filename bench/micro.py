@@ -1,7 +1,7 @@
 """Engine overhead on a micro pair: what a step costs besides its forwards (issue 23, item 4).
 
-    python bench/micro.py                              # off, sync and the pipeline, 6 requests each
-    python bench/micro.py --requests 12 --max-tokens 96 --spec-len 4 --out micro.json
+    python bench/micro.py                              # off, sync and the pipeline, 3 rounds of 6 requests
+    python bench/micro.py --requests 12 --rounds 5 --max-tokens 96 --spec-len 4 --out micro.json
 
 On the embedded pair a step's forwards take 40-80 ms on this CPU and hide whatever the engine
 spends around them. Here the target is `random:tiny` (2 layers, 64 wide, models/presets.py)
@@ -13,12 +13,18 @@ drafter runs in lockstep, its turns drafted in the verifier's process by default
 `--remote-turns` keeps them on the drafter actor). Per mode: tokens/s,
 steps/s, and per step the target's forward, the draft's passes and the rest (wall time minus
 both: scheduling, the exchange between drafter and verifier, Python), which the issue asks to
-be at most 1 ms above sync's for the pipeline. `--no-pipeline` skips Ray.
+be at most 1 ms above sync's for the pipeline. `--no-pipeline` skips Ray. The machine's speed
+drifts by a third within minutes here, so the modes run in turn for `--rounds` rounds on the
+same engines, and the pipeline's overhead is its step minus sync's within each round, the
+median over rounds reported. `--plain-threads 1` keeps the verifier's lockstep turns on one
+thread instead of lending it the idle drafter's core.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -46,29 +52,37 @@ def request(rid: str, prompt: list[int], mode: str, args):
                                                          ignore_eos=True), spec)
 
 
-def in_process(args, ps: list[list[int]]) -> dict[str, dict]:
-    """`off` and `sync` on the in-process engine: wall, steps and forward seconds per request."""
+def in_process(args):
+    """`off` and `sync` on the in-process engine, as a function of the prompts: each mode's row
+    (wall, steps and forward seconds over its requests)."""
     from cluster.local import InProcessEngine
     from models.presets import load
 
     engine = InProcessEngine(load(TARGET), load(DRAFT), spec_len=args.spec_len, lookup=False)
-    rows = {}
-    for mode, spec_mode in (("off", "off"), ("sync", "chain")):
-        engine.generate([request("warm", ps[0], spec_mode, args)])
-        wall = steps = tokens = verify = draft = 0.0
-        for i, p in enumerate(ps):
-            start = time.perf_counter()
-            out = engine.generate([request(f"{mode}{i}", p, spec_mode, args)])[0]
-            wall += time.perf_counter() - start
-            st = out.stats
-            steps, tokens, verify, draft = steps + st.num_steps, tokens + len(out.token_ids), \
-                verify + st.verify_s, draft + st.draft_s
-        rows[mode] = row(mode, wall, steps, tokens, verify, draft)
-    return rows
+    for spec_mode in ("off", "chain"):
+        engine.generate([request("warm", [1, 2, 3], spec_mode, args)])
+
+    def run(ps: list[list[int]], tag: str) -> list[dict]:
+        rows = []
+        for mode, spec_mode in (("off", "off"), ("sync", "chain")):
+            wall = steps = tokens = verify = draft = 0.0
+            for i, p in enumerate(ps):
+                start = time.perf_counter()
+                out = engine.generate([request(f"{mode}{tag}-{i}", p, spec_mode, args)])[0]
+                wall += time.perf_counter() - start
+                st = out.stats
+                steps, tokens, verify, draft = steps + st.num_steps, tokens + len(out.token_ids), \
+                    verify + st.verify_s, draft + st.draft_s
+            rows.append(row(mode, wall, steps, tokens, verify, draft))
+        return rows
+
+    return run
 
 
-def pipeline(args, ps: list[list[int]]) -> dict:
-    """The pipeline on a local Ray (two actors, one CPU each): the same requests, one at a time."""
+@contextlib.contextmanager
+def pipeline(args):
+    """The pipeline on a local Ray (two actors, one CPU each), as a function of the prompts (run
+    one at a time): its row."""
     import ray
 
     from cluster.pipeline import build_pipeline_engine
@@ -77,29 +91,52 @@ def pipeline(args, ps: list[list[int]]) -> dict:
     engine = None
     try:
         engine = build_pipeline_engine(None, target_dir=TARGET, draft_dir=DRAFT, spec_len=args.spec_len,
-                                       lookup=False, num_blocks=256, lockstep_in_verifier=not args.remote_turns)
+                                       lookup=False, num_blocks=256, lockstep_in_verifier=not args.remote_turns,
+                                       plain_threads=args.plain_threads)
         drafter = engine.pipelines[0].drafters[0]
 
-        async def run(rid, p) -> int:
+        async def one(rid, p) -> int:
             n = 0
             async for chunk in engine.generate(request(rid, p, "chain", args)):
                 n += len(chunk.token_ids)
             return n
 
-        asyncio.run(run("warm", ps[0]))
-        before, d_before = asyncio.run(engine.stats()), ray.get(drafter.info.remote())
-        start = time.perf_counter()
-        tokens = sum(asyncio.run(run(f"p{i}", p)) for i, p in enumerate(ps))
-        wall = time.perf_counter() - start
-        after, d_after = asyncio.run(engine.stats()), ray.get(drafter.info.remote())
+        def run(ps: list[list[int]], tag: str) -> dict:
+            before, d_before = asyncio.run(engine.stats()), ray.get(drafter.info.remote())
+            start = time.perf_counter()
+            tokens = sum(asyncio.run(one(f"p{tag}-{i}", p)) for i, p in enumerate(ps))
+            wall = time.perf_counter() - start
+            after, d_after = asyncio.run(engine.stats()), ray.get(drafter.info.remote())
+            d = {k: after[k] - before[k] for k in ("num_steps", "verifier_busy_s")}
+            drafting = sum(x["draft_s"] for x in [d_after] + after["local_drafters"]) - \
+                sum(x["draft_s"] for x in [d_before] + before["local_drafters"])    # the actor's, and the stand-in's
+            return row("pipeline", wall, d["num_steps"], tokens, d["verifier_busy_s"], drafting)
+
+        asyncio.run(one("warm", [1, 2, 3]))
+        yield run
     finally:
         if engine is not None:
             engine.kill_pipeline_actors()
         ray.shutdown()
-    d = {k: after[k] - before[k] for k in ("num_steps", "verifier_busy_s")}
-    drafting = sum(x["draft_s"] for x in [d_after] + after["local_drafters"]) - \
-        sum(x["draft_s"] for x in [d_before] + before["local_drafters"])    # the actor's, and the verifier's stand-in
-    return row("pipeline", wall, d["num_steps"], tokens, d["verifier_busy_s"], drafting)
+
+
+def summary(rounds: list[list[dict]]) -> dict:
+    """Each mode's median row over the rounds, and the pipeline's step minus sync's, per round
+    and its median (ms): the overhead the issue bounds, paired within a round."""
+    modes = [r["mode"] for r in rounds[0]]
+    medians = []
+    for mode in modes:
+        rows = [r for rnd in rounds for r in rnd if r["mode"] == mode]
+        medians.append({"mode": mode, **{k: statistics.median(r[k] for r in rows)
+                                         for k in rows[0] if k not in ("mode", "steps")},
+                        "steps": sum(r["steps"] for r in rows)})
+    overhead = []
+    for rnd in rounds:
+        by = {r["mode"]: r for r in rnd}
+        if "pipeline" in by:
+            overhead.append(1e3 / by["pipeline"]["steps_per_s"] - 1e3 / by["sync"]["steps_per_s"])
+    return {"medians": medians, "overhead_ms_per_round": overhead,
+            "overhead_ms": statistics.median(overhead) if overhead else None}
 
 
 def row(mode: str, wall: float, steps: float, tokens: float, verify_s: float, draft_s: float) -> dict:
@@ -121,7 +158,9 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=common.positive_int, default=6, help="greedy requests per mode")
+    p.add_argument("--requests", type=common.positive_int, default=6, help="greedy requests per mode and round")
+    p.add_argument("--rounds", type=common.positive_int, default=3,
+                   help="rounds of every mode in turn (the machine's speed drifts: modes are compared within a round)")
     p.add_argument("--max-tokens", type=common.positive_int, default=64)
     p.add_argument("--prompt-len", type=common.positive_int, default=16)
     p.add_argument("--spec-len", type=common.positive_int, default=4)
@@ -129,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-pipeline", action="store_true", help="skip the Ray pipeline")
     p.add_argument("--remote-turns", action="store_true",
                    help="the drafter actor drafts a lone stream's turns (lockstep_in_verifier off)")
+    p.add_argument("--plain-threads", type=int, default=-1, choices=(-1, 0, 1, 2),
+                   help="the pipeline's `plain_threads` setting: -1 (the default) lends the idle drafter's core "
+                        "to the verifier's lockstep turns, 1 keeps them on one thread")
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = p.parse_args(argv)
     import torch
@@ -137,13 +179,25 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     ps = prompts(args.requests, args.prompt_len, random_config(TARGET).vocab_size)
-    rows = list(in_process(args, ps).values())
-    if not args.no_pipeline:
-        rows.append(pipeline(args, ps))
-    print(table(rows))
+    rounds = []
+    with contextlib.ExitStack() as stack:
+        runs = [in_process(args)] + ([] if args.no_pipeline else [stack.enter_context(pipeline(args))])
+        for k in range(args.rounds):
+            rows = []
+            for run in runs:
+                out = run(ps, str(k))
+                rows += out if isinstance(out, list) else [out]
+            rounds.append(rows)
+            print(f"round {k + 1}:\n{table(rows)}", flush=True)
+    result = summary(rounds)
+    print(f"medians of {args.rounds} rounds:\n{table(result['medians'])}")
+    if result["overhead_ms"] is not None:
+        print("pipeline step minus sync step, per round: " +
+              ", ".join(f"{x:+.2f}" for x in result["overhead_ms_per_round"]) +
+              f" ms; median {result['overhead_ms']:+.2f} ms")
     if args.out:
         common.write_json(args.out, {"date": common.utc(), "machine": common.machine(), "args": vars(args) | {
-            "out": str(args.out)}, "rows": rows})
+            "out": str(args.out)}, "rounds": rounds, **result})
     return 0
 
 
