@@ -25,7 +25,9 @@ and accepted tokens come from vLLM's own counters (`LLM.get_metrics`), read arou
 
 The JSON it writes holds e2e.py's `Run` records under "runs", so `bench/e2e.py --peer FILE`
 prints these rows beside ours (its speedups over our `off` of that run, and how many prompts
-give token-for-token our `off`'s text).
+give token-for-token our `off`'s text). Its "machine" is what ran vLLM: this CPU, the Python,
+vllm, torch and transformers each child reported from vLLM's venv, and the cores it bound;
+"tokenizer_env" is this environment's, which made the prompt ids.
 """
 from __future__ import annotations
 
@@ -52,8 +54,20 @@ def _counters(llm) -> dict[str, float]:
     return out
 
 
+def versions() -> dict[str, str]:
+    """The versions this process runs: in the child, vLLM's venv's, not specflash's."""
+    import platform
+
+    import torch
+    import transformers
+    import vllm
+
+    return {"python": platform.python_version(), "vllm": vllm.__version__, "torch": torch.__version__,
+            "transformers": transformers.__version__}
+
+
 def child(job_path: str) -> int:
-    """Runs one method of the job file on its prompts; prints the runs as one JSON line."""
+    """Runs one method of the job file on its prompts; prints its versions and runs as one JSON line."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -80,7 +94,7 @@ def child(job_path: str) -> int:
                          token_ids=list(out.outputs[0].token_ids), seconds=seconds,
                          drafted=int(delta.get("draft_tokens", 0)), accepted=int(delta.get("accepted_tokens", 0)),
                          steps=int(delta.get("drafts", 0))))
-    print("RUNS " + json.dumps({"startup_s": startup_s, "runs": runs}), flush=True)
+    print("RUNS " + json.dumps({"startup_s": startup_s, "versions": versions(), "runs": runs}), flush=True)
     return 0
 
 
@@ -165,18 +179,22 @@ def main(argv: list[str] | None = None) -> int:
     if not wanted:
         p.error(f"--methods: none of {sorted(methods(args.draft, args.draft_ks, args.ngram_k))}")
     max_len = max(len(q["ids"]) for q in prompts) + args.max_tokens + 16
-    runs, startup = [], {}
+    runs, startup, vllm_env = [], {}, {}
     for name, spec in wanted.items():
         print(f"vllm {version}: {name} ...", flush=True)
         job = dict(method=name, target=args.target, speculative_config=spec, prompts=prompts,
                    max_tokens=args.max_tokens, max_model_len=max_len)
         got = run_method(args.vllm_python, job, env, args.timeout)
         startup[name] = got["startup_s"]
+        vllm_env = got["versions"]          # every child is the same venv's Python
         runs += got["runs"]
         mine = got["runs"]
         tps = sum(len(r["token_ids"]) for r in mine) / sum(r["seconds"] for r in mine)
         print(f"  {tps:.1f} tokens/s (engine start-up {got['startup_s']:.0f} s)", flush=True)
-    info = {"date": common.utc(), "machine": common.machine(), "vllm": version,
+    here = common.machine()
+    machine = {**here, **vllm_env, "threads": args.threads}    # this CPU; vLLM's venv; the cores bound
+    info = {"date": common.utc(), "machine": machine, "vllm": version,
+            "tokenizer_env": {k: here[k] for k in ("python", "torch", "transformers")},
             "args": {k: str(v) for k, v in vars(args).items()}, "methods": {m: c for m, c in wanted.items()},
             "startup_s": startup, "runs": runs}
     out = common.write_json(args.out / f"vllm-{common.utc('%Y%m%d-%H%M%S')}.json", info)

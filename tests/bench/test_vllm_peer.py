@@ -87,14 +87,25 @@ def vllm_python(tmp_path):
 
 
 def test_the_peer_runs_each_method_in_its_own_environment_on_our_prompt_ids(
-        vllm_python, tiny_target, close_draft, tmp_path, bench_script, capsys):
+        vllm_python, tiny_target, close_draft, tmp_path, bench_script, capsys, monkeypatch):
+    peer = bench_script("vllm_peer")
+    from bench import common
+    parent = {**common.machine(), "python": "0.0-parent", "torch": "0.0-parent", "transformers": "0.0-parent"}
+    monkeypatch.setattr(common, "machine", lambda: parent)     # our venv's versions, unlike the child's
     out = tmp_path / "peer"
-    assert bench_script("vllm_peer").main([
+    assert peer.main([
         "--vllm-python", str(vllm_python), "--target", str(tiny_target), "--draft", str(close_draft),
         "--prompts", "1", "--max-tokens", "6", "--draft-ks", "3", "--out", str(out)]) == 0
     (path,) = out.glob("vllm-*.json")
     info = json.loads(path.read_text())
     assert info["vllm"] == "0.0-stand-in"
+    # the machine record names what ran vLLM, as the child reported it; our venv only tokenized
+    import platform
+    import transformers
+    assert {k: info["machine"][k] for k in ("python", "vllm", "torch", "transformers", "cpu", "threads")} == {
+        "python": platform.python_version(), "vllm": "0.0-stand-in", "torch": torch.__version__,
+        "transformers": transformers.__version__, "cpu": parent["cpu"], "threads": 2}
+    assert info["tokenizer_env"] == {"python": "0.0-parent", "torch": "0.0-parent", "transformers": "0.0-parent"}
     assert list(info["methods"]) == ["vllm-target", "vllm-draft-k3", "vllm-ngram"]
     assert info["methods"]["vllm-draft-k3"] == {"method": "draft_model", "model": str(close_draft),
                                                 "num_speculative_tokens": 3}
