@@ -7,10 +7,20 @@ before it collects a batch (`EngineLoop.pump`): the signals of the last step go 
 drafter drafts its next trees on the model thread, and the trees come back as themselves
 (no encoding). With one core set shared by both models this is the classic synchronous
 draft-then-verify step; a drafter here always runs in lockstep (`ring_slots` 1).
+
+Where the verifier may borrow an idle remote drafter's cores (the stand-in drafter of the Ray
+verifier, `lockstep_in_verifier`), its draft passes run on whichever of its own threads and
+the borrowed ones has measured cheaper per level (`ThreadChoice`): on two shared cores a team
+of two threads waits for the core that Ray's own threads keep waking on, which on the micro
+pair cost more than the second thread saves (bench/README.md, "micro pair"), while the
+embedded pair's draft gains from it. Only the proposals' speed depends on it: the output is
+the verifier's.
 """
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import statistics
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from speculation.transport import Exchange
@@ -33,10 +43,52 @@ class Drafting(Protocol):
     def resync_requests(self) -> list[str]: ...
 
 
+class ThreadChoice:
+    """Of a few torch thread counts for one kind of work, the one measured cheapest per unit.
+
+    Each candidate is tried in turn (the one with the fewest samples first) until each has
+    `trials`; then the cheapest by median seconds per unit over its last `trials` samples
+    runs, and every `recheck`-th use goes to another candidate in turn, so that a drift (a
+    neighbour's load, Ray's traffic) is seen."""
+
+    def __init__(self, trials: int = 8, recheck: int = 64) -> None:
+        self.trials, self.recheck = trials, recheck
+        self.samples: dict[int, deque] = {}      # threads -> its last seconds per unit
+        self.uses = 0                            # picks since every candidate had its trials
+
+    def pick(self, candidates: Sequence[int]) -> int:
+        options = sorted(set(candidates))
+        if len(options) == 1:
+            return options[0]
+        counts = {n: len(self.samples.get(n, ())) for n in options}
+        if min(counts.values()) < self.trials:
+            return min(options, key=lambda n: counts[n])
+        best = min(options, key=self.cost)
+        self.uses += 1
+        if self.uses % self.recheck == 0:
+            others = [n for n in options if n != best]
+            return others[(self.uses // self.recheck) % len(others)]
+        return best
+
+    def cost(self, threads: int) -> float:
+        """Median seconds per unit measured on `threads` (inf before any sample)."""
+        seen = self.samples.get(threads)
+        return statistics.median(seen) if seen else float("inf")
+
+    def observe(self, threads: int, seconds: float, units: int) -> None:
+        if units > 0:
+            self.samples.setdefault(threads, deque(maxlen=self.trials)).append(seconds / units)
+
+    def report(self) -> dict[str, float]:
+        """{threads: median ms per unit} of every candidate measured."""
+        return {str(n): 1e3 * self.cost(n) for n in sorted(self.samples)}
+
+
 class InProcessDrafters:
     def __init__(self, drafters: list[Drafting], num_cpus: float = 0.0) -> None:
         self.drafters = drafters
         self.num_cpus = num_cpus
+        self.threads = ThreadChoice()     # a pass's threads: our own, or with the idle drafters' too
 
     def attach(self, scheduler) -> None:
         """Each drafter's first exchange: the scheduler registers it (and says "reset") as one of
@@ -52,12 +104,17 @@ class InProcessDrafters:
             d.apply(scheduler.signals_for(d.index))
 
     async def __call__(self, scheduler, run: Callable[..., Awaitable], threads: int | None = None) -> None:
-        """One round: each drafter takes its signals, drafts (on the model thread, on `threads`)
-        and files what it drafted, in one exchange."""
+        """One round: each drafter takes its signals, drafts (on the model thread) and files what
+        it drafted, in one exchange. `threads`: what the verifier may use now, its idle
+        drafters' cores included; a pass runs on that or on the verifier's own threads,
+        whichever has drafted a level faster (`ThreadChoice`)."""
         for d in self.drafters:
             signals = scheduler.signals_for(d.index)
             if signals or d.streams:
-                drafted = await run(self._draft, d, signals, threads)
+                n = None if threads is None else self.threads.pick((threads, scheduler.threads))
+                drafted = await run(self._draft, d, signals, n)
+                if n is not None:
+                    self.threads.observe(n, drafted.seconds, drafted.levels)
             else:                     # nothing to hear, nothing to draft: no hop to the model thread
                 drafted = d.draft()
             scheduler.receive(Exchange(d.index, d.incarnation, drafted.puts, 0.0, drafted.seconds, drafted.levels,
