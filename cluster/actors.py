@@ -20,6 +20,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 import uuid
 from collections import defaultdict
 
@@ -36,6 +37,9 @@ from speculation.wire import WireError, encode_signals
 
 log = logging.getLogger("specflash.cluster")
 LOCAL_DRAFTER = 1 << 20       # the index of a verifier's stand-in drafter (far from the drafter actors')
+# a health or KV report the engine's thread has not given in this long (it is in a forward, a
+# long prefill on a CPU, say) is answered from its last one: callers give up after 5 s
+REPORT_WAIT_S = 1.0
 
 
 def node_id() -> str:
@@ -106,6 +110,9 @@ class VerifierActor:
             self.scheduler.registry.local = LOCAL_DRAFTER
         self._mail: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
         self.scheduler.registry.on_mail = lambda drafter: self._mail[drafter].set()
+        # the last health and KV reports, and when the engine's thread gave them (`_report`)
+        self._reports = {"health": self.scheduler.health(), "kv_usage": self.scheduler.kv_usage()}
+        self._reported_at = time.monotonic()
         self.loop.ensure_running()
 
     def _models(self, target_dir: str, draft_dir: str | None, chains: bool, eagle: bool):
@@ -218,8 +225,19 @@ class VerifierActor:
             return "error", f"{type(e).__name__}: {e}"
 
     async def health(self) -> dict:
-        return {**await self.engine.call(self.scheduler.health), "incarnation": self.incarnation,
+        return {**await self._report("health", self.scheduler.health), "incarnation": self.incarnation,
                 "node_id": node_id(), "channel_exchanges": self.channels.served}
+
+    async def _report(self, name: str, fn) -> dict:
+        """`fn()` on the engine's thread; where that thread is in a forward for longer than
+        REPORT_WAIT_S, its last report with `engine_busy_s` (the seconds since it last gave
+        one): a long forward is not a dead verifier."""
+        try:
+            report = await asyncio.wait_for(self.engine.call(fn), REPORT_WAIT_S)
+        except asyncio.TimeoutError:
+            return {**self._reports[name], "engine_busy_s": round(time.monotonic() - self._reported_at, 3)}
+        self._reports[name], self._reported_at = report, time.monotonic()
+        return report
 
     async def get_stats(self) -> dict:
         return await self.engine.call(self._stats)
@@ -232,7 +250,7 @@ class VerifierActor:
         return {**self.scheduler.report(), "warm_up_s": self.warm_up_s, "local_drafter": local, **gc_report()}
 
     async def kv_usage(self) -> dict:
-        return {**await self.engine.call(self.scheduler.kv_usage), "rss_bytes": rss_bytes(),
+        return {**await self._report("kv_usage", self.scheduler.kv_usage), "rss_bytes": rss_bytes(),
                 "incarnation": self.incarnation}
 
     def shutdown(self) -> None:

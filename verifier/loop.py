@@ -288,8 +288,12 @@ class EngineLoop:
         sch.prefilled(joins, features)
 
     async def run_model(self, fn: Callable, *args):
-        if self.inline:
-            return fn(*args)
+        if self.inline:         # exchanges wait until it ends: their drafters are not silent meanwhile
+            began = time.monotonic()
+            try:
+                return fn(*args)
+            finally:
+                self.scheduler.registry.excuse(time.monotonic() - began)
         if self._model_thread is None:
             self._model_thread = model_thread()
         return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)

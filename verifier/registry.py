@@ -28,7 +28,7 @@ def gives_a_tree(sig: Signal) -> bool:
 @dataclass
 class DrafterInfo:
     incarnation: str
-    last_seen: float                  # monotonic seconds
+    last_seen: float                  # the registry's hearing clock (`DrafterRegistry.heard_at`)
     tree_s: float = 0.02              # recent seconds per tree it drafted (EMA)
     node: str = ""
     cpus: float = 0.0
@@ -52,6 +52,17 @@ class DrafterRegistry:
         # drafter's lockstep turns (cluster/actors.py), left out of the remote drafters' lists
         self.in_process: set[int] = set()
         self.local: int | None = None
+        # seconds our loop could not hear anyone (a forward run on the loop's own thread, which
+        # holds exchanges until it ends): not counted against a drafter's silence
+        self.deaf_s = 0.0
+
+    def heard_at(self) -> float:
+        """The hearing clock: `clock` stopped while we were deaf (`excuse`)."""
+        return self.clock() - self.deaf_s
+
+    def excuse(self, seconds: float) -> None:
+        """We could not hear exchanges for `seconds` (our loop was running a forward)."""
+        self.deaf_s += seconds
 
     def __contains__(self, drafter: int) -> bool:
         return drafter in self.drafters
@@ -62,9 +73,9 @@ class DrafterRegistry:
         info = self.drafters.get(call.drafter)
         new = info is None or info.incarnation != call.incarnation
         if new:
-            info = self.drafters[call.drafter] = DrafterInfo(call.incarnation, self.clock())
+            info = self.drafters[call.drafter] = DrafterInfo(call.incarnation, self.heard_at())
             self.outbox.pop(call.drafter, None)
-        info.last_seen = self.clock()
+        info.last_seen = self.heard_at()
         info.node, info.cpus = call.node, call.cpus
         info.gpus = None if call.gpus is None else [str(g) for g in call.gpus]
         # idle unless signals giving it a tree to draft wait for it here (this reply carries them)
@@ -80,7 +91,7 @@ class DrafterRegistry:
         if drafter in self.in_process:
             return drafter in self.drafters           # in our process: alive while we are
         d = self.drafters.get(drafter) if drafter is not None else None
-        return d is not None and self.clock() - d.last_seen < self.settings.drafter_timeout_s
+        return d is not None and self.heard_at() - d.last_seen < self.settings.drafter_timeout_s
 
     def live_ids(self) -> list[int]:
         """The live drafters (the `local` stand-in aside)."""
