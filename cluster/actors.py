@@ -91,11 +91,7 @@ class VerifierActor:
                              "cannot do without the target's features; set bridge_depth 0")
         self.incarnation = uuid.uuid4().hex
         self.engine = EngineThread("verifier-engine")
-        try:
-            self.engine.wait(self._build(target_dir, draft_dir, chains, eagle))
-        except BaseException:
-            self.engine.stop()
-            raise
+        self.engine.build(self._build(target_dir, draft_dir, chains, eagle))
         self.channels = ChannelServer(self._channel_exchange)
 
     async def _build(self, target_dir: str, draft_dir: str | None, chains: bool, eagle: bool) -> None:
@@ -175,20 +171,16 @@ class VerifierActor:
     async def abort(self, request_id: str) -> bool:
         return await self.engine.call(self.scheduler.abort, request_id)
 
-    async def exchange(self, drafter: int, incarnation: str, puts: list, wait_s: float,
-                       draft_s: float = 0.0, draft_levels: int = 0, resync: list | tuple = (),
-                       node: str = "", cpus: float = 0.0, gpus: list | None = None,
-                       idle: bool | None = None) -> bytes:
-        """Drafter -> verifier (`speculation.transport.Exchange`, positionally): file its trees
-        in the ring; return the signals queued for it, waiting up to `wait_s` for one."""
-        return await self.engine.run(self._exchange(drafter, incarnation, puts, wait_s, draft_s, draft_levels,
-                                                    resync, node, cpus, gpus, idle))
+    async def exchange(self, *args, **kwargs) -> bytes:
+        """Drafter -> verifier: `_exchange`, run on the engine's loop."""
+        return await self.engine.run(self._exchange(*args, **kwargs))
 
     async def _exchange(self, drafter: int, incarnation: str, puts: list, wait_s: float,
                         draft_s: float = 0.0, draft_levels: int = 0, resync: list | tuple = (),
                         node: str = "", cpus: float = 0.0, gpus: list | None = None,
                         idle: bool | None = None) -> bytes:
-        """`exchange`, on the engine's loop."""
+        """Drafter -> verifier (`speculation.transport.Exchange`, positionally): file its trees
+        in the ring; return the signals queued for it, waiting up to `wait_s` for one."""
         self.loop.ensure_running()
         try:
             trees = unpack_puts(puts)     # refuses the whole call on a bad frame
@@ -255,10 +247,7 @@ class VerifierActor:
 
     def shutdown(self) -> None:
         """The engine's loop task ended, then its thread (tests; Ray ends an actor's process)."""
-        try:
-            self.engine.wait(self.loop.aclose(), timeout=30)
-        finally:
-            self.engine.stop()
+        self.engine.close(self.loop)
 
     # -- trees from the object store -------------------------------------------------------
     def _fetch(self, entry) -> None:

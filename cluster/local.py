@@ -173,11 +173,7 @@ class LocalEngine:
         from verifier.loop import EngineThread
 
         self.thread = EngineThread("specflash-local-engine")
-        try:
-            self.engine = self.thread.wait(self._build(build))
-        except BaseException:
-            self.thread.stop()
-            raise
+        self.engine = self.thread.build(self._build(build))
 
     @staticmethod
     async def _build(build: Callable[[], InProcessEngine]) -> InProcessEngine:
@@ -210,11 +206,8 @@ class LocalEngine:
         return await self.thread.run(self.engine.stats())
 
     def shutdown(self) -> None:
-        """The engine's loop task ended (not left pending for the garbage collector), then its thread."""
-        try:
-            self.thread.wait(self.engine.loop.aclose(), timeout=30)
-        finally:
-            self.thread.stop()
+        """The engine's loop task ended, then its thread."""
+        self.thread.close(self.engine.loop)
 
 
 def speculation_for(mode: str, spec_len: int, tree_width: int, proposer: str = "model") -> SpeculationOptions:

@@ -94,6 +94,15 @@ class EngineThread:
         """Run `coro` on the engine's loop; block this (other) thread for its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    def build(self, coro: Coroutine):
+        """`wait` for the engine's building (`coro`, which makes its models here); where it
+        fails, the thread is stopped and the error raised."""
+        try:
+            return self.wait(coro)
+        except BaseException:
+            self.stop()
+            raise
+
     async def run(self, coro: Coroutine):
         """Await `coro`, run on the engine's loop, from another thread's event loop."""
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
@@ -140,6 +149,14 @@ class EngineThread:
         """Stop the loop and join the thread (the engine's tasks should have ended first)."""
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout)
+
+    def close(self, engine_loop: "EngineLoop", timeout: float = 30.0) -> None:
+        """The engine's loop task ended (not left pending for the garbage collector), then the
+        thread stopped."""
+        try:
+            self.wait(engine_loop.aclose(), timeout)
+        finally:
+            self.stop(timeout)
 
 
 async def _called(fn: Callable, args: tuple):
