@@ -82,7 +82,7 @@ def in_process(args):
 @contextlib.contextmanager
 def pipeline(args):
     """The pipeline on a local Ray (two actors, one CPU each), as a function of the prompts (run
-    one at a time): its row."""
+    one at a time): its row, in a list as `in_process`'s."""
     import ray
 
     from cluster.pipeline import build_pipeline_engine
@@ -101,7 +101,7 @@ def pipeline(args):
                 n += len(chunk.token_ids)
             return n
 
-        def run(ps: list[list[int]], tag: str) -> dict:
+        def run(ps: list[list[int]], tag: str) -> list[dict]:
             before, d_before = asyncio.run(engine.stats()), ray.get(drafter.info.remote())
             start = time.perf_counter()
             tokens = sum(asyncio.run(one(f"p{tag}-{i}", p)) for i, p in enumerate(ps))
@@ -110,7 +110,7 @@ def pipeline(args):
             d = {k: after[k] - before[k] for k in ("num_steps", "verifier_busy_s")}
             drafting = sum(x["draft_s"] for x in [d_after] + after["local_drafters"]) - \
                 sum(x["draft_s"] for x in [d_before] + before["local_drafters"])    # the actor's, and the stand-in's
-            return row("pipeline", wall, d["num_steps"], tokens, d["verifier_busy_s"], drafting)
+            return [row("pipeline", wall, d["num_steps"], tokens, d["verifier_busy_s"], drafting)]
 
         asyncio.run(one("warm", [1, 2, 3]))
         yield run
@@ -183,10 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         runs = [in_process(args)] + ([] if args.no_pipeline else [stack.enter_context(pipeline(args))])
         for k in range(args.rounds):
-            rows = []
-            for run in runs:
-                out = run(ps, str(k))
-                rows += out if isinstance(out, list) else [out]
+            rows = [r for run in runs for r in run(ps, str(k))]
             rounds.append(rows)
             print(f"round {k + 1}:\n{table(rows)}", flush=True)
     result = summary(rounds)

@@ -198,6 +198,16 @@ async def with_prompt(engine, tokenizer, args) -> tuple[list[dict], dict, float]
     return streams, long, settled
 
 
+def p99_figures(before: list[float], during: list[float], control: list[float]) -> dict:
+    """The p99 ITLs of the three sets of gaps, "during" over "before" (`ratio`) and over the
+    control (`ratio_control`), and how many gaps each held: one pair's, or pairs' pooled."""
+    p99 = {k: percentile(g, 99) for k, g in (("before", before), ("during", during), ("control", control))}
+    return {"p99_itl_before_s": p99["before"], "p99_itl_during_s": p99["during"],
+            "p99_itl_control_s": p99["control"], "ratio": _ratio(p99["during"], p99["before"]),
+            "ratio_control": _ratio(p99["during"], p99["control"]), "gaps_before": len(before),
+            "gaps_during": len(during), "gaps_control": len(control)}
+
+
 def compare(streams: list[dict], long: dict, settled: float, control: list[dict]) -> dict:
     """One pair's figures: "during" (the prompt's arrival to its first token) against the
     control at the same gap numbers, and against the settled stretch before it arrived."""
@@ -205,11 +215,8 @@ def compare(streams: list[dict], long: dict, settled: float, control: list[dict]
     before = [gap_at(s, k) for s in streams for k in gap_numbers(s, settled, arrived)]
     matched = match_control(streams, control, arrived, answered)
     during, alone = matched["during"], matched["control"]
-    p99_before, p99_during, p99_control = (percentile(g, 99) for g in (before, during, alone))
-    return {"long_ttft_s": long["ttft_s"], "p99_itl_before_s": p99_before, "p99_itl_during_s": p99_during,
-            "p99_itl_control_s": p99_control, "ratio": _ratio(p99_during, p99_before),
-            "ratio_control": _ratio(p99_during, p99_control), "gaps_before": len(before), "gaps_during": len(during),
-            "gaps_control": len(alone), "gaps_control_missing": matched["missing"],
+    return {"long_ttft_s": long["ttft_s"], **p99_figures(before, during, alone),
+            "gaps_control_missing": matched["missing"],
             "during_gap_numbers": matched["spans"], "gaps": {"before": before, "during": during, "control": alone},
             "control_gaps": [s["gaps"] for s in control],    # per stream; control_gaps[s][i] is gap first + i
             "control_first_gap": [len(s["stamps"]) - len(s["gaps"]) - 1 for s in control]}
@@ -322,15 +329,10 @@ async def interference_runs(target: str, draft: str | None, args) -> dict:
     out = {}
     for name, (chunk, share) in runs.items():
         pairs = [await interference_pair(target, draft, args, chunk, share) for _ in range(args.repeats)]
-        pooled = {k: [g for p in pairs for g in p["gaps"][k]] for k in ("before", "during", "control")}
-        p99 = {k: percentile(g, 99) for k, g in pooled.items()}
-        out[name] = {"p99_itl_before_s": p99["before"], "p99_itl_during_s": p99["during"],
-                     "p99_itl_control_s": p99["control"], "ratio": _ratio(p99["during"], p99["before"]),
-                     "ratio_control": _ratio(p99["during"], p99["control"]),
+        pooled = [[g for p in pairs for g in p["gaps"][k]] for k in ("before", "during", "control")]
+        out[name] = {**p99_figures(*pooled),
                      "ratio_control_per_pair": [p["ratio_control"] for p in pairs],
                      "long_ttft_s": statistics.median(p["long_ttft_s"] for p in pairs),
-                     "gaps_before": len(pooled["before"]), "gaps_during": len(pooled["during"]),
-                     "gaps_control": len(pooled["control"]),
                      "gaps_control_missing": sum(p["gaps_control_missing"] for p in pairs),
                      "engine": pairs[-1]["engine"], "pairs": pairs}
     return out
