@@ -2,7 +2,7 @@
 
     python recipes/eagle_features.py                 # target features along its greedy answers
     python recipes/eagle_train.py --train-seconds 1500 --out /tmp/eagle-run1
-    python recipes/eagle_train.py --train-seconds 1000 --unroll 2 --lr 5e-4 \
+    python recipes/eagle_train.py --train-seconds 1000 --unroll 3 --lr 5e-4 \
         --init-from /tmp/eagle-run1/eagle_head.safetensors --out models/assets
 
 The head is one Llama decoder layer of the target's width that reads, at position j,
@@ -11,12 +11,14 @@ the previous position, and predicts f_j; the LM head is the target's tied embedd
 restricted to the draft's vocabulary subset (frozen), so a good feature prediction is
 a good token prediction. Losses, all over the subset: cross-entropy on the target's
 argmax next token, KL to the target's own distribution (softmax of the subset rows
-applied to the true f_j), and smooth-L1 on the feature. A second unrolled pass feeds
-the head its own predicted features (as drafting does from the second level on) and
-is trained the same way with `--unroll 2` ("training-time test", EAGLE-3). Inputs get
-small Gaussian noise. Held-out agreement is measured at both depths every
-`--eval-every` steps and the best checkpoint (by d1 * (1 + d2), a two-level chain's
-expected tokens) is exported in fp16 (`eagle_head.safetensors`, `eagle_card.json`).
+applied to the true f_j), and smooth-L1 on the feature. With `--unroll D` the head
+is trained on D drafted levels at once ("training-time test", EAGLE-3): level d at
+position j reads the head's own level-(d-1) prediction made at j-1 and attends as a
+drafter's level d does, to the verified prefix's keys (true features) and to its own
+chain of predictions (`EagleHead.unrolled`). Inputs get small Gaussian noise.
+Held-out agreement is measured at levels 1..max(D, 3) every `--eval-every` steps and
+the best checkpoint (by `chain_tokens`, a chain's expected accepted tokens were the
+levels independent) is exported in fp16 (`eagle_head.safetensors`, `eagle_card.json`).
 """
 
 from __future__ import annotations
@@ -65,9 +67,49 @@ class EagleHead(torch.nn.Module):
                 self.fc.bias.zero_()
 
     def forward(self, ids: torch.Tensor, feats: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """ids [B, L], feats [B, L, H] (f_{j-1} at j) -> predicted f_j [B, L, H]."""
+        """ids [B, L], feats [B, L, H] (f_{j-1} at j) -> predicted f_j [B, L, H] (one level, causal)."""
         x = self.fc(torch.cat([self.model.embed_tokens(ids), feats], dim=-1))
         return self.model(inputs_embeds=x, attention_mask=attention_mask).last_hidden_state
+
+    def unrolled(self, ids: torch.Tensor, feats: torch.Tensor, depth: int, noise: float = 0.0) -> list[torch.Tensor]:
+        """Training-time test (EAGLE-3): `depth` levels drafted along the teacher-forced tokens.
+
+        ids [B, L], feats [B, L, H] (the target's f_{j-1} at j). Level 1 reads the true features;
+        level d at position j reads level d-1's prediction made at j-1 and attends as drafting
+        does at level d: to level-1 keys up to j-d+1 (the verified prefix) and to its own chain,
+        the level-k key at j-(d-k) for k = 2..d. Returns one [B, L, H] prediction per level.
+        """
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        layer, (B, L) = self.model.layers[0], ids.shape
+        attn = layer.self_attn
+        emb = self.model.embed_tokens(ids)
+        cos, sin = self.model.rotary_emb(emb, torch.arange(L)[None].expand(B, L))
+        j = torch.arange(L)[:, None]                     # query position
+        i = torch.arange(L)[None, :]                     # key position
+        keys, values, preds = [], [], []
+        for d in range(1, depth + 1):
+            x = feats if d == 1 else torch.cat([torch.zeros_like(preds[-1][:, :1]), preds[-1][:, :-1]], dim=1)
+            if noise:
+                x = x + noise * torch.randn_like(x)
+            x = self.fc(torch.cat([emb, x], dim=-1))
+            h = layer.input_layernorm(x)
+            shape = (B, L, -1, attn.head_dim)
+            q = attn.q_proj(h).view(shape).transpose(1, 2)
+            k = attn.k_proj(h).view(shape).transpose(1, 2)
+            keys.append(k)
+            values.append(attn.v_proj(h).view(shape).transpose(1, 2))
+            q, _ = apply_rotary_pos_emb(q, q, cos, sin)
+            rotated = [apply_rotary_pos_emb(kk, kk, cos, sin)[1] for kk in keys]
+            # [L, d*L]: key (level k, position i) is seen from (level d, position j)
+            mask = torch.cat([(i <= j - d + 1) if k == 1 else (i == j - (d - k))
+                              for k in range(1, d + 1)], dim=1)
+            out = F.scaled_dot_product_attention(q, torch.cat(rotated, 2), torch.cat(values, 2), attn_mask=mask,
+                                                 scale=attn.scaling, enable_gqa=True)
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(B, L, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            preds.append(self.model.norm(x))
+        return preds
 
 
 def warm_start(head: EagleHead, weights: Path) -> None:
@@ -113,7 +155,7 @@ def make_batch(rows: list[dict]):
 
 def losses(head: EagleHead, batch, subset: torch.Tensor, position: torch.Tensor, noise: float,
            unroll: int = 1) -> torch.Tensor:
-    """Loss over the real positions of `unroll` passes (the first reads the true features)."""
+    """Loss over the real positions of `unroll` drafted levels (`EagleHead.unrolled`), each weighted alike."""
     ids, prev, nxt, argmax, mask, _ = batch
     E = head.model.embed_tokens.weight[subset]                     # [R, H] frozen head
     real = mask.bool()
@@ -123,24 +165,20 @@ def losses(head: EagleHead, batch, subset: torch.Tensor, position: torch.Tensor,
     with torch.no_grad():
         p_target = torch.softmax(target_f @ E.T, dim=-1)           # [N, R]
     total = 0.0
-    feats = prev
-    for depth in range(unroll):
-        inp = feats + noise * torch.randn_like(feats) if noise else feats
-        pred = head(ids, inp, mask)                                # [B, L, H]
+    for pred in head.unrolled(ids, prev, unroll, noise):
         logp = torch.log_softmax(pred[real] @ E.T, dim=-1)         # [N, R]
         ce = -logp.gather(-1, label.clamp(min=0)[:, None]).squeeze(-1)[hit].mean()
         kl = -(p_target * logp).sum(-1).mean()
         reg = F.smooth_l1_loss(pred[real], target_f)
-        total = total + (1.0 if depth == 0 else 0.5) * (ce + kl + reg)
-        # next pass: position j reads the prediction made at j-1 (as a second draft level does)
-        feats = torch.cat([torch.zeros_like(pred[:, :1]), pred[:, :-1]], dim=1)
+        total = total + (ce + kl + reg) / unroll
     return total
 
 
 @torch.no_grad()
-def agreement(head: EagleHead, rows: list[dict], subset: torch.Tensor, batch_size: int = 16) -> dict:
-    """Greedy agreement with the target on answer positions: depth 1 reads the true
-    previous feature, depth 2 the head's own prediction of it. By domain."""
+def agreement(head: EagleHead, rows: list[dict], subset: torch.Tensor, depth: int = 3, batch_size: int = 16) -> dict:
+    """Greedy agreement with the target on answer positions, by domain, at each drafted level
+    1..`depth` (`EagleHead.unrolled`: level 1 reads the true previous feature, deeper levels the
+    head's own predictions, attending as drafting does), the tokens before it taken as accepted."""
     head.eval()
     E = head.model.embed_tokens.weight[subset]
     out: dict = {}
@@ -148,24 +186,29 @@ def agreement(head: EagleHead, rows: list[dict], subset: torch.Tensor, batch_siz
         chunk = rows[i:i + batch_size]
         ids, prev, nxt, argmax, mask, answer = make_batch(chunk)
         keep = answer & mask.bool()
-        pred1 = head(ids, prev, mask)
-        feats2 = torch.cat([torch.zeros_like(pred1[:, :1]), pred1[:, :-1]], dim=1)
-        pred2 = head(ids, feats2, mask)
-        for depth, pred in ((1, pred1), (2, pred2)):
-            guess = subset[(pred @ E.T).argmax(-1)]
-            ok = (guess == argmax) & keep
+        for level, pred in enumerate(head.unrolled(ids, prev, depth), start=1):
+            ok = (subset[(pred @ E.T).argmax(-1)] == argmax) & keep
             for b, r in enumerate(chunk):
-                d = out.setdefault(r["domain"], {}).setdefault(depth, [0, 0])
+                d = out.setdefault(r["domain"], {}).setdefault(level, [0, 0])
                 d[0] += int(ok[b].sum())
                 d[1] += int(keep[b].sum())
     head.train()
     result = {dom: {f"depth{k}": v[0] / max(v[1], 1) for k, v in d.items()} | {"tokens": d[1][1]}
               for dom, d in sorted(out.items())}
     result["mean_depth1"] = sum(v["depth1"] for v in result.values()) / len(out)
-    # tokens a 2-long chain would get if the levels were independent: what checkpoints are chosen by
-    result["score"] = sum(v["depth1"] * (1 + v["depth2"]) for k, v in result.items()
-                          if isinstance(v, dict)) / len(out)
+    # tokens a `depth`-long chain would get if the levels were independent: what checkpoints are chosen by
+    result["score"] = sum(chain_tokens([v[f"depth{k}"] for k in range(1, depth + 1)])
+                          for v in result.values() if isinstance(v, dict)) / len(out)
     return result
+
+
+def chain_tokens(rates: list[float]) -> float:
+    """Expected accepted tokens of a chain whose level k is accepted at rates[k-1], given the ones before."""
+    total, reach = 0.0, 1.0
+    for r in rates:
+        reach *= r
+        total += reach
+    return total
 
 
 def export(head: EagleHead, subset: list[int], card: dict, out: Path) -> None:
@@ -190,8 +233,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=12)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--noise", type=float, default=0.05)
-    p.add_argument("--unroll", type=int, default=1, help="training passes; from the second on, the head "
-                                                          "reads its own predicted features")
+    p.add_argument("--unroll", type=int, default=1, help="drafted levels trained at once; from the second "
+                                                          "on, the head reads its own predicted features")
     p.add_argument("--init-layer", type=int, default=29, help="target layer to start from (-1: random)")
     p.add_argument("--fc-init", choices=["eye", "random"], default="random")
     p.add_argument("--init-from", type=Path, help="continue from an exported eagle_head.safetensors")
@@ -217,11 +260,13 @@ def main(argv=None) -> None:
           f"{sum(q.numel() for q in head.parameters() if q.requires_grad)} parameters")
     best_step, history = train_for(
         head, train, lambda records: losses(head, make_batch(records), subset_t, position, args.noise, args.unroll),
-        lambda: agreement(head, heldout, subset_t), seconds=args.train_seconds, eval_every=args.eval_every,
+        lambda: agreement(head, heldout, subset_t, max(args.unroll, 3)), seconds=args.train_seconds,
+        eval_every=args.eval_every,
         lr=args.lr, batch_size=args.batch_size, seed=args.seed, score="score", desc="training EAGLE head")
     card = {"metric": "teacher-forced greedy agreement with the target along its greedy answers to held-out "
                       "prompts, argmax over the draft's vocabulary subset; depth1 reads the target's true "
-                      "previous feature, depth2 the head's own prediction of it",
+                      "previous feature, depth d its own level-(d-1) prediction, attending as drafting does "
+                      "(EagleHead.unrolled)",
             "recipe": "recipes/eagle_features.py + recipes/eagle_train.py", "args": {k: str(v) for k, v in vars(args).items()},
             "init_layer": args.init_layer, "best_step": best_step, "final": next(h for h in history if h["step"] == best_step),
             "history": history, "train_answers": len(train), "heldout_answers": len(heldout)}
