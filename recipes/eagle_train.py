@@ -95,16 +95,14 @@ class EagleHead(torch.nn.Module):
             x = self.fc(torch.cat([emb, x], dim=-1))
             h = layer.input_layernorm(x)
             shape = (B, L, -1, attn.head_dim)
-            q = attn.q_proj(h).view(shape).transpose(1, 2)
-            k = attn.k_proj(h).view(shape).transpose(1, 2)
-            keys.append(k)
+            q, key = apply_rotary_pos_emb(attn.q_proj(h).view(shape).transpose(1, 2),
+                                          attn.k_proj(h).view(shape).transpose(1, 2), cos, sin)
+            keys.append(key)
             values.append(attn.v_proj(h).view(shape).transpose(1, 2))
-            q, _ = apply_rotary_pos_emb(q, q, cos, sin)
-            rotated = [apply_rotary_pos_emb(kk, kk, cos, sin)[1] for kk in keys]
-            # [L, d*L]: key (level k, position i) is seen from (level d, position j)
+            # [L, d*L]: the key of (level k, position i) is seen from (level d, position j)
             mask = torch.cat([(i <= j - d + 1) if k == 1 else (i == j - (d - k))
                               for k in range(1, d + 1)], dim=1)
-            out = F.scaled_dot_product_attention(q, torch.cat(rotated, 2), torch.cat(values, 2), attn_mask=mask,
+            out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
                                                  scale=attn.scaling, enable_gqa=True)
             x = x + attn.o_proj(out.transpose(1, 2).reshape(B, L, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
