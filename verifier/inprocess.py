@@ -9,12 +9,14 @@ drafter drafts its next trees on the model thread, and the trees come back as th
 draft-then-verify step; a drafter here always runs in lockstep (`ring_slots` 1).
 
 Where the verifier may borrow an idle remote drafter's cores (the stand-in drafter of the Ray
-verifier, `lockstep_in_verifier`), its draft passes run on whichever of its own threads and
-the borrowed ones has measured cheaper per level (`ThreadChoice`): on two shared cores a team
-of two threads waits for the core that Ray's own threads keep waking on, which on the micro
-pair cost more than the second thread saves (bench/README.md, "micro pair"), while the
-embedded pair's draft gains from it. Only the proposals' speed depends on it: the output is
-the verifier's.
+verifier, `lockstep_in_verifier`), a lockstep turn (the draft passes and the forward that
+verifies them) runs on whichever of its own threads and the borrowed ones has measured
+cheaper per turn (`ThreadChoice`). One count for the whole turn: switching torch's thread
+count between the passes and the forward cost more than either choice saved (a micro-pair
+level took 1.9 ms on one thread between forwards on two, 1.0 ms with everything on one). On
+two shared cores a team of two threads waits for the core that Ray's own threads keep waking
+on, which on the micro pair costs more than the second thread saves (bench/README.md, "micro
+pair"), while the embedded pair's turns gain from it. The output is the verifier's either way.
 """
 from __future__ import annotations
 
@@ -46,10 +48,10 @@ class Drafting(Protocol):
 class ThreadChoice:
     """Of a few torch thread counts for one kind of work, the one measured cheapest per unit.
 
-    Each candidate is tried in turn (the one with the fewest samples first) until each has
-    `trials`; then the cheapest by median seconds per unit over its last `trials` samples
-    runs, and every `recheck`-th use goes to another candidate in turn, so that a drift (a
-    neighbour's load, Ray's traffic) is seen."""
+    Each candidate is tried in turn (the one with the fewest samples first, the earlier given
+    on a tie: the caller's default leads) until each has `trials`; then the cheapest by median
+    seconds per unit over its last `trials` samples runs, and every `recheck`-th use goes to
+    another candidate in turn, so that a drift (a neighbour's load, Ray's traffic) is seen."""
 
     def __init__(self, trials: int = 8, recheck: int = 64) -> None:
         self.trials, self.recheck = trials, recheck
@@ -57,7 +59,7 @@ class ThreadChoice:
         self.uses = 0                            # picks since every candidate had its trials
 
     def pick(self, candidates: Sequence[int]) -> int:
-        options = sorted(set(candidates))
+        options = list(dict.fromkeys(candidates))
         if len(options) == 1:
             return options[0]
         counts = {n: len(self.samples.get(n, ())) for n in options}
@@ -88,7 +90,9 @@ class InProcessDrafters:
     def __init__(self, drafters: list[Drafting], num_cpus: float = 0.0) -> None:
         self.drafters = drafters
         self.num_cpus = num_cpus
-        self.threads = ThreadChoice()     # a pass's threads: our own, or with the idle drafters' too
+        self.threads = ThreadChoice()     # a lockstep turn's threads: our own, or with the idle drafters' too
+        self.turn: int | None = None      # the threads this round's passes ran on (None: none chosen)
+        self.turn_s = 0.0                 # and their seconds, until the turn's forward adds its own
 
     def attach(self, scheduler) -> None:
         """Each drafter's first exchange: the scheduler registers it (and says "reset") as one of
@@ -106,19 +110,28 @@ class InProcessDrafters:
     async def __call__(self, scheduler, run: Callable[..., Awaitable], threads: int | None = None) -> None:
         """One round: each drafter takes its signals, drafts (on the model thread) and files what
         it drafted, in one exchange. `threads`: what the verifier may use now, its idle
-        drafters' cores included; a pass runs on that or on the verifier's own threads,
-        whichever has drafted a level faster (`ThreadChoice`)."""
+        drafters' cores included; the turn runs on that or on the verifier's own threads,
+        whichever has measured faster (`ThreadChoice`; the forward's seconds join in
+        `observe_turn`)."""
+        n = None if threads is None else self.threads.pick((threads, scheduler.threads))
+        self.turn, self.turn_s = None, 0.0
         for d in self.drafters:
             signals = scheduler.signals_for(d.index)
             if signals or d.streams:
-                n = None if threads is None else self.threads.pick((threads, scheduler.threads))
                 drafted = await run(self._draft, d, signals, n)
-                if n is not None:
-                    self.threads.observe(n, drafted.seconds, drafted.levels)
+                if n is not None and drafted.levels:
+                    self.turn, self.turn_s = n, self.turn_s + drafted.seconds
             else:                     # nothing to hear, nothing to draft: no hop to the model thread
                 drafted = d.draft()
             scheduler.receive(Exchange(d.index, d.incarnation, drafted.puts, 0.0, drafted.seconds, drafted.levels,
                                        d.resync_requests(), d.node, self.num_cpus, None, not drafted.more))
+
+    def observe_turn(self, threads: int, forward_s: float) -> None:
+        """The forward that verified this round's trees ran on `threads` for `forward_s`: a turn
+        measured, when it ran on the count its passes did."""
+        if self.turn is not None and threads == self.turn:
+            self.threads.observe(threads, self.turn_s + forward_s, 1)
+        self.turn = None
 
     @staticmethod
     def _draft(drafter: Drafting, signals: list[Signal], threads: int | None):

@@ -280,13 +280,16 @@ class Scheduler:
             if s.request_id in chains:
                 batch[i] = StepItem(s, chains[s.request_id])
 
-    def step_threads(self, batch: list[StepItem]) -> int:
+    def step_threads(self, batch: list[StepItem], turn: int | None = None) -> int:
         """The verifier's own threads, or more for a step while no drafter has work: no drafter's
         tree in the batch (prompt-lookup ones may be) and every sequence at budget 0, its drafter
         told so; or, in lockstep, every drafted sequence's one tree in this batch (its drafter
-        waits for the step's signal)."""
+        waits for the step's signal); `turn`, when the drafters of this process chose the
+        threads of this lockstep turn (`verifier.inprocess.InProcessDrafters`)."""
         if drafted(batch):
-            return self.registry.lendable_threads() if self.members.drafters_blocked(batch) else self.threads
+            if not self.members.drafters_blocked(batch):
+                return self.threads
+            return self.registry.lendable_threads() if turn is None else turn
         return self.registry.lendable_threads() if self.members.drafters_idle() else self.threads
 
     def publish(self, outcomes: list[StepOutcome], draft_s: float, verify_s: float) -> None:

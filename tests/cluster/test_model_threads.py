@@ -67,8 +67,8 @@ def test_the_verifier_actor_builds_warms_up_and_serves_on_its_model_thread(tiny_
                                           asdict(SpeculationOptions(mode="chain", spec_len=3))):
             assert chunk.finish_reason != "error", chunk.error
             tokens += chunk.token_ids
-        # the stand-in's passes tried its own thread and the idle drafter's borrowed core in turn
-        by_threads = (await actor.get_stats())["local_drafter"]["ms_per_level_by_threads"]
+        # the stand-in's turns tried its own thread and the idle drafter's borrowed core in turn
+        by_threads = (await actor.get_stats())["local_drafter"]["ms_per_turn_by_threads"]
         assert set(by_threads) == {"1", "2"} and all(ms > 0 for ms in by_threads.values())
         return tokens
 

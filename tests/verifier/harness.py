@@ -45,8 +45,8 @@ class Harness:
         self.scheduler.ring.add_stream(rid)
         return s
 
-    def step_threads(self, items: list[tuple]) -> int:
-        return self.scheduler.step_threads([StepItem(*it) for it in items])
+    def step_threads(self, items: list[tuple], turn: int | None = None) -> int:
+        return self.scheduler.step_threads([StepItem(*it) for it in items], turn)
 
     def lendable_later(self) -> int:
         return self.scheduler.registry.lendable_threads(now=False)

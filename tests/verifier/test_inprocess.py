@@ -1,5 +1,6 @@
-"""The in-process pump's choice of threads for a draft pass (verifier/inprocess.py): its own,
-or with an idle drafter's cores borrowed, whichever drafts a level faster here."""
+"""The in-process pump's choice of threads for a lockstep turn (verifier/inprocess.py): its
+own, or with an idle drafter's cores borrowed, whichever runs a turn (the draft passes and
+the forward that verifies them) faster here."""
 from __future__ import annotations
 
 import asyncio
@@ -70,7 +71,9 @@ class _Drafter:
         return []
 
 
-def test_the_pump_drafts_on_the_cheaper_thread_count_and_not_otherwise():
+def test_a_turn_runs_on_the_count_cheaper_for_passes_and_forward_together():
+    """Drafting alone is cheaper on one thread here, the forward on two by more: the turn, one
+    count for both, goes to two. A forward on another count than its passes' is not a sample."""
     import torch
 
     before = torch.get_num_threads()
@@ -78,21 +81,29 @@ def test_the_pump_drafts_on_the_cheaper_thread_count_and_not_otherwise():
     received = []
     scheduler = SimpleNamespace(threads=1, signals_for=lambda i: [], receive=received.append)
     pump = InProcessDrafters([drafter], num_cpus=1)
+    forward_s = {1: 0.006, 2: 0.001}        # the forward: two threads much faster
 
     async def run(fn, *args):
         return fn(*args)
 
-    async def rounds(k: int, threads: int | None) -> None:
+    async def turns(k: int, threads: int | None) -> None:
         for _ in range(k):
             await pump(scheduler, run, threads)
+            if pump.turn is not None:
+                pump.observe_turn(pump.turn, forward_s[pump.turn])
 
     try:
-        asyncio.run(rounds(16 + 10, 2))          # 8 trials each, then 10 passes
+        asyncio.run(turns(16 + 10, 2))           # 8 trials each, then 10 turns
         assert drafter.threads[:16].count(1) == drafter.threads[:16].count(2) == 8
-        assert drafter.threads[16:] == [1] * 10
+        assert drafter.threads[16:] == [2] * 10      # 2: 4 + 1 ms a turn, against 1 + 6 on one thread
+        assert pump.threads.cost(2) == pytest.approx(0.005) and pump.threads.cost(1) == pytest.approx(0.007)
         assert len(received) == 26 and all(e.draft_levels == 1 for e in received)
+        asyncio.run(pump(scheduler, run, 2))
+        picked = pump.turn
+        pump.observe_turn(3 - picked, 100.0)        # its forward ran on the other count: no sample
+        assert pump.turn is None and pump.threads.cost(picked) < 0.01
         drafter.threads.clear()
-        asyncio.run(rounds(3, None))             # no threads given: the pass keeps the current ones
-        assert drafter.threads == [torch.get_num_threads()] * 3
+        asyncio.run(turns(3, None))              # no threads given: the turn keeps the current ones
+        assert drafter.threads == [torch.get_num_threads()] * 3 and pump.turn is None
     finally:
         torch.set_num_threads(before)

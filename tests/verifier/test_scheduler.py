@@ -187,6 +187,8 @@ def test_a_lone_stream_runs_in_lockstep_beside_a_cpu_drafter_with_as_many_cores(
         tree = TokenTree(torch.tensor([9, 4]), torch.tensor([-1, 0]), torch.tensor([1, 2]), None, 3, 0)
         step = [(q, tree, TreeHeader("q", 0, 0, 3, 3, [], 2, 0))]
         assert va.scheduler.members.lockstep(0) and va.step_threads(step) == 2 and not va.scheduler.members.plan_bridges()
+        # a turn whose threads this process's drafters chose (verifier/inprocess.py) keeps them
+        assert va.step_threads(step, turn=1) == 1 and va.step_threads(step, turn=2) == 2
         r = add("r")                                     # a second stream: overlap again
         assert not va.scheduler.members.lockstep(0) and va.scheduler.members.plan_bridges()
         assert va.step_threads(step + [(r, tree, TreeHeader("r", 0, 0, 3, 3, [], 2, 0))]) == 1
