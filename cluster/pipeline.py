@@ -299,11 +299,12 @@ def _error_chunk(rid: str, message: str) -> GenerationChunk:
 
 # ---------------------------------------------------------------- building
 def settings_from_config(config, **overrides) -> EngineSettings:
-    """EngineSettings from an AppArgs' / ClusterConfig's `speculation`, `kv_cache`, `models` and
-    `placement` blocks."""
+    """EngineSettings from an AppArgs' / ClusterConfig's `speculation`, `kv_cache`, `models`,
+    `placement` and `serving` blocks."""
     gpu = config.placement.verifier.num_gpus > 0
     base = EngineSettings(**config.speculation.model_dump(), **config.kv_cache.model_dump(),
-                          dtype=config.models.dtype, device="cuda" if gpu else "cpu")
+                          dtype=config.models.dtype, device="cuda" if gpu else "cpu",
+                          stream_interval=config.serving.stream_interval)
     return base.model_copy(update=overrides)
 
 

@@ -71,6 +71,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="automatic prefix caching (the config's kv_cache.prefix_caching; default off)")
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prefill prompts N tokens at a time between other streams' steps (kv_cache.prefill_chunk)")
+    p.add_argument("--stream-interval", type=int, default=None, metavar="N",
+                   help="tokens a streamed chunk carries at least; the first and last go at once (serving.stream_interval)")
     p.add_argument("--session-affinity", action=argparse.BooleanOptionalAction, default=None,
                    help="keep requests with the same X-Session-Id header on one replica (serving.session_affinity)")
     p.add_argument("--ready-timeout", type=float, default=900.0, metavar="S",
@@ -83,7 +85,8 @@ FLAG_FIELDS = {"host": "serving.host", "port": "serving.port", "grpc_port": "ser
                "request_timeout": "serving.request_timeout_s", "api_key_file": "serving.api_key_file",
                "engine": "engine", "model_name": "model_name", "spec_mode": "speculation.mode",
                "prefix_caching": "kv_cache.prefix_caching", "prefill_chunk": "kv_cache.prefill_chunk",
-               "spec_len": "speculation.spec_len", "session_affinity": "serving.session_affinity"}
+               "spec_len": "speculation.spec_len", "session_affinity": "serving.session_affinity",
+               "stream_interval": "serving.stream_interval"}
 API_KEY_ENV = "SPECFLASH_API_KEY"  # where `--api-key` puts the key for the replicas (a job env var)
 
 

@@ -100,6 +100,17 @@ class GenerationChunk:
     prompt_logprobs: list | None = None   # first chunk, with sampling.prompt_logprobs: None, then one per prompt token
 
 
+def merge_chunks(first: GenerationChunk, then: GenerationChunk) -> GenerationChunk:
+    """One chunk carrying what `first` and `then` (of the same request, in that order) carry:
+    their tokens and log-probabilities in order, `first`'s prompt log-probabilities, `then`'s
+    counts (cumulative) and ending."""
+    logprobs = None if first.logprobs is None and then.logprobs is None else \
+        (first.logprobs or []) + (then.logprobs or [])
+    return GenerationChunk(then.request_id, first.token_ids + then.token_ids, then.finished, then.finish_reason,
+                           then.num_drafted, then.num_accepted, then.error, then.cached_tokens, logprobs,
+                           first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs)
+
+
 @dataclass
 class GenerationOutput:
     """A whole request, as the in-process engine's blocking `generate` returns it."""

@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from speculation.requests import GenerationChunk, SpeculationOptions
+from speculation.requests import GenerationChunk, SpeculationOptions, merge_chunks
 from speculation.step import speculative_step
 from verifier.admission import settle_riders
 from verifier.scheduler import Scheduler
@@ -190,16 +190,21 @@ class EngineLoop:
     # -- requests ------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: list[int], params, spec: SpeculationOptions | None,
                        prefix_cache: bool = True) -> AsyncIterator[GenerationChunk]:
-        """The request's chunks as the steps commit them; leaving early aborts it."""
+        """The request's chunks as the steps commit them, the first and the last at once and
+        the others merged until they carry `stream_interval` tokens; leaving early aborts it."""
         self.ensure_running()
         queue: asyncio.Queue = asyncio.Queue()
         self.scheduler.add(request_id, prompt, params, spec, queue.put_nowait, prefix_cache)
+        interval, held, first = self.scheduler.settings.stream_interval, None, True
         try:
             while True:
                 chunk = await queue.get()
-                yield chunk
-                if chunk.finished:
-                    return
+                held = chunk if held is None else merge_chunks(held, chunk)
+                if first or held.finished or len(held.token_ids) >= interval:
+                    yield held
+                    if held.finished:
+                        return
+                    held, first = None, False
         finally:
             s = self.scheduler.streams.get(request_id)
             if s is not None:

@@ -35,6 +35,10 @@ class ServingConfig(_Model):
         None, ge=1, description="Generations one API key may have admitted at once (429 above); None = only "
         "max_queue. Without a configured key there is no per-key limit.",
     )
+    stream_interval: int = Field(
+        1, ge=1, description="Tokens a streamed chunk of a request carries at least (its first and last go at "
+        "once); larger values cost the engine fewer chunks (`speculation.settings.EngineSettings`).",
+    )
     max_request_bytes: int = Field(4 << 20, ge=1024, description="Larger request bodies get 413.")
     drain_timeout_s: float = Field(
         30.0, ge=0, description="On shutdown, how long in-flight requests may still run before they are "

@@ -161,3 +161,15 @@ def test_session_affinity_picks_serves_consistent_hash_router():
     assert default.request_router_class != SESSION_ROUTER
     sticky = build_app({"serving": {"session_affinity": True}})._bound_deployment
     assert sticky._deployment_config.request_router_config.request_router_class == SESSION_ROUTER
+
+
+def test_stream_interval_flag_reaches_the_engines_settings():
+    from cluster.config import AppArgs
+    from cluster.pipeline import settings_from_config
+
+    args = app_args_from(parse("--stream-interval", "8"))
+    assert args["serving"]["stream_interval"] == 8
+    assert settings_from_config(AppArgs.model_validate(args)).stream_interval == 8
+    assert settings_from_config(AppArgs.model_validate({})).stream_interval == 1
+    with pytest.raises(Exception, match="stream_interval"):
+        app_args_from(parse("--stream-interval", "0"))
