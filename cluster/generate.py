@@ -66,8 +66,11 @@ def _run_async(args, params: SamplingParams) -> int:
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
     engine = None
     try:
+        # the text is printed when the request ends: no chunk between its first and its last
+        # (each costs the verifier's step: `EngineSettings.stream_interval`)
         engine = build_pipeline_engine(None, target_dir=target_dir, draft_dir=draft_dir,
-                                       spec_len=args.spec_len, tree_width=args.tree_width, proposer=proposer)
+                                       spec_len=args.spec_len, tree_width=args.tree_width, proposer=proposer,
+                                       stream_interval=max(1, args.max_tokens))
         start = time.perf_counter()
         tokens, last = asyncio.run(_collect(engine, GenerationRequest("cli", prompt_ids, params, spec)))
         seconds = time.perf_counter() - start
