@@ -58,13 +58,23 @@ def in_process(args):
     from cluster.local import InProcessEngine
     from models.presets import load
 
-    engine = InProcessEngine(load(TARGET), load(DRAFT), spec_len=args.spec_len, lookup=False)
-    for spec_mode in ("off", "chain"):
+    from speculation.settings import EngineSettings
+
+    target, draft = load(TARGET), load(DRAFT)
+
+    def engine_on(threads: int) -> InProcessEngine:
+        return InProcessEngine(target, draft, settings=EngineSettings(
+            spec_len=args.spec_len, lookup=False, num_cpus=threads, stream_interval=args.stream_interval))
+
+    # `off` on --threads; sync once per --sync-threads count (a row each when more than one)
+    modes = [("off", "off", engine_on(args.threads))] + [
+        ("sync" if len(args.sync_threads) == 1 else f"sync-{n}t", "chain", engine_on(n)) for n in args.sync_threads]
+    for _, spec_mode, engine in modes:
         engine.generate([request("warm", [1, 2, 3], spec_mode, args)])
 
     def run(ps: list[list[int]], tag: str) -> list[dict]:
         rows = []
-        for mode, spec_mode in (("off", "off"), ("sync", "chain")):
+        for mode, spec_mode, engine in modes:
             wall = steps = tokens = verify = draft = 0.0
             for i, p in enumerate(ps):
                 start = time.perf_counter()
@@ -92,7 +102,7 @@ def pipeline(args):
     try:
         engine = build_pipeline_engine(None, target_dir=TARGET, draft_dir=DRAFT, spec_len=args.spec_len,
                                        lookup=False, num_blocks=256, lockstep_in_verifier=not args.remote_turns,
-                                       plain_threads=args.plain_threads)
+                                       plain_threads=args.plain_threads, stream_interval=args.stream_interval)
         drafter = engine.pipelines[0].drafters[0]
 
         async def one(rid, p) -> int:
@@ -121,8 +131,8 @@ def pipeline(args):
 
 
 def summary(rounds: list[list[dict]]) -> dict:
-    """Each mode's median row over the rounds, and the pipeline's step minus sync's, per round
-    and its median (ms): the overhead the issue bounds, paired within a round."""
+    """Each mode's median row over the rounds, and the pipeline's step minus the fastest sync
+    row's, per round and its median (ms): the overhead the issue bounds, paired within a round."""
     modes = [r["mode"] for r in rounds[0]]
     medians = []
     for mode in modes:
@@ -133,8 +143,9 @@ def summary(rounds: list[list[dict]]) -> dict:
     overhead = []
     for rnd in rounds:
         by = {r["mode"]: r for r in rnd}
+        fastest_sync = max(r["steps_per_s"] for r in rnd if r["mode"].startswith("sync"))
         if "pipeline" in by:
-            overhead.append(1e3 / by["pipeline"]["steps_per_s"] - 1e3 / by["sync"]["steps_per_s"])
+            overhead.append(1e3 / by["pipeline"]["steps_per_s"] - 1e3 / fastest_sync)
     return {"medians": medians, "overhead_ms_per_round": overhead,
             "overhead_ms": statistics.median(overhead) if overhead else None}
 
@@ -164,7 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=common.positive_int, default=64)
     p.add_argument("--prompt-len", type=common.positive_int, default=16)
     p.add_argument("--spec-len", type=common.positive_int, default=4)
-    p.add_argument("--threads", type=common.positive_int, default=2, help="torch threads of the in-process engine")
+    p.add_argument("--threads", type=common.positive_int, default=2, help="torch threads of the in-process `off`")
+    p.add_argument("--sync-threads", type=common.comma_list(common.positive_int), default=[2],
+                   help="torch threads of the in-process sync engine, a row each (e.g. 1,2); the pipeline's "
+                        "overhead is taken against the fastest")
+    p.add_argument("--stream-interval", type=common.positive_int, default=1,
+                   help="the engines' `stream_interval`: tokens a streamed chunk carries at least")
     p.add_argument("--no-pipeline", action="store_true", help="skip the Ray pipeline")
     p.add_argument("--remote-turns", action="store_true",
                    help="the drafter actor drafts a lone stream's turns (lockstep_in_verifier off)")
