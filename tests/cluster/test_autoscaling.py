@@ -131,10 +131,12 @@ def test_drafter_autoscaler_adds_and_removes_drafters_of_a_live_pipeline(make_en
     seen, outputs = {}, []
 
     async def traffic(stop: asyncio.Event):
-        """Requests back to back until told to stop (at most len(ps))."""
-        for k, prompt in enumerate(ps):
+        """Requests back to back, the prompts in turn, until told to stop (at most 5 rounds of
+        them): a new drafter's start may take longer than one round of requests."""
+        for k in range(5 * len(ps)):
             if stop.is_set():
                 return
+            prompt = ps[k % len(ps)]
             tokens, last = await collect(engine, request(f"scaled-{k}", prompt, 200, "chain", 4))
             outputs.append((prompt, tokens, last.finish_reason))
 

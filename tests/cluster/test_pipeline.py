@@ -210,13 +210,18 @@ def test_lockstep_one_tree_in_flight_borrows_the_idle_drafters_cores(ray_cluster
                 assert last.num_drafted > 0
                 after = run(engine.stats())
                 spec_steps = after["num_spec_steps"] - before["num_spec_steps"]
-                # every verification of a tree borrowed the waiting drafter's core
-                assert spec_steps > 0 and after["borrowed_steps"] - before["borrowed_steps"] >= spec_steps
+                borrowed = after["borrowed_steps"] - before["borrowed_steps"]
+                if in_verifier:   # each turn on the borrowed cores or its own, whichever measured faster
+                    assert spec_steps > 0 and borrowed > 0
+                else:             # every verification of a tree borrowed the waiting drafter's core
+                    assert spec_steps > 0 and borrowed >= spec_steps
             stats = run(engine.stats())
             assert stats["drafter_rollbacks"] == 0, stats     # nothing assumed, nothing undone
             by_actor = sum(d["trees_drafted"] for d in stats["drafters"])
             by_verifier = sum(d["trees_drafted"] for d in stats["local_drafters"])
             assert (by_verifier > 0 and by_actor == 0) if in_verifier else (by_actor > 0 and by_verifier == 0)
+            if in_verifier:       # its turns tried its own thread and the borrowed core
+                assert set(stats["local_drafters"][0]["ms_per_turn_by_threads"]) == {"1", "2"}, stats
         finally:
             engine.kill_pipeline_actors()
 
