@@ -13,7 +13,8 @@ verifier, `lockstep_in_verifier`), a lockstep turn (the draft passes and the for
 verifies them) runs on whichever of its own threads and the borrowed ones has measured
 cheaper per turn (`ThreadChoice`). One count for the whole turn: switching torch's thread
 count between the passes and the forward cost more than either choice saved (a micro-pair
-level took 1.9 ms on one thread between forwards on two, 1.0 ms with everything on one). On
+level took 1.2 ms on one thread between forwards on two, 1.9 ms when the forward's count was
+chosen apart, 1.0 ms with everything on one). On
 two shared cores a team of two threads waits for the core that Ray's own threads keep waking
 on, which on the micro pair costs more than the second thread saves (bench/README.md, "micro
 pair"), while the embedded pair's turns gain from it. The output is the verifier's either way.
