@@ -105,8 +105,8 @@ class EngineSettings(SpeculationSettings, KVCacheSettings):
         "Tokens a streamed chunk of a request carries at least: its first chunk and its last go "
         "at once, the others wait until this many tokens are committed. 1 = every step's tokens "
         "as the step commits them. Fewer chunks cost the engine less (the pipeline's verifier "
-        "pays ~0.7 ms of its step for each chunk on this project's CPU: bench/README.md, 'micro "
-        "pair'); vLLM's `--stream-interval`."))
+        "pays ~1 ms of its step for each chunk with the micro pair on this project's CPU: "
+        "bench/README.md, 'micro pair'); vLLM's `--stream-interval`."))
     block_size: int = Field(16, ge=1, description="Tokens per KV block.")
     num_cpus: float = Field(1.0, ge=0, description="Torch threads of each actor (its reserved CPUs).")
     device: str = Field("cpu", description="Device of the models: cpu or cuda.")

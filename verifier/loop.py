@@ -286,12 +286,13 @@ class EngineLoop:
             sch.stats.observe_wall(waited)
             sch.costs.idle_carry += waited
             return False
-        threads = sch.step_threads(batch, getattr(self.pump, "turn", None))
+        turn = getattr(self.pump, "turn", None)      # the threads the pump's passes ran on, if it chose
+        threads = sch.step_threads(batch, turn)
         if sch.announced:           # bridge chains, drafted on the model thread before the forward
             await self.run_model(sch.bridge_chains, batch, threads)
         chunks = sch.riders               # prompts' chunks ride in this forward (chunked prefill)
         outcomes, seconds = await speculative_step(batch, sch.target, self.run_model, threads, chunks)
-        if getattr(self.pump, "turn", None) is not None:
+        if turn is not None:
             self.pump.observe_turn(threads, seconds)
         sch.publish(outcomes, draft_s, seconds)
         if chunks:
