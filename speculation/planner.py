@@ -5,9 +5,11 @@ acceptance γ a tree of depth K commits on average
     E(γ, K) = (1 - γ^(K+1)) / (1 - γ)
 tokens per verification. In the asynchronous pipeline drafting overlaps
 verification, so one step of a batch costs
-    T(k) = max(verify(rows), draft(max_i k_i)),   rows = Σ_i (1 + k_i · W_i)
+    T(k) = max(verify(rows), draft(max_i k_i)) + w,   rows = Σ_i (1 + k_i · W_i)
 (the verifier's target forward over all trees, or the drafter's K levels when
-it is the slower side). In the synchronous engine (`overlap=False`) drafting and
+it is the slower side; w the measured wait for trees per speculating step, 0 when
+every k_i is 0: trees late after a contradicted outcome, or after a switch from
+decoding alone, whose tokens the drafter then catches up on). In the synchronous engine (`overlap=False`) drafting and
 verification take turns, so T(k) = verify(rows) + draft(max_i k_i) instead.
 We choose the budgets k_i that maximise the batch's committed tokens per
 second  R(k) = Σ_i E(γ_i, k_i) / (T(k) + c)  by greedy ascent from k = 0 (each move
@@ -134,6 +136,10 @@ class CostModel:
         self.slope_ratio = slope_ratio   # b / a assumed while the data cannot tell the slope
         self._s = [0.0] * 5              # weighted sums for y = a + b x: [w, wx, wy, wxx, wxy]
         self.d = d
+        # seconds a speculating step waits for its trees beyond the forward, on average (overlap
+        # only: trees late after a contradicted outcome or a switch from decoding alone, the
+        # exchange's latency); a cost per step, not per row
+        self.wait = 0.0
         self._seen_rows: dict[int, int] = {}     # batch shape -> its one-off costs skipped so far
         self._seen_levels: dict[int, int] = {}
 
@@ -161,6 +167,11 @@ class CostModel:
         if levels > 0:
             self.d = 0.8 * self.d + 0.2 * seconds / levels
 
+    def observe_wait(self, seconds: float) -> None:
+        """A speculating step (a tree, a bridge or a fallback while a budget was planned) waited
+        `seconds` for trees before it."""
+        self.wait = 0.8 * self.wait + 0.2 * seconds
+
     @property
     def coefficients(self) -> tuple[float, float]:
         w, wx, wy, wxx, wxy = self._s
@@ -178,7 +189,7 @@ class CostModel:
     def step_time(self, rows: int, max_levels: int) -> float:
         a, b = self.coefficients
         if self.overlap:
-            return max(a + b * rows, self.d * max_levels)
+            return max(a + b * rows, self.d * max_levels) + (self.wait if max_levels > 0 else 0.0)
         return a + b * rows + self.d * max_levels
 
 

@@ -5,7 +5,11 @@ step time; the step time comes from here. Three linear models, fitted from the s
 themselves:
 
 - **overlap**: drafting runs beside verification (the pipeline with trees in flight): a
-  step costs the larger of the forward (+ the idle waits before it) and the drafter's levels;
+  step costs the larger of the forward and the drafter's levels, plus, when it speculates,
+  the measured wait for trees per speculating step (`CostModel.wait`). The wait is a cost of
+  the step, not of its rows: fitted into the forward's a + b·rows, the waits of the few
+  speculating steps among many plain ones made every row look dear and the planner decline
+  (bench/README.md, one core per model on math);
 - **lockstep**: the drafter drafts while the verifier waits (one tree in flight; the
   in-process engine always): the forward plus the wait for the trees, the wait priced per
   draft level. On a CPU a lockstep verification runs on the drafter's cores too: one fit of
@@ -18,11 +22,21 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from speculation.planner import AdaptiveSpeculation, CostModel, one_off_costs
 
 # how long a batch's recent size is remembered when planning (`StepCosts.refilling`)
 REFILL_MEMORY_S = 1.0
+
+
+@dataclass
+class StepKind:
+    """What a verification step's batch was planned as, noted when it is collected
+    (`verifier.scheduler.Scheduler.collect`), for pricing the idle waits before it."""
+
+    planned: bool = False      # some sequence of it had a budget > 0 (a tree, a bridge after one, a late tree)
+    catching_up: bool = False  # some sequence waited for its drafter's first tree after a (re)sync
 
 
 class StepCosts:
@@ -90,30 +104,36 @@ class StepCosts:
         shape[1] += seconds
 
     def observe_step(self, rows: int, step_s: float, lockstep_levels: int | None, borrowed: bool,
-                     drafted: bool) -> None:
-        """A step's cost, paid where it belongs: its time after admission plus the idle waits
-        before it. `lockstep_levels`: the deepest drafted tree's depth when every drafted tree
-        came from a drafter in lockstep (None otherwise)."""
+                     drafted: bool, spec: StepKind) -> None:
+        """A step's cost, paid where it belongs: its time after admission, and the idle waits
+        before it to the drafting that made them. `lockstep_levels`: the deepest drafted tree's
+        depth when every drafted tree came from a drafter in lockstep (None otherwise). The wait
+        for a drafter's first trees after a (re)sync (`spec.catching_up`: its prompt's prefill)
+        is left out: once a request, not once a step."""
+        waited = 0.0 if spec.catching_up else self.idle_carry
         if lockstep_levels is not None:
             # the drafters drafted these trees while we waited (lockstep): that wait is the
             # draft's cost per level, the forward alone the verification's (a sum, not a max)
             self.lockstep.observe_verify(rows, step_s)
-            if self.idle_carry > 0:
-                self.lockstep.observe_draft(lockstep_levels, self.idle_carry)
+            if waited > 0:
+                self.lockstep.observe_draft(lockstep_levels, waited)
         else:
             costs = self.plain if borrowed and not drafted else self.overlap
-            costs.observe_verify(rows, step_s + self.idle_carry)
+            costs.observe_verify(rows, step_s)
+            if spec.planned and not spec.catching_up:
+                self.overlap.observe_wait(waited)
             if not drafted and not borrowed and self.settings.device != "cpu":
                 # on a GPU a one-row forward runs another kernel than a few-row one (fp32 8B on an
                 # H200: 12 ms against 19-21 ms for 2-5 rows), which a + b·rows fitted over
                 # speculating steps cannot see: plain steps get their own model, the baseline
-                self.plain.observe_verify(rows, step_s + self.idle_carry)
+                self.plain.observe_verify(rows, step_s)
         self.idle_carry = 0.0
 
     def report(self) -> dict:
         a, b = self.planner.costs.coefficients
         pa, pb = self.plain.coefficients if self.plain.observed else (None, None)
         return {"verify_cost_a_s": a, "verify_cost_b_s": b,
+                "overlap_wait_s": self.overlap.wait,          # the wait for trees per speculating step
                 "plain_cost_a_s": pa, "plain_cost_b_s": pb,     # steps on borrowed cores
                 "draft_level_s": self.planner.costs.d,        # of the model the planner uses now
                 "lockstep_draft_level_s": self.lockstep.d,    # the wait for a tree per level, in lockstep

@@ -45,7 +45,7 @@ from speculation.transport import Exchange
 from speculation.wire import Signal
 from verifier.admission import Admission, check_request
 from verifier.chunking import PrefillBudget
-from verifier.costs import StepCosts
+from verifier.costs import StepCosts, StepKind
 from verifier.lookup import VerifierLookup
 from verifier.membership import Membership
 from verifier.registry import DrafterRegistry
@@ -103,6 +103,7 @@ class Scheduler:
         self.adaptive = AdaptiveSpeculation(max_spec_len=MAX_SPEC_LEN)
         self.adaptive.restart_depth = settings.restart_depth
         self.costs = StepCosts(self.adaptive, target.model, settings, self.threads)
+        self.step_kind = StepKind()       # what the batch collected last was planned as (`collect`)
         self.costs.choose(settings.ring_slots > 1, self.threads)
         self.chunks = PrefillBudget(settings.prefill_chunk, settings.prefill_step_share)
         self.riders: list[PromptChunk] = []     # prompts' chunks fed inside the next verification forward
@@ -215,6 +216,7 @@ class Scheduler:
     def collect(self, active: list[VerifyStream], now: float) -> tuple[list[StepItem], float]:
         """The batch to verify now, and when to look again if it is empty."""
         batch, deadline, alone = [], now + self.settings.poll_s, []
+        kind = self.step_kind = StepKind()
         for s in active[: self.settings.max_batch_size]:
             ring = self.ring.stream(s.request_id)
             entry, dropped = ring.head_valid(s.committed)
@@ -222,6 +224,7 @@ class Scheduler:
             if entry is not None and entry.tree is not None:
                 ring.pop()
                 batch.append(StepItem(s, entry.tree, entry.header))
+                kind.planned, kind.catching_up = True, kind.catching_up or s.first_tree
                 s.waiting_since, s.first_tree = None, False
                 continue
             planned = s.budget[0] > 0 and not s.bridge
@@ -236,6 +239,8 @@ class Scheduler:
                     continue
                 self.stats.observe_fallback()
             s.waiting_since = None
+            if wants or s.bridge:       # a late tree, or the bridge after a contradicted one
+                kind.planned, kind.catching_up = True, kind.catching_up or (wants and s.first_tree)
             if not (wants or s.bridge):
                 alone.append(len(batch))
             elif s.bridge and self.bridge_draft is not None and \
@@ -376,7 +381,7 @@ class Scheduler:
         trees = drafted(batch)
         lockstep = trees and all(self.members.lockstep(it.seq.drafter) for it in trees)
         levels = max(int(it.tree.depths.max()) for it in trees) if lockstep else None
-        self.costs.observe_step(rows, step_s, levels, borrowed, bool(trees))
+        self.costs.observe_step(rows, step_s, levels, borrowed, bool(trees), self.step_kind)
 
     # -- reports -------------------------------------------------------------------------
     def health(self) -> dict:

@@ -317,3 +317,18 @@ def test_a_prompt_chunk_in_every_step_makes_deeper_trees_pay():
     assert ad.plan(["s"]) == {"s": (0, 0)}
     ad.chunk_s = 0.2
     assert ad.plan(["s"])["s"][0] > 0
+
+
+def test_the_wait_for_trees_is_priced_once_per_speculating_step():
+    """Overlapped, a step that speculates also pays the measured wait for its trees (`wait`),
+    whatever its rows; one decoding alone waits for nothing. In turns (lockstep) the wait is
+    the draft's per-level cost instead, and `wait` does not apply."""
+    c = CostModel(a=0.030, b=0.005, d=0.004)
+    c.observe_wait(0.020)
+    assert c.wait == pytest.approx(0.004)
+    assert c.step_time(rows=4, max_levels=3) == pytest.approx(0.050 + 0.004)
+    assert c.step_time(rows=8, max_levels=3) == pytest.approx(0.070 + 0.004)
+    assert c.step_time(rows=1, max_levels=0) == pytest.approx(0.035)
+    turns = CostModel(a=0.030, b=0.005, d=0.004, overlap=False)
+    turns.observe_wait(0.020)
+    assert turns.step_time(rows=4, max_levels=3) == pytest.approx(0.050 + 0.012)

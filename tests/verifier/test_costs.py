@@ -1,0 +1,80 @@
+"""What a verification step costs (verifier/costs.py): each wait priced where it belongs."""
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from models.sampling import SamplingParams
+from speculation.planner import AdaptiveSpeculation
+from verifier.costs import StepCosts, StepKind
+
+from .harness import Harness
+
+
+def step_costs() -> StepCosts:
+    model = SimpleNamespace(embed_tokens=SimpleNamespace(weight=torch.zeros(1)))     # a CPU model
+    return StepCosts(AdaptiveSpeculation(max_spec_len=6), model, SimpleNamespace(device="cpu"), threads=1)
+
+
+def test_waits_for_trees_cost_a_speculating_step_and_a_drafters_catch_up_costs_none():
+    """One core per model on math (bench/README.md): the first tree came after the drafter's
+    150 ms prefill, later trees ~20 ms late after each bridge, plain and bridge steps on time.
+    The forwards fit a + b·rows alone; the late trees' waits average over the speculating steps
+    (bridges included); the prefill's wait is once a request and counts nowhere."""
+    c = step_costs()
+    c.idle_carry = 0.150
+    c.observe_step(4, 0.050, None, False, True, StepKind(planned=True, catching_up=True))
+    assert c.overlap.wait == 0.0 and c.idle_carry == 0.0
+    for _ in range(30):
+        c.observe_step(1, 0.035, None, False, False, StepKind())                 # decoding alone
+        c.idle_carry = 0.020
+        c.observe_step(4, 0.050, None, False, True, StepKind(planned=True))      # a tree, 20 ms late
+        c.observe_step(1, 0.035, None, False, False, StepKind(planned=True))     # the bridge after it
+    a, b = c.overlap.coefficients
+    assert a + b == pytest.approx(0.035, rel=0.02) and a + 4 * b == pytest.approx(0.050, rel=0.02)
+    assert c.overlap.wait == pytest.approx(0.010, rel=0.2)
+    assert c.overlap.step_time(4, 3) == pytest.approx(0.050 + c.overlap.wait, rel=0.02)
+
+
+def test_in_lockstep_the_wait_is_the_draft_per_level_less_the_catch_up():
+    c = step_costs()
+    for _ in range(3):          # the drafter's first trees after its resyncs: prefills, not levels
+        c.idle_carry = 0.200
+        c.observe_step(4, 0.050, 3, False, True, StepKind(planned=True, catching_up=True))
+    assert c.lockstep.d == 0.004                                  # the prior, untouched
+    for _ in range(20):
+        c.idle_carry = 0.018
+        c.observe_step(4, 0.050, 3, False, True, StepKind(planned=True))
+    # 18 ms for 3 levels, the first such sample left out (a shape's one-off cost)
+    assert c.lockstep.d == pytest.approx(0.004 * 0.8 ** 19 + 0.006 * (1 - 0.8 ** 19))
+    assert c.overlap.wait == 0.0
+
+
+def test_collect_notes_what_the_batch_was_planned_as(tiny_target):
+    """A bridge after a contradicted tree is a speculating step; a tree still awaited after a
+    resync makes the step's wait a catch-up; a sequence decoding alone by plan is neither."""
+    threads = torch.get_num_threads()
+    try:
+        va = Harness(tiny_target, **{"num_blocks": 64, "block_size": 16, "lookup": False})
+        asyncio.run(va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0))
+        sch = va.scheduler
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        alone = va.stream("a", [5, 6, 7], params, budget=(0, 0))
+        alone.prefilled = True
+        sch.collect([alone], 0.0)
+        assert sch.step_kind == StepKind(planned=False, catching_up=False)
+        bridging = va.stream("b", [5, 6, 7], params, budget=(2, 1))
+        bridging.prefilled, bridging.bridge, bridging.first_tree = True, True, False
+        sch.collect([alone, bridging], 0.0)
+        assert sch.step_kind == StepKind(planned=True, catching_up=False)
+        waiting = va.stream("w", [5, 6, 7], params, budget=(2, 1))
+        waiting.prefilled = True                       # its drafter was just told to (re)start it
+        batch, _ = sch.collect([waiting], 1.0)
+        assert batch == []                             # waits for its first tree ...
+        batch, _ = sch.collect([waiting], 1e9)         # ... until its patience runs out
+        assert len(batch) == 1 and sch.step_kind == StepKind(planned=True, catching_up=True)
+    finally:
+        torch.set_num_threads(threads)
