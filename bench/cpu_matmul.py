@@ -3,6 +3,7 @@
     python bench/cpu_matmul.py                     # embedded target, 1 thread, rows 1 2 4 8
     python bench/cpu_matmul.py --threads 2 --reps 12
     python bench/cpu_matmul.py --target DIR --rows 1 3 5
+    python bench/cpu_matmul.py --rows 1 2 3 4 --baseline OLD.c   # also an earlier kernel's source
 
 One process, the same target and KV cache; every repetition runs each row
 count with `kernels.cpu.skinny_linear` (models.transformer's few-row path) and
@@ -32,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=common.positive_int, default=1)
     p.add_argument("--reps", type=common.positive_int, default=10)
     p.add_argument("--rows", type=common.positive_int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--baseline", metavar="SOURCE",
+                   help="also time the kernel built from this C source (e.g. an earlier commit's "
+                        "kernels/cpu/skinny_gemm.c, from `git show`), interleaved with the others")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -65,26 +69,41 @@ def main(argv: list[str] | None = None) -> int:
         verifier.release("s")
         return seconds
 
-    saved = mt._SKINNY_ROWS
+    saved, lib = mt._SKINNY_ROWS, cpu._load()
+    paths = [("torch", 0, lib), ("C kernel", saved, lib)]
+    if args.baseline:
+        paths.append(("baseline", saved, baseline_library(args.baseline)))
     times: dict[tuple[str, int], list[float]] = {}
     try:
         for rep in range(args.reps + 1):
-            for name, limit in (("torch", 0), ("C kernel", saved)):
-                mt._SKINNY_ROWS = limit
+            for name, limit, library in paths:
+                mt._SKINNY_ROWS, cpu._lib = limit, library
                 for rows in args.rows:
                     t = verify_once(rows)
                     if rep:                                  # the first round warms both paths up
                         times.setdefault((name, rows), []).append(t)
     finally:
-        mt._SKINNY_ROWS = saved
+        mt._SKINNY_ROWS, cpu._lib = saved, lib
     base = statistics.median(times[("torch", args.rows[0])])
     print(f"threads {args.threads}, {args.reps} interleaved repetitions, median ms (ratio to torch's "
           f"{args.rows[0]}-row step)")
-    for name in ("torch", "C kernel"):
+    for name, _, _ in paths:
         cells = [f"{r} rows {statistics.median(times[(name, r)]) * 1e3:.1f} "
                  f"({statistics.median(times[(name, r)]) / base:.2f})" for r in args.rows]
         print(f"{name:9s} " + "  ".join(cells))
     return 0
+
+
+def baseline_library(source: str):
+    """The kernel library compiled from `source` with the project's flags, loaded apart."""
+    import subprocess
+    import tempfile
+
+    from kernels import cpu
+
+    out = Path(tempfile.mkdtemp()) / "baseline.so"
+    subprocess.run(["cc", *cpu.FLAGS, source, "-o", str(out)], check=True)
+    return cpu.open_library(out)
 
 
 if __name__ == "__main__":

@@ -102,14 +102,21 @@ def _open() -> tuple[ctypes.CDLL | None, str | None]:
     if not _cpu_has_avx2():
         return None, "this CPU lacks AVX2/FMA/F16C"
     try:
-        lib = ctypes.CDLL(str(build()))
+        lib = open_library(build())
     except (CpuKernelError, OSError) as e:
         log.warning("CPU kernels unavailable, using torch's matmul: %s", e)
         return None, str(e)
+    return lib, None
+
+
+def open_library(path: Path) -> ctypes.CDLL:
+    """A built kernel library, its entry points declared (bench/cpu_matmul.py loads an earlier
+    build beside this one with it)."""
+    lib = ctypes.CDLL(str(path))
     for fn in (lib.sf_skinny_linear, lib.sf_skinny_linear_f16w):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    return lib, None
+    return lib
 
 
 def available() -> bool:

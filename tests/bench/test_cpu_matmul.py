@@ -1,0 +1,18 @@
+"""bench/cpu_matmul.py: the few-row kernel against torch's matmul, and against another build."""
+from __future__ import annotations
+
+import pytest
+
+from kernels import cpu
+
+
+@pytest.mark.skipif(not cpu.available(), reason="the C kernel needs AVX2/FMA/F16C and a C compiler")
+def test_times_each_path_and_a_baseline_build_and_restores_the_kernel(tiny_target, bench_script, capsys):
+    lib = cpu._load()
+    assert bench_script("cpu_matmul").main(["--target", str(tiny_target), "--rows", "1", "3", "--reps", "1",
+                                            "--baseline", str(cpu.SOURCE)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in out[-3:]}
+    assert set(rows) == {"torch", "C", "baseline"}
+    assert all("1 rows" in line and "3 rows" in line for line in rows.values())
+    assert cpu._load() is lib            # the project's build is the one loaded again
