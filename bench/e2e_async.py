@@ -387,10 +387,12 @@ STEP_COUNTERS = ("num_steps", "num_batches", "spec_on_decisions", "spec_off_deci
 
 def pipeline_costs(stats: dict) -> dict:
     """The verifier's own cost model after the run (what its planner uses): a + b * rows per step,
-    fitted on each step's wall time including any wait for a tree before it; d per draft level."""
+    fitted on each step's time after admission; the wait for trees per speculating step
+    (overlapped); d per draft level."""
     c = (stats.get("costs") or [{}])[0]
     a, b, d = c.get("verify_cost_a_s", 0.0), c.get("verify_cost_b_s", 0.0), c.get("draft_level_s", 0.0)
-    out = {"step_1_row": 1e3 * (a + b), "step_4_rows": 1e3 * (a + 4 * b), "draft_level": 1e3 * d}
+    out = {"step_1_row": 1e3 * (a + b), "step_4_rows": 1e3 * (a + 4 * b), "draft_level": 1e3 * d,
+           "wait_per_speculating_step": 1e3 * c.get("overlap_wait_s", 0.0)}
     if c.get("lockstep_draft_level_s") is not None:     # the wait per level while in lockstep
         out["lockstep_draft_level"] = 1e3 * c["lockstep_draft_level_s"]
     # the target's own forward per batch shape inside the verifier actor (rows: 1 = plain step)
