@@ -74,6 +74,7 @@ class Drafter:
         self._resync: list[str] = []                # streams to ask the verifier to resync
         self._pause = 0.05                          # between calls to an unreachable verifier
         self._learnt = False
+        self.told_lockstep: bool | None = None      # the verifier's last word on lockstep (Signal.lockstep)
 
     # -- the loop ------------------------------------------------------------------------
     def run(self, link: VerifierLink, stopped: threading.Event) -> None:
@@ -151,7 +152,11 @@ class Drafter:
     def lockstep(self) -> bool:
         """One tree in flight and nothing assumed past it (`speculation.policy.in_lockstep`, from
         our view: on our verifier's GPU, overlapped forwards of two processes are time-sliced;
-        as a lone stream's CPU drafter beside it, the verifier verifies on our cores too)."""
+        as a lone stream's CPU drafter beside it, the verifier verifies on our cores too). With
+        one stream, the verifier's last word instead where it gave one: it measures which way
+        commits more (`verifier.regime`)."""
+        if self.told_lockstep is not None and len(self.streams) == 1:
+            return self.told_lockstep
         v = self.verifier
         return in_lockstep(self.settings, len(self.streams), self.settings.device == "cpu",
                            self.node, self.settings.num_cpus, self.gpus, v.node, v.cpus, v.gpus)
@@ -168,6 +173,8 @@ class Drafter:
 
     def apply(self, signals: list[Signal]) -> None:
         for sig in signals:
+            if sig.lockstep is not None:
+                self.told_lockstep = sig.lockstep
             s = self.streams.get(sig.stream)
             if sig.kind in ("join", "resync"):
                 if s is not None:
@@ -181,6 +188,7 @@ class Drafter:
                 self.streams[sig.stream] = s
             elif sig.kind == "reset":     # the verifier does not know us: nothing we hold is wanted
                 self.stats.observe_reset()
+                self.told_lockstep = None
                 self.drop_streams(list(self.streams))
             elif sig.kind == "leave":
                 if self.streams.pop(sig.stream, None) is not None:

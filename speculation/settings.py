@@ -40,6 +40,11 @@ class SpeculationSettings(BaseModel):
         "least the verifier's CPUs, serves one sequence: a lone stream then gets every "
         "verification on both actors' cores and no bridges; with more streams the pipeline "
         "overlaps drafting and verification again."))
+    lockstep_measured: bool = Field(True, description=(
+        "Where the rules here would overlap a lone stream with its drafter (another node or "
+        "device, or lockstep_alone off), run it both ways in windows of steps and keep the one "
+        "that commits more tokens per second, told to the drafter with each signal; off: the "
+        "rules alone. Each way keeps every output exact."))
     lockstep_shared_gpu: bool = Field(True, description=(
         "Run in lockstep (as ring_slots 1) while the drafter runs on the verifier's GPU: two "
         "processes' forwards on one GPU are time-sliced, so overlapping them gains nothing and "

@@ -31,8 +31,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-WIRE_VERSION = 5                 # 2: "reset" (a restarted verifier); 3: a stream's proposer; 4: target features;
-#                                  5: a request's grammar in `params` (models.grammar.GrammarSpec as a dict)
+WIRE_VERSION = 6                 # 2: "reset" (a restarted verifier); 3: a stream's proposer; 4: target features;
+#                                  5: a request's grammar in `params` (models.grammar.GrammarSpec as a dict);
+#                                  6: the verifier's word on lockstep in every signal
 SIGNAL_KINDS = ("step", "join", "leave", "resync", "reset")
 
 
@@ -198,11 +199,14 @@ class Signal:
     # a torch tensor or numpy array), for a feature-conditioned draft (EAGLE); encoded as raw
     # float32 bytes with their shape, decoded as a numpy array
     features: tuple[int, Any] | None = None
+    # step / join / resync: whether the drafter runs in lockstep with this stream as its only one,
+    # by the verifier's choice (`verifier.regime`); None: each side's rule (`speculation.policy`)
+    lockstep: bool | None = None
 
 
 def encode_signals(signals: list[Signal]) -> bytes:
     body = [[s.kind, s.stream, s.epoch, s.tree_id, s.prefix_len, s.token_ids, list(s.budget),
-             s.params, s.proposer, _pack_features(s.features)] for s in signals]
+             s.params, s.proposer, _pack_features(s.features), s.lockstep] for s in signals]
     return msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": body})
 
 
@@ -234,9 +238,9 @@ def decode_signals(data: bytes) -> list[Signal]:
         raise WireError("signal frame lacks its item list")
     out = []
     for item in items:
-        if not isinstance(item, list) or len(item) != 10:
-            raise WireError(f"signal item must have 10 fields, got {item!r}")
-        kind, stream, epoch, tree_id, prefix_len, tokens, budget, params, proposer, features = item
+        if not isinstance(item, list) or len(item) != 11:
+            raise WireError(f"signal item must have 11 fields, got {item!r}")
+        kind, stream, epoch, tree_id, prefix_len, tokens, budget, params, proposer, features, lockstep = item
         if kind not in SIGNAL_KINDS:
             raise WireError(f"unknown signal kind {kind!r}")
         ints = (epoch, tree_id, prefix_len, *budget) if isinstance(budget, list) else None
@@ -244,10 +248,11 @@ def decode_signals(data: bytes) -> list[Signal]:
                 or not all(isinstance(v, int) for v in ints)
                 or not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens)
                 or not (params is None or isinstance(params, dict))
-                or not (proposer is None or isinstance(proposer, str))):
+                or not (proposer is None or isinstance(proposer, str))
+                or not (lockstep is None or isinstance(lockstep, bool))):
             raise WireError(f"malformed signal item {item!r}")
         out.append(Signal(kind, stream, epoch, tree_id, prefix_len, tokens, tuple(budget), params, proposer,
-                          _unpack_features(features)))
+                          _unpack_features(features), lockstep))
     return out
 
 

@@ -11,7 +11,7 @@ draft-then-verify step; a drafter here always runs in lockstep (`ring_slots` 1).
 Where the verifier may borrow an idle remote drafter's cores (the stand-in drafter of the Ray
 verifier, `lockstep_in_verifier`), a lockstep turn (the draft passes and the forward that
 verifies them) runs on whichever of its own threads and the borrowed ones has measured
-cheaper per turn (`ThreadChoice`). One count for the whole turn: switching torch's thread
+cheaper per turn (`verifier.choice.MeasuredChoice`). One count for the whole turn: switching torch's thread
 count between the passes and the forward cost more than either choice saved (a micro-pair
 level took 1.2 ms on one thread between forwards on two, 1.9 ms when the forward's count was
 chosen apart, 1.0 ms with everything on one). On
@@ -21,12 +21,11 @@ pair"), while the embedded pair's turns gain from it. The output is the verifier
 """
 from __future__ import annotations
 
-import statistics
-from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from speculation.transport import Exchange
+from verifier.choice import MeasuredChoice
 from speculation.wire import Signal
 
 
@@ -46,52 +45,11 @@ class Drafting(Protocol):
     def resync_requests(self) -> list[str]: ...
 
 
-class ThreadChoice:
-    """Of a few torch thread counts for one kind of work, the one measured cheapest per unit.
-
-    Each candidate is tried in turn (the one with the fewest samples first, the earlier given
-    on a tie: the caller's default leads) until each has `trials`; then the cheapest by median
-    seconds per unit over its last `trials` samples runs, and every `recheck`-th use goes to
-    another candidate in turn, so that a drift (a neighbour's load, Ray's traffic) is seen."""
-
-    def __init__(self, trials: int = 8, recheck: int = 64) -> None:
-        self.trials, self.recheck = trials, recheck
-        self.samples: dict[int, deque] = {}      # threads -> its last seconds per unit
-        self.uses = 0                            # picks since every candidate had its trials
-
-    def pick(self, candidates: Sequence[int]) -> int:
-        options = list(dict.fromkeys(candidates))
-        if len(options) == 1:
-            return options[0]
-        counts = {n: len(self.samples.get(n, ())) for n in options}
-        if min(counts.values()) < self.trials:
-            return min(options, key=lambda n: counts[n])
-        best = min(options, key=self.cost)
-        self.uses += 1
-        if self.uses % self.recheck == 0:
-            others = [n for n in options if n != best]
-            return others[(self.uses // self.recheck) % len(others)]
-        return best
-
-    def cost(self, threads: int) -> float:
-        """Median seconds per unit measured on `threads` (inf before any sample)."""
-        seen = self.samples.get(threads)
-        return statistics.median(seen) if seen else float("inf")
-
-    def observe(self, threads: int, seconds: float, units: int) -> None:
-        if units > 0:
-            self.samples.setdefault(threads, deque(maxlen=self.trials)).append(seconds / units)
-
-    def report(self) -> dict[str, float]:
-        """{threads: median ms per unit} of every candidate measured."""
-        return {str(n): 1e3 * self.cost(n) for n in sorted(self.samples)}
-
-
 class InProcessDrafters:
     def __init__(self, drafters: list[Drafting], num_cpus: float = 0.0) -> None:
         self.drafters = drafters
         self.num_cpus = num_cpus
-        self.threads = ThreadChoice()     # a lockstep turn's threads: our own, or with the idle drafters' too
+        self.threads = MeasuredChoice()   # a lockstep turn's threads: our own, or with the idle drafters' too
         self.turn: int | None = None      # the threads this round's passes ran on (None: none chosen)
         self.turn_s = 0.0                 # and their seconds, until the turn's forward adds its own
 
@@ -112,7 +70,7 @@ class InProcessDrafters:
         """One round: each drafter takes its signals, drafts (on the model thread) and files what
         it drafted, in one exchange. `threads`: what the verifier may use now, its idle
         drafters' cores included; the turn runs on that or on the verifier's own threads,
-        whichever has measured faster (`ThreadChoice`; the forward's seconds join in
+        whichever has measured faster (`MeasuredChoice`; the forward's seconds join in
         `observe_turn`)."""
         n = None if threads is None else self.threads.pick((threads, scheduler.threads))
         self.turn, self.turn_s = None, 0.0

@@ -134,7 +134,8 @@ class Membership:
             s.features_sent = 0
             features = s.unsent_features()
         self.registry.send(s.drafter, Signal("resync", s.request_id, ring.epoch, -1, len(s.committed),
-                                             list(s.committed), s.budget, params, s.proposer, features))
+                                             list(s.committed), s.budget, params, s.proposer, features,
+                                             self.lockstep(s.drafter)))
 
     def rebalance(self) -> None:
         """Streams of a dead drafter move to a live one, if any (else they decode alone); the
@@ -152,8 +153,28 @@ class Membership:
 
     # -- what the drafters are doing -----------------------------------------------------
     def lockstep(self, drafter: int | None) -> bool:
+        """Whether `drafter` runs in lockstep: by the rule (`registry.lockstep`), or for a lone
+        stream where the rule would overlap, as measured (`verifier.regime`)."""
         streams = sum(1 for t in self.sch.streams.values() if t.drafter == drafter)
+        if streams == 1 and self.measured(drafter):
+            return self.sch.regime.lockstep()
         return self.registry.lockstep(drafter, streams)
+
+    def measured(self, drafter: int | None) -> bool:
+        """Whether a lone stream's way of running with `drafter` is measured, not ruled: a drafter
+        of another process that the rule would overlap with one stream."""
+        return (self.sch.regime.enabled and self.sch.settings.ring_slots > 1 and drafter is not None
+                and drafter not in self.registry.in_process and drafter in self.registry.drafters
+                and not self.registry.lockstep(drafter, 1))
+
+    def lone_stream(self) -> str | None:
+        """The stream whose regime is measured now: the only admitted stream with a drafter, when
+        that drafter's way is measured (`measured`); else None."""
+        fed = [s for s in self.sch.streams.values() if s.admitted and s.drafter is not None]
+        if len(fed) == 1 and self.measured(fed[0].drafter) and \
+                not any(t.drafter == fed[0].drafter for t in self.sch.streams.values() if t is not fed[0]):
+            return fed[0].request_id
+        return None
 
     def plan_bridges(self) -> bool:
         """Whether the planner counts bridge steps: not while every drafter runs in lockstep."""

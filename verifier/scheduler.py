@@ -48,6 +48,7 @@ from verifier.chunking import PrefillBudget
 from verifier.costs import StepCosts, StepKind
 from verifier.lookup import VerifierLookup
 from verifier.membership import Membership
+from verifier.regime import RegimeChoice
 from verifier.registry import DrafterRegistry
 from verifier.ring import Ring, RingEntry
 from verifier.stream import VerifyStream
@@ -104,6 +105,7 @@ class Scheduler:
         self.adaptive.restart_depth = settings.restart_depth
         self.costs = StepCosts(self.adaptive, target.model, settings, self.threads)
         self.step_kind = StepKind()       # what the batch collected last was planned as (`collect`)
+        self.regime = RegimeChoice(settings.lockstep_measured)    # a lone stream's: overlap or lockstep
         self.costs.choose(settings.ring_slots > 1, self.threads)
         self.chunks = PrefillBudget(settings.prefill_chunk, settings.prefill_step_share)
         self.riders: list[PromptChunk] = []     # prompts' chunks fed inside the next verification forward
@@ -327,6 +329,8 @@ class Scheduler:
                 self.finish(s, s.finish_reason, notify=False)
             else:
                 steps.append((s, tree_id, o.kept))
+        # a lone stream's regime, measured on what this step committed (before the plan uses it)
+        self.regime.observe(self.members.lone_stream(), sum(len(o.kept) for o in outcomes), time.monotonic())
         self._plan_and_signal(steps)
         self.stats.observe_ring(self.ring.total(), self.ring.capacity())
         self.announced.clear()       # a chain's outcome counts for its own step only
@@ -356,7 +360,8 @@ class Scheduler:
             ring = self.ring.stream(s.request_id)
             self.registry.send(s.drafter, Signal("step", s.request_id, ring.epoch, tree_id, len(s.committed),
                                                  s.unsent + kept, s.budget,
-                                                 features=s.unsent_features() if self.features else None))
+                                                 features=s.unsent_features() if self.features else None,
+                                                 lockstep=self.members.lockstep(s.drafter)))
             s.unsent, s.sent_budget = [], s.budget
 
     def plan_overlap(self) -> None:
@@ -390,7 +395,7 @@ class Scheduler:
 
     def report(self) -> dict:
         cache = self.target.cache
-        return {**self.stats.as_dict(), **self.costs.report(), **self.chunks.report(),
+        return {**self.stats.as_dict(), **self.costs.report(), **self.chunks.report(), **self.regime.report(),
                 "drafters_live": self.registry.live_ids(),
                 "prefix_cached_blocks": cache.num_cached_blocks, "prefix_evictions": cache.evictions,
                 # CUDA graphs of the target's small forwards (None off a GPU): captures, replays, eager

@@ -173,6 +173,32 @@ def test_plain_steps_borrow_the_cores_of_an_idle_drafter_on_the_same_node(ray_cl
         engine.kill_pipeline_actors()
 
 
+def test_a_lone_stream_the_rules_would_overlap_runs_both_ways_as_measured_and_stays_exact(
+        ray_cluster, tiny_target, close_draft, hf_target):
+    """`lockstep_measured` (default): with `lockstep_alone` off the rules overlap a lone stream;
+    the verifier runs it in windows of each way instead, tells the drafter with every signal,
+    and keeps the way that committed more per second. Every token stays the target's."""
+    from cluster.config import ActorPlacement, AppArgs, PlacementConfig
+    from cluster.pipeline import build_pipeline_engine
+    from tests.ray_cluster import VERIFIER_RESOURCE
+
+    same_node = ActorPlacement(num_cpus=1, resources={VERIFIER_RESOURCE: 1})
+    engine = build_pipeline_engine(AppArgs(placement=PlacementConfig(drafter=same_node, verifier=same_node)),
+                                   target_dir=str(tiny_target), draft_dir=str(close_draft), num_blocks=256,
+                                   lockstep_alone=False, plain_threads=0)
+    try:
+        for j in range(3):
+            prompt = prompts(1, seed=40 + j)[0]
+            tokens, last = run(collect(engine, request(f"regime-{j}", prompt, 64, "chain", 3, 1)))
+            assert tokens == hf_greedy(hf_target, prompt, 64) and last.num_drafted > 0
+        (costs,) = run(engine.stats())["costs"]
+        assert costs["regime"] in ("overlap", "lockstep")
+        assert set(costs["ms_per_token_by_regime"]) == {"overlap", "lockstep"}     # both ways measured
+        assert all(ms > 0 for ms in costs["ms_per_token_by_regime"].values())
+    finally:
+        engine.kill_pipeline_actors()
+
+
 def test_a_drafter_on_another_node_lends_no_cores(close_engine, hf_target):
     before = _borrowed(close_engine)
     prompt = prompts(1, seed=12)[0]

@@ -90,18 +90,22 @@ def test_header_rejects_bad_fields_and_inconsistent_assumption():
 
 
 def test_signals_round_trip_and_validation():
-    sigs = [Signal("step", "a", 2, 5, 40, [3, 4, 5], (4, 2)),
-            Signal("resync", "b", 7, -1, 3, [1, 2, 3], (0, 0), {"temperature": 0.0, "seed": 3}, "ngram"),
+    sigs = [Signal("step", "a", 2, 5, 40, [3, 4, 5], (4, 2), lockstep=True),
+            Signal("resync", "b", 7, -1, 3, [1, 2, 3], (0, 0), {"temperature": 0.0, "seed": 3}, "ngram",
+                   lockstep=False),
             Signal("leave", "c")]
     assert decode_signals(encode_signals(sigs)) == sigs
-    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["nope", "a", 0, 0, 0, [], [0, 0], None, None, None]]})
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["nope", "a", 0, 0, 0, [], [0, 0], None, None, None, None]]})
     with pytest.raises(WireError, match="unknown signal kind"):
         decode_signals(bad)
-    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["step", "a", 0, 0, 0, ["x"], [0, 0], None, None, None]]})
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["step", "a", 0, 0, 0, ["x"], [0, 0], None, None, None, None]]})
     with pytest.raises(WireError, match="malformed"):
         decode_signals(bad)
-    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["join", "a", 0, 0, 0, [], [0, 0], None, 7, None]]})
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["join", "a", 0, 0, 0, [], [0, 0], None, 7, None, None]]})
     with pytest.raises(WireError, match="malformed"):
+        decode_signals(bad)
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["step", "a", 0, 0, 0, [], [0, 0], None, None, None, 1]]})
+    with pytest.raises(WireError, match="malformed"):              # the word on lockstep: a bool or nothing
         decode_signals(bad)
     with pytest.raises(WireError, match="wire version"):
         decode_signals(msgpack.packb({"v": 0, "kind": "signals", "items": []}))
@@ -113,7 +117,7 @@ def test_signals_round_trip_and_validation():
     (back,) = decode_signals(encode_signals([Signal("step", "a", 0, 2, 9, [4, 5, 6], (2, 1), features=(6, feats))]))
     assert back.features[0] == 6 and np.array_equal(back.features[1], feats.numpy())
     bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals",
-                         "items": [["step", "a", 0, 0, 0, [], [0, 0], None, None, [0, 2, 2, b"short"]]]})
+                         "items": [["step", "a", 0, 0, 0, [], [0, 0], None, None, [0, 2, 2, b"short"], None]]})
     with pytest.raises(WireError, match="features"):
         decode_signals(bad)
 
@@ -122,10 +126,10 @@ def test_reset_signal_round_trips_and_a_frame_of_the_previous_version_is_rejecte
     sigs = [Signal("reset", ""), Signal("resync", "a", 1, -1, 2, [7, 8], (3, 1), {"seed": 4})]
     assert decode_signals(encode_signals(sigs)) == sigs
     old = msgpack.packb({"v": WIRE_VERSION - 1, "kind": "signals", "items": [["reset", "", 0, -1, 0, [], [0, 0],
-                                                                                None, None, None]]})
+                                                                                None, None, None, None]]})
     with pytest.raises(WireError, match="wire version"):
         decode_signals(old)
     with pytest.raises(WireError, match="must be bytes"):
         decode_signals(["step"])
-    with pytest.raises(WireError, match="10 fields"):
+    with pytest.raises(WireError, match="11 fields"):
         decode_signals(msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["reset", ""]]}))

@@ -9,11 +9,12 @@ from types import SimpleNamespace
 import pytest
 
 from drafter.runtime import DraftPass
-from verifier.inprocess import InProcessDrafters, ThreadChoice
+from verifier.choice import MeasuredChoice
+from verifier.inprocess import InProcessDrafters
 
 
 def test_each_candidate_is_tried_in_turn_then_the_cheapest_runs():
-    choice = ThreadChoice(trials=3, recheck=5)
+    choice = MeasuredChoice(trials=3, recheck=5)
     cost = {1: 1.0, 2: 3.0}           # seconds per level: one thread is cheaper here
     seen = []
     for _ in range(6):
@@ -28,7 +29,7 @@ def test_each_candidate_is_tried_in_turn_then_the_cheapest_runs():
 
 
 def test_a_drift_moves_the_choice():
-    choice = ThreadChoice(trials=2, recheck=3)
+    choice = MeasuredChoice(trials=2, recheck=3)
     for n, s in ((1, 1.0), (2, 2.0), (1, 1.0), (2, 2.0)):
         choice.observe(n, s, 1)
     assert choice.pick((1, 2)) == 1
@@ -42,7 +43,7 @@ def test_a_drift_moves_the_choice():
 
 
 def test_one_candidate_and_empty_passes():
-    choice = ThreadChoice(trials=2)
+    choice = MeasuredChoice(trials=2)
     assert [choice.pick((2, 2)) for _ in range(3)] == [2, 2, 2]
     choice.observe(2, 1.0, 0)          # a pass that drafted no level says nothing of its cost
     assert choice.cost(2) == float("inf")

@@ -271,7 +271,7 @@ def test_a_drafter_on_our_gpu_runs_in_lockstep_and_the_planner_prices_turns(tiny
 
     def drafter(verifier_node="n1", verifier_gpus=("0",), settings=EngineSettings(device="cuda")):
         gpus = None if verifier_gpus is None else list(verifier_gpus)
-        return SimpleNamespace(settings=settings, streams={"q": 0, "r": 0}, node="n1", gpus=["0"],
+        return SimpleNamespace(settings=settings, streams={"q": 0, "r": 0}, node="n1", gpus=["0"], told_lockstep=None,
                                verifier=VerifierInfo(verifier_node, 1.0, gpus))
 
     assert Drafter.lockstep(drafter())
