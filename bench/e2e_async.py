@@ -393,6 +393,9 @@ def pipeline_costs(stats: dict) -> dict:
     a, b, d = c.get("verify_cost_a_s", 0.0), c.get("verify_cost_b_s", 0.0), c.get("draft_level_s", 0.0)
     out = {"step_1_row": 1e3 * (a + b), "step_4_rows": 1e3 * (a + 4 * b), "draft_level": 1e3 * d,
            "wait_per_speculating_step": 1e3 * c.get("overlap_wait_s", 0.0)}
+    if c.get("ms_per_token_by_regime"):      # a lone stream's regime, measured (verifier/regime.py)
+        out.update({f"regime_{k}_ms_per_token": v for k, v in c["ms_per_token_by_regime"].items()})
+        out["regime_lockstep_at_end"] = float(c.get("regime") == "lockstep")
     if c.get("lockstep_draft_level_s") is not None:     # the wait per level while in lockstep
         out["lockstep_draft_level"] = 1e3 * c["lockstep_draft_level_s"]
     # the target's own forward per batch shape inside the verifier actor (rows: 1 = plain step)
