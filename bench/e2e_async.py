@@ -398,6 +398,7 @@ def pipeline_costs(stats: dict) -> dict:
         out["regime_lockstep_at_end"] = float(c.get("regime") == "lockstep")
     if c.get("lockstep_draft_level_s") is not None:     # the wait per level while in lockstep
         out["lockstep_draft_level"] = 1e3 * c["lockstep_draft_level_s"]
+        out["lockstep_draft_fixed"] = 1e3 * (c.get("lockstep_draft_fixed_s") or 0.0)    # and per tree
     # the target's own forward per batch shape inside the verifier actor (rows: 1 = plain step)
     for rows, ms in sorted((int(r), ms) for r, ms in c.get("forward_ms_by_rows", {}).items()):
         out[f"forward_{rows}_rows"] = ms

@@ -114,7 +114,7 @@ def warm_up_prompt_len(cache, prompt_len: int, extra: int, max_context: int | No
 
 
 class CostModel:
-    """verify(rows) ≈ a + b · rows and draft(levels) ≈ d · levels, fitted by
+    """verify(rows) ≈ a + b · rows and draft(levels) ≈ d0 + d · levels, fitted by
     exponentially-weighted least squares; a prior until the first measurement,
     and b = slope_ratio · a while only one batch shape has been seen.
 
@@ -135,7 +135,8 @@ class CostModel:
         self.prior = (a, b)              # used until the first measurement
         self.slope_ratio = slope_ratio   # b / a assumed while the data cannot tell the slope
         self._s = [0.0] * 5              # weighted sums for y = a + b x: [w, wx, wy, wxx, wxy]
-        self.d = d
+        self.d = d                       # the draft's cost per level (the prior until measured)
+        self._ds = [0.0] * 5             # the same sums for draft seconds = d0 + d · levels
         # seconds a speculating step waits for its trees beyond the forward, on average (overlap
         # only: trees late after a contradicted outcome or a switch from decoding alone, the
         # exchange's latency); a cost per step, not per row
@@ -165,7 +166,34 @@ class CostModel:
             self._seen_levels[levels] = self._seen_levels.get(levels, 0) + 1
             return
         if levels > 0:
-            self.d = 0.8 * self.d + 0.2 * seconds / levels
+            self._ds = [v * 0.8 for v in self._ds]
+            for i, v in enumerate((1.0, levels, seconds, levels * levels, levels * seconds)):
+                self._ds[i] += v
+
+    @property
+    def d(self) -> float:
+        return self.draft_coefficients[1]
+
+    @d.setter
+    def d(self, value: float) -> None:
+        """A new prior per level; what was measured is forgotten."""
+        self._d_prior, self._ds = value, [0.0] * 5
+
+    @property
+    def draft_coefficients(self) -> tuple[float, float]:
+        """(d0, d): a tree's draft costs d0 + d · levels, fitted by least squares with recent
+        trees weighted most; d0 = 0 until two depths have been seen (all of it per level). In
+        lockstep the wait for a tree has a fixed part (the exchange both ways, ~2-5 ms on this
+        project's CPU): priced per level it made shallow trees look dear per level, and the
+        planner kept trees shallow."""
+        w, wx, wy, wxx, wxy = self._ds
+        if w <= 0:
+            return 0.0, self._d_prior
+        var = (wxx * w - wx * wx) / (w * w)
+        if var < 0.25:
+            return 0.0, max(wy / wx, 1e-6)
+        d = max((wxy * w - wx * wy) / (var * w * w), 1e-6)
+        return max((wy - d * wx) / w, 0.0), d
 
     def observe_wait(self, seconds: float) -> None:
         """A speculating step (a tree, a bridge or a fallback while a budget was planned) waited
@@ -188,9 +216,11 @@ class CostModel:
 
     def step_time(self, rows: int, max_levels: int) -> float:
         a, b = self.coefficients
+        d0, d = self.draft_coefficients
+        draft = d0 + d * max_levels if max_levels > 0 else 0.0
         if self.overlap:
-            return max(a + b * rows, self.d * max_levels) + (self.wait if max_levels > 0 else 0.0)
-        return a + b * rows + self.d * max_levels
+            return max(a + b * rows, draft) + (self.wait if max_levels > 0 else 0.0)
+        return a + b * rows + draft
 
 
 def one_off_costs(model) -> int:

@@ -37,6 +37,9 @@ class StepKind:
 
     planned: bool = False      # some sequence of it had a budget > 0 (a tree, a bridge after one, a late tree)
     catching_up: bool = False  # some sequence waited for its drafter's first tree after a (re)sync
+    lockstep: bool = False     # it has drafted trees, every one's drafter in lockstep when collected
+    settling: bool = False     # a lone stream's regime switched a step or two before (`verifier.regime`):
+    #                            trees drafted the other way may still arrive, so its waits price neither way
 
 
 class StepCosts:
@@ -109,8 +112,9 @@ class StepCosts:
         before it to the drafting that made them. `lockstep_levels`: the deepest drafted tree's
         depth when every drafted tree came from a drafter in lockstep (None otherwise). The wait
         for a drafter's first trees after a (re)sync (`spec.catching_up`: its prompt's prefill)
-        is left out: once a request, not once a step."""
-        waited = 0.0 if spec.catching_up else self.idle_carry
+        is left out: once a request, not once a step; so is a wait while a lone stream's regime
+        settles after a switch (`spec.settling`)."""
+        waited = 0.0 if spec.catching_up or spec.settling else self.idle_carry
         if lockstep_levels is not None:
             # the drafters drafted these trees while we waited (lockstep): that wait is the
             # draft's cost per level, the forward alone the verification's (a sum, not a max)
@@ -120,7 +124,7 @@ class StepCosts:
         else:
             costs = self.plain if borrowed and not drafted else self.overlap
             costs.observe_verify(rows, step_s)
-            if spec.planned and not spec.catching_up:
+            if spec.planned and not (spec.catching_up or spec.settling):
                 self.overlap.observe_wait(waited)
             if not drafted and not borrowed and self.settings.device != "cpu":
                 # on a GPU a one-row forward runs another kernel than a few-row one (fp32 8B on an
@@ -137,6 +141,7 @@ class StepCosts:
                 "plain_cost_a_s": pa, "plain_cost_b_s": pb,     # steps on borrowed cores
                 "draft_level_s": self.planner.costs.d,        # of the model the planner uses now
                 "lockstep_draft_level_s": self.lockstep.d,    # the wait for a tree per level, in lockstep
+                "lockstep_draft_fixed_s": self.lockstep.draft_coefficients[0],   # ... and per tree
                 # mean target forward (ms) per batch shape: what a verification costs here
                 "forward_ms_by_rows": {r: 1e3 * t / n for r, (n, t) in sorted(self.forward_by_rows.items())},
                 "borrowed_forward_ms_by_rows": {r: 1e3 * t / n for r, (n, t)

@@ -20,10 +20,13 @@ OVERLAP, LOCKSTEP = False, True
 
 
 class RegimeChoice:
-    def __init__(self, enabled: bool, window: int = 8, trials: int = 3, recheck: int = 12) -> None:
-        """`window`: steps per measurement (the first step after a switch left out: trees
-        drafted the other way are still in flight); `trials`, `recheck`: `MeasuredChoice`'s."""
-        self.enabled, self.window = enabled, window
+    def __init__(self, enabled: bool, window: int = 12, trials: int = 2, recheck: int = 12,
+                 settle: int = 2) -> None:
+        """`window`: steps per measurement (the first step after a switch left out); `trials`,
+        `recheck`: `MeasuredChoice`'s; `settle`: steps after a switch whose waits the cost models
+        leave out (trees drafted the other way may still be in flight: `StepKind.settling`)."""
+        self.enabled, self.window, self.settle = enabled, window, settle
+        self.settling = 0                  # steps left whose waits price neither way
         self.choice = MeasuredChoice(trials, recheck)
         self.current = OVERLAP             # the rule's way until a window has run
         self.stream: str | None = None     # the lone stream being measured
@@ -37,6 +40,7 @@ class RegimeChoice:
     def observe(self, stream: str | None, tokens: int, now: float) -> None:
         """A step ended at `now`, committing `tokens` for `stream`, the lone stream this choice
         applies to (None: it does not apply now; measurement restarts when it does)."""
+        self.settling = max(0, self.settling - 1)
         if stream is None or stream != self.stream:
             self.stream, self._last = stream, (now if stream is not None else None)
             self._reset_window()
@@ -51,7 +55,8 @@ class RegimeChoice:
         if self._steps >= self.window:
             self.choice.observe(self.current, self._seconds, self._tokens)
             chosen = bool(self.choice.pick((OVERLAP, LOCKSTEP)))
-            self._skip = chosen != self.current
+            if chosen != self.current:
+                self._skip, self.settling = True, self.settle
             self.current = chosen
             self._steps, self._tokens, self._seconds = 0, 0, 0.0
 

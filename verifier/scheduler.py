@@ -252,6 +252,9 @@ class Scheduler:
             batch.append(StepItem(s, TokenTree.empty(len(s.committed))))
         if alone:
             self._lookup_trees(batch, alone)
+        trees = drafted(batch)
+        kind.lockstep = bool(trees) and all(self.members.lockstep(it.seq.drafter) for it in trees)
+        kind.settling = self.regime.settling > 0
         return batch, deadline
 
     def bridge_chains(self, batch: list[StepItem], threads: int) -> None:
@@ -384,8 +387,7 @@ class Scheduler:
         rows = tree_rows + fed       # a chunk's rows are rows of the forward too
         self.costs.observe_forward(rows, seconds, borrowed)
         trees = drafted(batch)
-        lockstep = trees and all(self.members.lockstep(it.seq.drafter) for it in trees)
-        levels = max(int(it.tree.depths.max()) for it in trees) if lockstep else None
+        levels = max(int(it.tree.depths.max()) for it in trees) if self.step_kind.lockstep else None
         self.costs.observe_step(rows, step_s, levels, borrowed, bool(trees), self.step_kind)
 
     # -- reports -------------------------------------------------------------------------

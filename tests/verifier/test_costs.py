@@ -48,8 +48,8 @@ def test_in_lockstep_the_wait_is_the_draft_per_level_less_the_catch_up():
     for _ in range(20):
         c.idle_carry = 0.018
         c.observe_step(4, 0.050, 3, False, True, StepKind(planned=True))
-    # 18 ms for 3 levels, the first such sample left out (a shape's one-off cost)
-    assert c.lockstep.d == pytest.approx(0.004 * 0.8 ** 19 + 0.006 * (1 - 0.8 ** 19))
+    # 18 ms for 3 levels (the first such sample left out: a shape's one-off cost)
+    assert c.lockstep.d == pytest.approx(0.006)
     assert c.overlap.wait == 0.0
 
 
@@ -78,3 +78,18 @@ def test_collect_notes_what_the_batch_was_planned_as(tiny_target):
         assert len(batch) == 1 and sch.step_kind == StepKind(planned=True, catching_up=True)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_waits_while_a_regime_switch_settles_price_neither_way():
+    """Right after a lone stream's regime switched (`verifier.regime`), trees drafted the other
+    way may still arrive: the waits before those steps are no draft level's and no tree's."""
+    c = step_costs()
+    for _ in range(3):
+        c.idle_carry = 0.050
+        c.observe_step(4, 0.050, 3, False, True, StepKind(planned=True, lockstep=True, settling=True))
+        c.idle_carry = 0.050
+        c.observe_step(4, 0.050, None, False, True, StepKind(planned=True, settling=True))
+    assert c.lockstep.d == 0.004 and c.overlap.wait == 0.0 and c.idle_carry == 0.0
+    c.idle_carry = 0.050
+    c.observe_step(4, 0.050, None, False, True, StepKind(planned=True))
+    assert c.overlap.wait == pytest.approx(0.010)

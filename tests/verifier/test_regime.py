@@ -32,10 +32,22 @@ def test_each_way_is_measured_then_the_faster_kept_and_the_other_rechecked():
         run_steps(choice, "a", 1, clock, speed)
     # alternated until each had 2 windows, then lockstep, overlap rechecked at every 3rd pick
     assert measured == [OVERLAP, LOCKSTEP, OVERLAP, LOCKSTEP, LOCKSTEP, LOCKSTEP, OVERLAP, LOCKSTEP]
+
     report = choice.report()
     assert report["regime"] == "lockstep"
     assert abs(report["ms_per_token_by_regime"]["lockstep"] - 10.0) < 1e-6     # 20 ms a step, 2 tokens
     assert abs(report["ms_per_token_by_regime"]["overlap"] - 15.0) < 1e-6
+
+
+def test_a_switch_leaves_steps_whose_waits_train_no_cost_model():
+    choice = RegimeChoice(True, window=2, trials=1, settle=2)
+    clock, speed = [0.0], {OVERLAP: 0.030, LOCKSTEP: 0.020}
+    run_steps(choice, "a", 4, clock, speed)        # its first step, a skipped one, a window of 2
+    assert choice.lockstep() is LOCKSTEP and choice.settling == 2    # switched: lockstep untried
+    run_steps(choice, "a", 1, clock, speed)
+    assert choice.settling == 1
+    run_steps(choice, "a", 1, clock, speed)
+    assert choice.settling == 0
 
 
 def test_a_new_stream_or_none_restarts_the_measurement():
