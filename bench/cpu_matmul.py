@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     saved, lib = mt._SKINNY_ROWS, cpu._load()
     paths = [("torch", 0, lib), ("C kernel", saved, lib)]
     if args.baseline:
-        paths.append(("baseline", saved, baseline_library(args.baseline)))
+        paths.append(("baseline", saved, cpu.open_library(cpu.build(source=Path(args.baseline)))))
     times: dict[tuple[str, int], list[float]] = {}
     try:
         for rep in range(args.reps + 1):
@@ -92,18 +92,6 @@ def main(argv: list[str] | None = None) -> int:
                  f"({statistics.median(times[(name, r)]) / base:.2f})" for r in args.rows]
         print(f"{name:9s} " + "  ".join(cells))
     return 0
-
-
-def baseline_library(source: str):
-    """The kernel library compiled from `source` with the project's flags, loaded apart."""
-    import subprocess
-    import tempfile
-
-    from kernels import cpu
-
-    out = Path(tempfile.mkdtemp()) / "baseline.so"
-    subprocess.run(["cc", *cpu.FLAGS, source, "-o", str(out)], check=True)
-    return cpu.open_library(out)
 
 
 if __name__ == "__main__":

@@ -208,7 +208,8 @@ class PipelineEngine:
             if not planner:
                 planner = {f"planner_{k}": v for k, v in raw.items() if k.endswith("_rows_s")}
             costs.append({k: raw.get(k) for k in ("verify_cost_a_s", "verify_cost_b_s", "draft_level_s",
-                                                  "lockstep_draft_level_s", "lockstep_draft_fixed_s", "overlap_wait_s", "forward_ms_by_rows",
+                                                  "lockstep_draft_level_s", "lockstep_draft_fixed_s",
+                                                  "overlap_wait_s", "forward_ms_by_rows",
                                                   "borrowed_forward_ms_by_rows", "cuda_graphs", "warm_up_s",
                                                   "regime", "ms_per_token_by_regime")})
             live = raw.get("drafters_live", [])

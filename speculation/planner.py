@@ -9,8 +9,9 @@ verification, so one step of a batch costs
 (the verifier's target forward over all trees, or the drafter's K levels when
 it is the slower side; w the measured wait for trees per speculating step, 0 when
 every k_i is 0: trees late after a contradicted outcome, or after a switch from
-decoding alone, whose tokens the drafter then catches up on). In the synchronous engine (`overlap=False`) drafting and
-verification take turns, so T(k) = verify(rows) + draft(max_i k_i) instead.
+decoding alone, whose tokens the drafter then catches up on). In the synchronous
+engine (`overlap=False`) drafting and verification take turns, so
+T(k) = verify(rows) + draft(max_i k_i) instead.
 We choose the budgets k_i that maximise the batch's committed tokens per
 second  R(k) = Σ_i E(γ_i, k_i) / (T(k) + c)  by greedy ascent from k = 0 (each move
 adds one level to the sequence that raises R most; stop when none does); c is the
@@ -135,8 +136,9 @@ class CostModel:
         self.prior = (a, b)              # used until the first measurement
         self.slope_ratio = slope_ratio   # b / a assumed while the data cannot tell the slope
         self._s = [0.0] * 5              # weighted sums for y = a + b x: [w, wx, wy, wxx, wxy]
-        self.d = d                       # the draft's cost per level (the prior until measured)
-        self._ds = [0.0] * 5             # the same sums for draft seconds = d0 + d · levels
+        # the draft's cost per level, the prior until measured; its setter starts `_ds`, the
+        # weighted sums (as `_s`) for draft seconds = d0 + d · levels
+        self.d = d
         # seconds a speculating step waits for its trees beyond the forward, on average (overlap
         # only: trees late after a contradicted outcome or a switch from decoding alone, the
         # exchange's latency); a cost per step, not per row

@@ -11,8 +11,8 @@ themselves:
   speculating steps among many plain ones made every row look dear and the planner decline
   (bench/README.md, one core per model on math);
 - **lockstep**: the drafter drafts while the verifier waits (one tree in flight; the
-  in-process engine always): the forward plus the wait for the trees, the wait priced per
-  draft level. On a CPU a lockstep verification runs on the drafter's cores too: one fit of
+  in-process engine always): the forward plus the wait for the trees, the wait priced as a
+  part per tree plus one per draft level. On a CPU a lockstep verification runs on the drafter's cores too: one fit of
   both kinds of step would misprice each;
 - **plain**: steps in which every sequence decodes alone while they borrow idle drafters'
   cores (a CPU), or on a GPU, where a one-row forward runs another kernel than a few-row one:
@@ -114,17 +114,19 @@ class StepCosts:
         for a drafter's first trees after a (re)sync (`spec.catching_up`: its prompt's prefill)
         is left out: once a request, not once a step; so is a wait while a lone stream's regime
         settles after a switch (`spec.settling`)."""
-        waited = 0.0 if spec.catching_up or spec.settling else self.idle_carry
+        priced = not (spec.catching_up or spec.settling)
+        waited = self.idle_carry if priced else 0.0
         if lockstep_levels is not None:
             # the drafters drafted these trees while we waited (lockstep): that wait is the
-            # draft's cost per level, the forward alone the verification's (a sum, not a max)
+            # draft's cost (a part per tree and one per level), the forward alone the
+            # verification's (a sum, not a max)
             self.lockstep.observe_verify(rows, step_s)
             if waited > 0:
                 self.lockstep.observe_draft(lockstep_levels, waited)
         else:
             costs = self.plain if borrowed and not drafted else self.overlap
             costs.observe_verify(rows, step_s)
-            if spec.planned and not (spec.catching_up or spec.settling):
+            if spec.planned and priced:
                 self.overlap.observe_wait(waited)
             if not drafted and not borrowed and self.settings.device != "cpu":
                 # on a GPU a one-row forward runs another kernel than a few-row one (fp32 8B on an

@@ -11,13 +11,13 @@ draft-then-verify step; a drafter here always runs in lockstep (`ring_slots` 1).
 Where the verifier may borrow an idle remote drafter's cores (the stand-in drafter of the Ray
 verifier, `lockstep_in_verifier`), a lockstep turn (the draft passes and the forward that
 verifies them) runs on whichever of its own threads and the borrowed ones has measured
-cheaper per turn (`verifier.choice.MeasuredChoice`). One count for the whole turn: switching torch's thread
-count between the passes and the forward cost more than either choice saved (a micro-pair
-level took 1.2 ms on one thread between forwards on two, 1.9 ms when the forward's count was
-chosen apart, 1.0 ms with everything on one). On
-two shared cores a team of two threads waits for the core that Ray's own threads keep waking
-on, which on the micro pair costs more than the second thread saves (bench/README.md, "micro
-pair"), while the embedded pair's turns gain from it. The output is the verifier's either way.
+cheaper per turn (`verifier.choice.MeasuredChoice`). One count for the whole turn: switching
+torch's thread count between the passes and the forward cost more than either choice saved
+(a micro-pair level took 1.2 ms on one thread between forwards on two, 1.9 ms when the
+forward's count was chosen apart, 1.0 ms with everything on one). On two shared cores a team
+of two threads waits for the core that Ray's own threads keep waking on, which on the micro
+pair costs more than the second thread saves (bench/README.md, "micro pair"), while the
+embedded pair's turns gain from it. The output is the verifier's either way.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from speculation.transport import Exchange
-from verifier.choice import MeasuredChoice
 from speculation.wire import Signal
+from verifier.choice import MeasuredChoice
 
 
 class Drafting(Protocol):

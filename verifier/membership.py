@@ -155,10 +155,14 @@ class Membership:
     def lockstep(self, drafter: int | None) -> bool:
         """Whether `drafter` runs in lockstep: by the rule (`registry.lockstep`), or for a lone
         stream where the rule would overlap, as measured (`verifier.regime`)."""
-        streams = sum(1 for t in self.sch.streams.values() if t.drafter == drafter)
+        streams = self._fed_by(drafter)
         if streams == 1 and self.measured(drafter):
             return self.sch.regime.lockstep()
         return self.registry.lockstep(drafter, streams)
+
+    def _fed_by(self, drafter: int | None) -> int:
+        """Streams `drafter` feeds."""
+        return sum(1 for t in self.sch.streams.values() if t.drafter == drafter)
 
     def measured(self, drafter: int | None) -> bool:
         """Whether a lone stream's way of running with `drafter` is measured, not ruled: a drafter
@@ -171,8 +175,7 @@ class Membership:
         """The stream whose regime is measured now: the only admitted stream with a drafter, when
         that drafter's way is measured (`measured`); else None."""
         fed = [s for s in self.sch.streams.values() if s.admitted and s.drafter is not None]
-        if len(fed) == 1 and self.measured(fed[0].drafter) and \
-                not any(t.drafter == fed[0].drafter for t in self.sch.streams.values() if t is not fed[0]):
+        if len(fed) == 1 and self._fed_by(fed[0].drafter) == 1 and self.measured(fed[0].drafter):
             return fed[0].request_id
         return None
 

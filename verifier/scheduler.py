@@ -345,6 +345,7 @@ class Scheduler:
         extra = self.costs.refilling(len(live), lendable)
         plan = self.adaptive.plan([s.request_id for s in live], alone=extra,
                                   plain_step_s=self.costs.plain_step_s(len(live) + extra, lendable)) if live else {}
+        lockstep: dict[int, bool] = {}     # each drafter's way this step, worked out once
         for s, tree_id, kept in steps:
             s.budget = s.capped(plan[s.request_id])
             self.stats.observe_speculation(s.budget[0] > 0)
@@ -361,10 +362,12 @@ class Scheduler:
                 s.unsent.extend(kept)
                 continue
             ring = self.ring.stream(s.request_id)
+            if s.drafter not in lockstep:
+                lockstep[s.drafter] = self.members.lockstep(s.drafter)
             self.registry.send(s.drafter, Signal("step", s.request_id, ring.epoch, tree_id, len(s.committed),
                                                  s.unsent + kept, s.budget,
                                                  features=s.unsent_features() if self.features else None,
-                                                 lockstep=self.members.lockstep(s.drafter)))
+                                                 lockstep=lockstep[s.drafter]))
             s.unsent, s.sent_budget = [], s.budget
 
     def plan_overlap(self) -> None:

@@ -56,16 +56,17 @@ def _cpu_has_avx2() -> bool:
     return all(f" {f}" in flags for f in ("fma", "avx2", "f16c"))
 
 
-def library_path() -> Path:
+def library_path(source: Path = SOURCE) -> Path:
     from kernels.cache import cache_dir
 
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
     return cache_dir() / "cpu-kernels" / digest / "libspecflash_cpu.so"
 
 
-def build(force: bool = False) -> Path:
-    """Compile the library into the cache (atomically) and return its path."""
-    out = library_path()
+def build(force: bool = False, source: Path = SOURCE) -> Path:
+    """Compile the library into the cache (atomically) and return its path. `source`: another
+    version of the kernels' C source (bench/cpu_matmul.py `--baseline`), cached by its digest."""
+    out = library_path(source)
     if out.is_file() and not force:
         return out
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -75,7 +76,7 @@ def build(force: bool = False) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        proc = subprocess.run([cc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True)
         if proc.returncode != 0:
             raise CpuKernelError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
         os.replace(tmp, out)              # concurrent builders race harmlessly
