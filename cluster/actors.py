@@ -307,6 +307,7 @@ class DrafterActor:
         cache = d.side.cache
         return {"index": d.index, "incarnation": d.incarnation, "streams": len(d.streams),
                 "running": self._thread.is_alive(), "error": d.error, **d.stats.as_dict(),
+                "attached": d.attached.is_set(),      # an exchange with the verifier went through
                 "channel_exchanges": getattr(self.link, "exchanges", 0),
                 "channel_exchanges_lost": getattr(self.link, "lost", 0),
                 "node_id": node_id(), "rss_bytes": rss_bytes(),

@@ -32,13 +32,15 @@ def kill_after(actor, num_tokens: int, killed: list):
 
 
 def wait_for_restart(drafter, before: str, timeout: float = 90.0) -> dict:
-    """The drafter's info once it runs under an incarnation other than `before` (a restart)."""
+    """The drafter's info once it runs under an incarnation other than `before` (a restart) and
+    has attached to its verifier: a request sent before its first exchange would find no live
+    drafter and decode alone until it attached (a 40-token request on the tiny pair can end first)."""
     def restarted():
         try:
             info = ray.get(drafter.info.remote(), timeout=5)
         except Exception:
             return None
-        return info if info["incarnation"] != before and info["running"] else None
+        return info if info["incarnation"] != before and info["running"] and info["attached"] else None
 
     return wait_for(restarted, timeout=timeout)
 
