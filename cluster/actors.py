@@ -28,9 +28,10 @@ import ray
 import torch
 
 from cluster.channels import ChannelLink, ChannelServer
+from cluster.outputs import OutputAddress, OutputServer
 from cluster.transport import RayLink, fetch_tree, unpack_puts
 from speculation.policy import threads_of
-from speculation.requests import SpeculationOptions
+from speculation.requests import GenerationChunk, SpeculationOptions
 from speculation.settings import MAX_BRIDGE_DEPTH, EngineSettings
 from speculation.transport import Exchange
 from speculation.wire import WireError, encode_signals
@@ -93,6 +94,8 @@ class VerifierActor:
         self.engine = EngineThread("verifier-engine")
         self.engine.build(self._build(target_dir, draft_dir, chains, eagle))
         self.channels = ChannelServer(self._channel_exchange)
+        self.outputs: OutputServer | None = None      # chunks over a socket (`output_address`)
+        self._relays: dict[str, dict[str, asyncio.Task]] = defaultdict(dict)   # consumer token -> rid -> relay
 
     async def _build(self, target_dir: str, draft_dir: str | None, chains: bool, eagle: bool) -> None:
         """The models, the scheduler and its loop (started), on the engine's thread."""
@@ -168,6 +171,48 @@ class VerifierActor:
         async for chunk in self.engine.stream(chunks):
             yield chunk
 
+    # -- chunks over a socket (cluster/outputs.py) --------------------------------------------
+    async def output_address(self) -> OutputAddress:
+        """Where a consumer connects for its requests' chunks (listening from the first call)."""
+        if self.outputs is None:
+            self.outputs = OutputServer(self.incarnation, node_id(), ray.util.get_node_ip_address(),
+                                        self._consumer_gone)
+        return await self.outputs.start()
+
+    async def submit(self, request_id: str, prompt: list[int], sampling: dict, speculation: dict,
+                     prefix_cache: bool, consumer: str) -> bool:
+        """`generate`, its chunks written to `consumer`'s output connection instead of a Ray
+        stream; False when that connection is not open here."""
+        if self.outputs is None or not self.outputs.connected(consumer):
+            return False
+        chunks = self.generate(request_id, prompt, sampling, speculation, prefix_cache)
+        self._relays[consumer][request_id] = asyncio.ensure_future(self._relay(request_id, chunks, consumer))
+        return True
+
+    async def _relay(self, rid: str, chunks, consumer: str) -> None:
+        """A request's chunks to its consumer; its failure as a last error chunk, as the
+        consumer reads a Ray stream's (cluster/pipeline.py). A consumer gone cancels this, which
+        aborts the request (`EngineThread.stream`)."""
+        error = None
+        try:
+            async for chunk in chunks:
+                if not await self.outputs.send(consumer, chunk):
+                    break
+        except ValueError as e:           # refused (a bad request, an id already running)
+            error = str(e.args[0] if e.args else e)
+        except Exception as e:
+            log.exception("verifier: request %s failed", rid)
+            error = f"verifier error: {type(e).__name__}: {e}"
+        finally:
+            await chunks.aclose()
+            self._relays.get(consumer, {}).pop(rid, None)
+        if error is not None:
+            await self.outputs.send(consumer, GenerationChunk(rid, [], True, "error", error=error))
+
+    def _consumer_gone(self, consumer: str) -> None:
+        for task in self._relays.pop(consumer, {}).values():
+            task.cancel()
+
     async def abort(self, request_id: str) -> bool:
         return await self.engine.call(self.scheduler.abort, request_id)
 
@@ -218,7 +263,10 @@ class VerifierActor:
 
     async def health(self) -> dict:
         return {**await self._report("health", self.scheduler.health), "incarnation": self.incarnation,
-                "node_id": node_id(), "channel_exchanges": self.channels.served}
+                "node_id": node_id(), "channel_exchanges": self.channels.served,
+                # chunks written to consumers' output connections (cluster/outputs.py), and those open
+                "output_chunks": 0 if self.outputs is None else self.outputs.sent,
+                "output_connections": 0 if self.outputs is None else len(self.outputs.consumers)}
 
     async def _report(self, name: str, fn) -> dict:
         """`fn()` on the engine's thread; where that thread is in a forward for longer than

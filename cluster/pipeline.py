@@ -38,7 +38,8 @@ from typing import AsyncIterator
 
 import ray
 
-from cluster.actors import node_alive, remote_classes, settings_dict
+from cluster.actors import node_alive, node_id, remote_classes, settings_dict
+from cluster.outputs import OutputClient, OutputLost
 from cluster.transport import first_line
 from models.kv_cache import prefix_report
 from models.presets import is_eagle_spec
@@ -57,6 +58,7 @@ RETRYABLE = "retryable: "
 # SPECFLASH_<ROLE>_OMP_WAIT_POLICY, else OMP_WAIT_POLICY, else this; "" leaves libgomp's default.
 ACTOR_WAIT_POLICY = {"verifier": "", "drafter": "PASSIVE"}
 VERIFIER_DIED = "the verifier serving this request died"
+OUTPUT_RETRY_S = 60.0      # a consumer that could not connect to a verifier's output socket streams through Ray this long
 
 
 def _when(wall: float) -> str:
@@ -109,6 +111,9 @@ class Pipeline:
     spawn_drafter: object = None       # index -> a new DrafterActor of this pipeline (drafter autoscaling)
     drafter_indices: list = field(default_factory=list)   # the verifier's id of each of `drafters`
     watch: VerifierWatch = field(default_factory=VerifierWatch)   # health(): where the verifier is, restarts
+    output: OutputClient | None = None  # this process's connection for the verifier's chunks (cluster/outputs.py)
+    output_retry_at: float = 0.0        # monotonic time before which a failed connection is not tried again
+    output_lock: tuple | None = None    # (asyncio.Lock, its event loop) around making `output`
 
 
 class PipelineEngine:
@@ -140,13 +145,14 @@ class PipelineEngine:
         args = (rid, list(request.prompt_token_ids), asdict(request.sampling), asdict(request.speculation),
                 request.prefix_cache)
         give_up = time.monotonic() + self.restart_wait_s
+        stream = None
         try:
             down = await self._down_too_long(pipe)
             if down:              # its node lost, say, and no other taken it yet: retry elsewhere
                 finished = True
                 yield _error_chunk(rid, f"{RETRYABLE}{down}")
                 return
-            stream = pipe.verifier.generate.options(num_returns="streaming").remote(*args)
+            stream = await self._open(pipe, args)
             while not finished:
                 chunk = await self._next_chunk(stream, pipe, rid)
                 if chunk is None:
@@ -155,7 +161,8 @@ class PipelineEngine:
                     # nothing streamed yet: wait for Ray to restart the verifier and submit again
                     await self._abort_on(pipe, rid)
                     await asyncio.sleep(0.5)
-                    stream = pipe.verifier.generate.options(num_returns="streaming").remote(*args)
+                    stream.close()
+                    stream = await self._open(pipe, args)
                     continue
                 started = True
                 finished = chunk.finished
@@ -163,6 +170,8 @@ class PipelineEngine:
                     pipe.watch.answered_at = time.time()
                 yield chunk
         finally:
+            if stream is not None:
+                stream.close()
             pipe.active -= 1
             self.routes.pop(rid, None)
             if not finished:
@@ -235,13 +244,53 @@ class PipelineEngine:
         return out
 
     # -- helpers ---------------------------------------------------------------------
+    async def _open(self, pipe: Pipeline, args: tuple):
+        """A request's chunks: over this process's connection to the verifier (`output_socket`),
+        else a Ray stream; either has `next(timeout)` and `close()`."""
+        client = await self._output_client(pipe)
+        if client is not None:
+            return client.chunks(args[0], pipe.verifier.submit.remote(*args, client.token))
+        return _RayChunks(pipe.verifier.generate.options(num_returns="streaming").remote(*args))
+
+    async def _output_client(self, pipe: Pipeline) -> OutputClient | None:
+        """The pipeline's output connection on the running loop: the one made before while it
+        is usable, else a new one; None (Ray streams) when off or it cannot connect."""
+        if not self.settings.output_socket or time.monotonic() < pipe.output_retry_at:
+            return None
+        loop = asyncio.get_running_loop()
+        if pipe.output_lock is None or pipe.output_lock[1] is not loop:
+            pipe.output_lock = (asyncio.Lock(), loop)
+        async with pipe.output_lock[0]:          # requests arriving together share one connection
+            return await self._connect_output(pipe)
+
+    async def _connect_output(self, pipe: Pipeline) -> OutputClient | None:
+        client = pipe.output
+        if client is not None and client.usable():
+            return client
+        if client is not None:
+            client.abandon()
+            pipe.output = None
+        try:
+            client = OutputClient(await _timed(pipe.verifier.output_address.remote(), 10))
+        except Exception:                # a dead verifier: the Ray stream's call says so
+            return None
+        try:
+            await client.connect(node_id())
+        except Exception as e:           # a port the network refuses: Ray streams for a while
+            log.warning("chunks through Ray's streams for %.0f s: no output connection to the verifier (%s)",
+                        OUTPUT_RETRY_S, first_line(e))
+            pipe.output_retry_at = time.monotonic() + OUTPUT_RETRY_S
+            return None
+        pipe.output = client
+        return client
+
     async def _next_chunk(self, stream, pipe: Pipeline, rid: str) -> GenerationChunk | None:
         """The next chunk, or a final error chunk when the verifier failed."""
         try:
-            ref = await asyncio.wait_for(stream.__anext__(), self.chunk_timeout_s)
-            return await asyncio.wait_for(ref, self.chunk_timeout_s)
-        except StopAsyncIteration:
-            return None
+            return await stream.next(self.chunk_timeout_s)
+        except OutputLost as e:
+            pipe.watch.down()
+            return _error_chunk(rid, f"{RETRYABLE}{VERIFIER_DIED} ({e})")
         except asyncio.TimeoutError:
             return _error_chunk(rid, f"{RETRYABLE}no progress from the verifier in {self.chunk_timeout_s:.0f} s")
         except ray.exceptions.RayActorError as e:
@@ -293,6 +342,23 @@ class PipelineEngine:
 
 async def _timed(ref, seconds: float):
     return await asyncio.wait_for(ref, seconds)
+
+
+class _RayChunks:
+    """A request's chunks as Ray streams them from `VerifierActor.generate`."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    async def next(self, timeout: float) -> GenerationChunk | None:
+        try:
+            ref = await asyncio.wait_for(self.stream.__anext__(), timeout)
+        except StopAsyncIteration:
+            return None
+        return await asyncio.wait_for(ref, timeout)
+
+    def close(self) -> None:
+        pass
 
 
 def _error_chunk(rid: str, message: str) -> GenerationChunk:

@@ -109,9 +109,9 @@ class EngineSettings(SpeculationSettings, KVCacheSettings):
     stream_interval: int = Field(1, ge=1, description=(
         "Tokens a streamed chunk of a request carries at least: its first chunk and its last go "
         "at once, the others wait until this many tokens are committed. 1 = every step's tokens "
-        "as the step commits them. Fewer chunks cost the engine less (the pipeline's verifier "
-        "pays ~1 ms of its step for each chunk with the micro pair on this project's CPU: "
-        "bench/README.md, 'micro pair'); vLLM's `--stream-interval`."))
+        "as the step commits them. Fewer chunks cost the engine less (each chunk through a Ray "
+        "stream cost ~1.3 ms of CPU on this project's machine, over the output socket ~0.1 ms: "
+        "`output_socket`); vLLM's `--stream-interval`."))
     block_size: int = Field(16, ge=1, description="Tokens per KV block.")
     num_cpus: float = Field(1.0, ge=0, description="Torch threads of each actor (its reserved CPUs).")
     device: str = Field("cpu", description="Device of the models: cpu or cuda.")
@@ -128,6 +128,11 @@ class EngineSettings(SpeculationSettings, KVCacheSettings):
         "Drafters of a pipeline exchange with their verifier over a pair of Ray shared-memory "
         "channels (~0.2 ms a round trip) instead of an actor call each (~1.5 ms); membership, "
         "restarts and scaling still use actor calls (cluster/channels.py)."))
+    output_socket: bool = Field(True, description=(
+        "A pipeline's chunks reach the process that asked for them over a socket to its verifier "
+        "(Unix on one node, else TCP; ~0.1 ms of CPU a chunk) instead of a Ray stream (~1.3 ms a "
+        "chunk on this project's CPU); a consumer that cannot connect keeps Ray's streams "
+        "(cluster/outputs.py)."))
     proposers: tuple[str, ...] = Field(PROPOSERS, description=(
         "The proposers this engine's drafters hold ('model' needs a draft model); a request "
         "naming another is refused."))

@@ -1,0 +1,268 @@
+"""A request's chunks from its verifier to the process that asked for them, over a socket
+(`EngineSettings.output_socket`).
+
+Ray streams an actor generator's items one object each: on this project's 2-core CPU each
+item cost ~0.8 ms of the consumer's CPU and ~0.5 ms of the verifier's (a Ray round trip and
+the owner's bookkeeping), taken from the cores the models run on; with the micro pair that was
+most of the pipeline's overhead over sync (bench/README.md, "micro pair"). A frame over a Unix
+socket costs ~0.1 ms both sides together. vLLM's engine core sends its outputs over ZeroMQ
+sockets for the same reason.
+
+- The verifier (`OutputServer`, on its actor's event loop) listens on a Unix socket (a consumer
+  on its node) and on TCP (one elsewhere). A consumer (`OutputClient`) connects and says a
+  random token it also passes with each `VerifierActor.submit` call, so a request's chunks go
+  to the connection that asked for them, and no other can claim them.
+- A frame is a 4-byte little-endian length and a msgpack list (`encode_chunk`); a chunk of a
+  request is its verifier's `GenerationChunk`, with its errors as error chunks.
+- Faults: a verifier that dies closes its sockets with its process: every request on that
+  connection ends at once with the retryable error a dead verifier's Ray stream gives
+  (`LOST`); a consumer that goes away closes its connection and the verifier aborts its
+  requests. A consumer that cannot connect (a network between nodes that refuses the port)
+  keeps Ray's streams.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import socket
+import struct
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgpack
+
+from models.sampling import TokenLogprob
+from speculation.requests import GenerationChunk
+
+log = logging.getLogger("specflash.cluster")
+
+FRAME = struct.Struct("<I")
+MAX_FRAME = 256 << 20        # a chunk with prompt log-probabilities of a long prompt fits
+CONNECT_TIMEOUT_S = 5.0
+LOST = object()              # a request's queue item: its connection to the verifier closed
+
+
+@dataclass
+class OutputAddress:
+    """Where a verifier serves chunks (`VerifierActor.output_address`)."""
+
+    incarnation: str          # the verifier's; a restarted verifier serves at a new address
+    node: str                 # its Ray node id: a consumer there uses `path`
+    path: str                 # its Unix socket
+    host: str                 # its node's IP and TCP port, for consumers on other nodes
+    port: int
+
+
+def _logprob(lp: TokenLogprob | None):
+    return None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+
+
+def _unlogprob(x) -> TokenLogprob | None:
+    return None if x is None else TokenLogprob(x[0], x[1], [tuple(t) for t in x[2]])
+
+
+def encode_chunk(c: GenerationChunk) -> bytes:
+    """A frame: length, then the chunk's fields in order (log-probabilities as lists)."""
+    body = msgpack.packb([c.request_id, c.token_ids, c.finished, c.finish_reason, c.num_drafted,
+                          c.num_accepted, c.error, c.cached_tokens,
+                          None if c.logprobs is None else [_logprob(x) for x in c.logprobs],
+                          None if c.prompt_logprobs is None else [_logprob(x) for x in c.prompt_logprobs]])
+    return FRAME.pack(len(body)) + body
+
+
+def decode_chunk(body: bytes) -> GenerationChunk:
+    f = msgpack.unpackb(body)
+    return GenerationChunk(f[0], f[1], f[2], f[3], f[4], f[5], f[6], f[7],
+                           None if f[8] is None else [_unlogprob(x) for x in f[8]],
+                           None if f[9] is None else [_unlogprob(x) for x in f[9]])
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes:
+    (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
+    if size > MAX_FRAME:
+        raise ValueError(f"a frame of {size} bytes is over the limit ({MAX_FRAME})")
+    return await reader.readexactly(size)
+
+
+class OutputServer:
+    """The verifier's side. `on_gone(token)`: a consumer's connection closed (abort its requests)."""
+
+    def __init__(self, incarnation: str, node: str, host: str, on_gone: Callable[[str], None]) -> None:
+        self.incarnation, self.node, self.host, self.on_gone = incarnation, node, host, on_gone
+        self.consumers: dict[str, asyncio.StreamWriter] = {}
+        self.path = os.path.join(tempfile.gettempdir(), f"specflash-out-{incarnation[:16]}.sock")
+        self._servers: list[asyncio.AbstractServer] = []
+        self.port = 0
+        self.sent = 0                       # chunks written
+
+    async def start(self) -> OutputAddress:
+        if not self._servers:
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+            self._servers.append(await asyncio.start_unix_server(self._serve, path=self.path))
+            tcp = await asyncio.start_server(self._serve, host=self.host, port=0)
+            self.port = tcp.sockets[0].getsockname()[1]
+            self._servers.append(tcp)
+        return OutputAddress(self.incarnation, self.node, self.path, self.host, self.port)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        token = None
+        try:
+            hello = msgpack.unpackb(await asyncio.wait_for(read_frame(reader), CONNECT_TIMEOUT_S))
+            if not (isinstance(hello, list) and len(hello) == 1 and isinstance(hello[0], str)):
+                raise ValueError("a consumer's first frame is [token]")
+            token = hello[0]
+            self.consumers[token] = writer
+            ack = msgpack.packb([token])             # registered: the consumer's submit calls may follow
+            writer.write(FRAME.pack(len(ack)) + ack)
+            await reader.read()             # the consumer sends nothing more: this returns at its close
+        except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.TimeoutError,
+                msgpack.UnpackException) as e:
+            log.warning("verifier: an output connection ended (%s)", type(e).__name__)
+        finally:
+            if token is not None and self.consumers.get(token) is writer:
+                del self.consumers[token]
+                self.on_gone(token)
+            writer.close()
+
+    def connected(self, token: str) -> bool:
+        return token in self.consumers
+
+    async def send(self, token: str, chunk: GenerationChunk) -> bool:
+        """Write `chunk` to `token`'s connection; False when it has gone."""
+        writer = self.consumers.get(token)
+        if writer is None or writer.is_closing():
+            return False
+        writer.write(encode_chunk(chunk))
+        self.sent += 1
+        try:
+            await writer.drain()            # a consumer that stopped reading holds its requests only
+        except (ConnectionError, OSError):
+            return False
+        return True
+
+    async def close(self) -> None:
+        for s in self._servers:
+            s.close()
+        for w in list(self.consumers.values()):
+            w.close()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+class OutputClient:
+    """A consumer's connection to one verifier incarnation, on the event loop that made it:
+    chunks go to each request's queue; `LOST` to every open one when the connection closes."""
+
+    def __init__(self, address: OutputAddress) -> None:
+        self.address = address
+        self.token = secrets.token_hex(16)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.broken = False
+        self._sock: socket.socket | None = None
+        self._task: asyncio.Task | None = None
+
+    async def connect(self, node: str) -> None:
+        """Over the Unix socket when on the verifier's node, else TCP; raises OSError or
+        asyncio.TimeoutError when it cannot."""
+        a = self.address
+        self.loop = asyncio.get_running_loop()
+        if node == a.node and os.path.exists(a.path):
+            sock, target = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), a.path
+        else:
+            sock, target = socket.socket(socket.AF_INET, socket.SOCK_STREAM), (a.host, a.port)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        self._sock = sock
+        await asyncio.wait_for(self.loop.sock_connect(sock, target), CONNECT_TIMEOUT_S)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
+        body = msgpack.packb([self.token])
+        writer.write(FRAME.pack(len(body)) + body)
+        await writer.drain()
+        self._writer = writer
+        ack = msgpack.unpackb(await asyncio.wait_for(read_frame(reader), CONNECT_TIMEOUT_S))
+        if ack != [self.token]:
+            raise OSError("the verifier did not acknowledge our output connection")
+        self._task = asyncio.ensure_future(self._read(reader))
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                chunk = decode_chunk(await read_frame(reader))
+                q = self.queues.get(chunk.request_id)
+                if q is not None:
+                    q.put_nowait(chunk)
+        except (OSError, ValueError, asyncio.IncompleteReadError, msgpack.UnpackException) as e:
+            log.warning("the output connection to verifier %s ended (%s)", self.address.incarnation[:8],
+                        type(e).__name__)
+        finally:
+            self.broken = True
+            for q in self.queues.values():
+                q.put_nowait(LOST)
+
+    def usable(self) -> bool:
+        """Connected, not broken, and on the running loop."""
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return not self.broken and self.loop is running and self._task is not None
+
+    def open(self, rid: str) -> asyncio.Queue:
+        q = self.queues[rid] = asyncio.Queue()
+        if self.broken:
+            q.put_nowait(LOST)
+        return q
+
+    def close(self, rid: str) -> None:
+        self.queues.pop(rid, None)
+
+    def chunks(self, rid: str, submitted) -> SocketChunks:
+        """`rid`'s chunks, once `submitted` (the `VerifierActor.submit` call's reference) says the
+        verifier took it."""
+        return SocketChunks(self, rid, self.open(rid), submitted)
+
+    def abandon(self) -> None:
+        """Drop the connection (its loop may be closed already: the socket is closed directly)."""
+        self.broken = True
+        if self._task is not None and self.loop is not None and not self.loop.is_closed():
+            self._task.cancel()
+            self._writer.close()
+        elif self._sock is not None:
+            self._sock.close()
+
+
+class OutputLost(Exception):
+    """The output connection closed (the verifier died or restarted) or the verifier did not
+    know it when the request was submitted."""
+
+
+class SocketChunks:
+    """One request's chunks over its consumer's connection, as `cluster.pipeline` reads a Ray
+    stream: `next()` gives each chunk, None after the last; raises OutputLost,
+    asyncio.TimeoutError, or what the submit call raised (a dead verifier's Ray error)."""
+
+    def __init__(self, client: OutputClient, rid: str, queue: asyncio.Queue, submitted) -> None:
+        self.client, self.rid, self.queue, self.submitted = client, rid, queue, submitted
+        self.done = False
+
+    async def next(self, timeout: float) -> GenerationChunk | None:
+        if self.submitted is not None:
+            accepted = await asyncio.wait_for(self.submitted, timeout)
+            self.submitted = None
+            if not accepted:
+                raise OutputLost("the verifier no longer knew our output connection")
+        if self.done:
+            return None
+        item = await asyncio.wait_for(self.queue.get(), timeout)
+        if item is LOST:
+            raise OutputLost("the output connection closed")
+        self.done = item.finished
+        return item
+
+    def close(self) -> None:
+        self.client.close(self.rid)
