@@ -102,7 +102,8 @@ def pipeline(args):
     try:
         engine = build_pipeline_engine(None, target_dir=TARGET, draft_dir=DRAFT, spec_len=args.spec_len,
                                        lookup=False, num_blocks=256, lockstep_in_verifier=not args.remote_turns,
-                                       plain_threads=args.plain_threads, stream_interval=args.stream_interval)
+                                       plain_threads=args.plain_threads, stream_interval=args.stream_interval,
+                                       output_socket=not args.ray_streams)
         drafter = engine.pipelines[0].drafters[0]
 
         async def one(rid, p) -> int:
@@ -113,8 +114,11 @@ def pipeline(args):
 
         def run(ps: list[list[int]], tag: str) -> list[dict]:
             before, d_before = asyncio.run(engine.stats()), ray.get(drafter.info.remote())
+            async def each() -> int:      # one event loop for the round, as a server has
+                return sum([await one(f"p{tag}-{i}", p) for i, p in enumerate(ps)])
+
             start = time.perf_counter()
-            tokens = sum(asyncio.run(one(f"p{tag}-{i}", p)) for i, p in enumerate(ps))
+            tokens = asyncio.run(each())
             wall = time.perf_counter() - start
             after, d_after = asyncio.run(engine.stats()), ray.get(drafter.info.remote())
             d = {k: after[k] - before[k] for k in ("num_steps", "verifier_busy_s")}
@@ -187,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plain-threads", type=int, default=-1, choices=(-1, 0, 1, 2),
                    help="the pipeline's `plain_threads` setting: -1 (the default) lends the idle drafter's core "
                         "to the verifier's lockstep turns, 1 keeps them on one thread")
+    p.add_argument("--ray-streams", action="store_true",
+                   help="the pipeline's chunks through Ray streams instead of its output socket (output_socket off)")
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = p.parse_args(argv)
     import torch
