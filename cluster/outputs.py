@@ -2,11 +2,11 @@
 (`EngineSettings.output_socket`).
 
 Ray streams an actor generator's items one object each: on this project's 2-core CPU each
-item cost ~0.8 ms of the consumer's CPU and ~0.5 ms of the verifier's (a Ray round trip and
-the owner's bookkeeping), taken from the cores the models run on; with the micro pair that was
-most of the pipeline's overhead over sync (bench/README.md, "micro pair"). A frame over a Unix
-socket costs ~0.1 ms both sides together. vLLM's engine core sends its outputs over ZeroMQ
-sockets for the same reason.
+item cost 0.7-0.8 ms of the consumer's CPU and 0.4-0.5 ms of the actor's beyond an idle pace (a
+Ray round trip and the owner's bookkeeping), taken from the cores the models run on; a frame
+over a Unix socket ~0.1 ms both sides together (`bench/output_cost.py`, bench/README.md). With
+the micro pair that was most of the pipeline's overhead over sync. vLLM's engine core sends its
+outputs over ZeroMQ sockets for the same reason.
 
 - The verifier (`OutputServer`, on its actor's event loop) listens on a Unix socket (a consumer
   on its node) and on TCP (one elsewhere). A consumer (`OutputClient`) connects and says a

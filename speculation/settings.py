@@ -110,7 +110,7 @@ class EngineSettings(SpeculationSettings, KVCacheSettings):
         "Tokens a streamed chunk of a request carries at least: its first chunk and its last go "
         "at once, the others wait until this many tokens are committed. 1 = every step's tokens "
         "as the step commits them. Fewer chunks cost the engine less (each chunk through a Ray "
-        "stream cost ~1.3 ms of CPU on this project's machine, over the output socket ~0.1 ms: "
+        "stream cost ~1.2 ms of CPU on this project's machine, over the output socket ~0.1 ms: "
         "`output_socket`); vLLM's `--stream-interval`."))
     block_size: int = Field(16, ge=1, description="Tokens per KV block.")
     num_cpus: float = Field(1.0, ge=0, description="Torch threads of each actor (its reserved CPUs).")
@@ -130,9 +130,9 @@ class EngineSettings(SpeculationSettings, KVCacheSettings):
         "restarts and scaling still use actor calls (cluster/channels.py)."))
     output_socket: bool = Field(True, description=(
         "A pipeline's chunks reach the process that asked for them over a socket to its verifier "
-        "(Unix on one node, else TCP; ~0.1 ms of CPU a chunk) instead of a Ray stream (~1.3 ms a "
-        "chunk on this project's CPU); a consumer that cannot connect keeps Ray's streams "
-        "(cluster/outputs.py)."))
+        "(Unix on one node, else TCP; ~0.1 ms of CPU a chunk) instead of a Ray stream (~1.2 ms a "
+        "chunk on this project's CPU: bench/output_cost.py); a consumer that cannot connect "
+        "keeps Ray's streams (cluster/outputs.py)."))
     proposers: tuple[str, ...] = Field(PROPOSERS, description=(
         "The proposers this engine's drafters hold ('model' needs a draft model); a request "
         "naming another is refused."))
