@@ -28,6 +28,7 @@ import os
 import secrets
 import socket
 import struct
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ log = logging.getLogger("specflash.cluster")
 
 FRAME = struct.Struct("<I")
 MAX_FRAME = 256 << 20        # a chunk with prompt log-probabilities of a long prompt fits
+HELLO_LIMIT = 1024           # a consumer's first frame: its token
 CONNECT_TIMEOUT_S = 5.0
 LOST = object()              # a request's queue item: its connection to the verifier closed
 
@@ -80,10 +82,10 @@ def decode_chunk(body: bytes) -> GenerationChunk:
                            None if f[9] is None else [_unlogprob(x) for x in f[9]])
 
 
-async def read_frame(reader: asyncio.StreamReader) -> bytes:
+async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> bytes:
     (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
-    if size > MAX_FRAME:
-        raise ValueError(f"a frame of {size} bytes is over the limit ({MAX_FRAME})")
+    if size > limit:
+        raise ValueError(f"a frame of {size} bytes is over the limit ({limit})")
     return await reader.readexactly(size)
 
 
@@ -93,14 +95,17 @@ class OutputServer:
     def __init__(self, incarnation: str, node: str, host: str, on_gone: Callable[[str], None]) -> None:
         self.incarnation, self.node, self.host, self.on_gone = incarnation, node, host, on_gone
         self.consumers: dict[str, asyncio.StreamWriter] = {}
-        self.path = os.path.join(tempfile.gettempdir(), f"specflash-out-{incarnation[:16]}.sock")
+        name = f"specflash-out-{incarnation[:16]}"
+        # Linux: an abstract socket, gone with its process (Ray ends an actor with SIGKILL, which
+        # would leave a file behind); elsewhere a file in the temp directory
+        self.path = "\0" + name if sys.platform == "linux" else os.path.join(tempfile.gettempdir(), name + ".sock")
         self._servers: list[asyncio.AbstractServer] = []
         self.port = 0
         self.sent = 0                       # chunks written
 
     async def start(self) -> OutputAddress:
         if not self._servers:
-            if os.path.exists(self.path):
+            if not self.path.startswith("\0") and os.path.exists(self.path):
                 os.unlink(self.path)
             self._servers.append(await asyncio.start_unix_server(self._serve, path=self.path))
             tcp = await asyncio.start_server(self._serve, host=self.host, port=0)
@@ -111,14 +116,15 @@ class OutputServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         token = None
         try:
-            hello = msgpack.unpackb(await asyncio.wait_for(read_frame(reader), CONNECT_TIMEOUT_S))
+            hello = msgpack.unpackb(await asyncio.wait_for(read_frame(reader, HELLO_LIMIT), CONNECT_TIMEOUT_S))
             if not (isinstance(hello, list) and len(hello) == 1 and isinstance(hello[0], str)):
                 raise ValueError("a consumer's first frame is [token]")
             token = hello[0]
             self.consumers[token] = writer
             ack = msgpack.packb([token])             # registered: the consumer's submit calls may follow
             writer.write(FRAME.pack(len(ack)) + ack)
-            await reader.read()             # the consumer sends nothing more: this returns at its close
+            while await reader.read(1 << 16):   # the consumer sends nothing more: its close ends this
+                pass
         except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.TimeoutError,
                 msgpack.UnpackException) as e:
             log.warning("verifier: an output connection ended (%s)", type(e).__name__)
@@ -144,12 +150,12 @@ class OutputServer:
             return False
         return True
 
-    async def close(self) -> None:
+    def close(self) -> None:
         for s in self._servers:
             s.close()
         for w in list(self.consumers.values()):
             w.close()
-        if os.path.exists(self.path):
+        if not self.path.startswith("\0") and os.path.exists(self.path):
             os.unlink(self.path)
 
 
@@ -171,7 +177,7 @@ class OutputClient:
         asyncio.TimeoutError when it cannot."""
         a = self.address
         self.loop = asyncio.get_running_loop()
-        if node == a.node and os.path.exists(a.path):
+        if node == a.node:
             sock, target = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), a.path
         else:
             sock, target = socket.socket(socket.AF_INET, socket.SOCK_STREAM), (a.host, a.port)

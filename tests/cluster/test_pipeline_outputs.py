@@ -127,6 +127,11 @@ def test_a_bad_hello_harms_no_one(make_engine, tiny_target, close_draft, hf_targ
         await w.drain()
         closed = await asyncio.wait_for(r.read(), 10)            # the verifier hangs up
         w.close()
+        r, w = await asyncio.open_unix_connection(address.path)
+        w.write(struct.pack("<I", 1 << 30))                      # a "token" of a gigabyte
+        await w.drain()
+        closed += await asyncio.wait_for(r.read(), 10)           # refused before it is read
+        w.close()
         client = OutputClient(address)
         await client.connect(address.node)                       # a proper consumer is still served
         return closed, client.usable()
