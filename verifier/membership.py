@@ -196,15 +196,15 @@ class Membership:
         lockstep (one tree in flight), or no work for it: the drafters wait for this step's
         signals."""
         verifying = {it.seq.request_id for it in batch if it.header is not None}
+        drafters = set()                  # of the streams verified now: each drafter's way, once
         for s in self.sch.streams.values():
             if not s.admitted or s.drafter is None:
                 continue
             if s.request_id in verifying:
-                if not self.lockstep(s.drafter):
-                    return False
+                drafters.add(s.drafter)
             elif s.budget[0] or s.sent_budget[0] or s.bridge:
                 return False
-        return True
+        return all(self.lockstep(d) for d in drafters)
 
     def patience(self, s: VerifyStream) -> float:
         """How long a sequence may wait for its drafter's tree: a few of its tree times, or

@@ -253,7 +253,8 @@ class Scheduler:
         if alone:
             self._lookup_trees(batch, alone)
         trees = drafted(batch)
-        kind.lockstep = bool(trees) and all(self.members.lockstep(it.seq.drafter) for it in trees)
+        # each drafter's way once (a way counts the drafter's streams)
+        kind.lockstep = bool(trees) and all(self.members.lockstep(d) for d in {it.seq.drafter for it in trees})
         kind.settling = self.regime.settling > 0
         return batch, deadline
 
