@@ -114,6 +114,33 @@ def warm_up_prompt_len(cache, prompt_len: int, extra: int, max_context: int | No
     return n if n >= 2 else 0
 
 
+class WeightedLine:
+    """y ≈ intercept + slope · x by least squares over exponentially weighted samples (each
+    new one weight 1, the older ones multiplied by `decay` at every sample)."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.sums = [0.0] * 5            # [w, wx, wy, wxx, wxy]
+
+    def add(self, x: float, y: float) -> None:
+        self.sums = [v * self.decay for v in self.sums]
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            self.sums[i] += v
+
+    def variance(self) -> float:
+        """The weighted variance of the x seen (call with weight > 0)."""
+        w, wx, _, wxx, _ = self.sums
+        return (wxx * w - wx * wx) / (w * w)
+
+    def slope(self, var: float) -> float:
+        w, wx, wy, _, wxy = self.sums
+        return (wxy * w - wx * wy) / (var * w * w)
+
+    def intercept(self, slope: float) -> float:
+        w, wx, wy, _, _ = self.sums
+        return (wy - slope * wx) / w
+
+
 class CostModel:
     """verify(rows) ≈ a + b · rows and draft(levels) ≈ d0 + d · levels, fitted by
     exponentially-weighted least squares; a prior until the first measurement,
@@ -135,9 +162,9 @@ class CostModel:
         self.overlap = overlap           # drafting runs beside verification (async) or before it (sync)
         self.prior = (a, b)              # used until the first measurement
         self.slope_ratio = slope_ratio   # b / a assumed while the data cannot tell the slope
-        self._s = [0.0] * 5              # weighted sums for y = a + b x: [w, wx, wy, wxx, wxy]
-        # the draft's cost per level, the prior until measured; its setter starts `_ds`, the
-        # weighted sums (as `_s`) for draft seconds = d0 + d · levels
+        self._verify = WeightedLine(decay)   # verify seconds = a + b · rows
+        # the draft's cost per level, the prior until measured; its setter starts `_draft`,
+        # the fit of draft seconds = d0 + d · levels
         self.d = d
         # seconds a speculating step waits for its trees beyond the forward, on average (overlap
         # only: trees late after a contradicted outcome or a switch from decoding alone, the
@@ -146,31 +173,23 @@ class CostModel:
         self._seen_rows: dict[int, int] = {}     # batch shape -> its one-off costs skipped so far
         self._seen_levels: dict[int, int] = {}
 
-    def _add(self, x: float, y: float, w: float) -> None:
-        s = self._s
-        for i, v in enumerate((w, w * x, w * y, w * x * x, w * x * y)):
-            s[i] += v
-
     def observe_verify(self, rows: int, seconds: float) -> None:
         if self._seen_rows.get(rows, 0) < self.one_off:
             self._seen_rows[rows] = self._seen_rows.get(rows, 0) + 1
             return
-        self._s = [v * self.decay for v in self._s]
-        self._add(float(rows), seconds, 1.0)
+        self._verify.add(float(rows), seconds)
 
     @property
     def observed(self) -> bool:
         """Whether any verification has been measured (else `coefficients` is the prior)."""
-        return self._s[0] > 0
+        return self._verify.sums[0] > 0
 
     def observe_draft(self, levels: int, seconds: float) -> None:
         if levels > 0 and self._seen_levels.get(levels, 0) < self.one_off:
             self._seen_levels[levels] = self._seen_levels.get(levels, 0) + 1
             return
         if levels > 0:
-            self._ds = [v * 0.8 for v in self._ds]
-            for i, v in enumerate((1.0, levels, seconds, levels * levels, levels * seconds)):
-                self._ds[i] += v
+            self._draft.add(levels, seconds)
 
     @property
     def d(self) -> float:
@@ -179,7 +198,7 @@ class CostModel:
     @d.setter
     def d(self, value: float) -> None:
         """A new prior per level; what was measured is forgotten."""
-        self._d_prior, self._ds = value, [0.0] * 5
+        self._d_prior, self._draft = value, WeightedLine(0.8)
 
     @property
     def draft_coefficients(self) -> tuple[float, float]:
@@ -188,14 +207,15 @@ class CostModel:
         lockstep the wait for a tree has a fixed part (the exchange both ways, ~2-5 ms on this
         project's CPU): priced per level it made shallow trees look dear per level, and the
         planner kept trees shallow."""
-        w, wx, wy, wxx, wxy = self._ds
+        line = self._draft
+        w, wx, wy, _, _ = line.sums
         if w <= 0:
             return 0.0, self._d_prior
-        var = (wxx * w - wx * wx) / (w * w)
+        var = line.variance()
         if var < 0.25:
             return 0.0, max(wy / wx, 1e-6)
-        d = max((wxy * w - wx * wy) / (var * w * w), 1e-6)
-        return max((wy - d * wx) / w, 0.0), d
+        d = max(line.slope(var), 1e-6)
+        return max(line.intercept(d), 0.0), d
 
     def observe_wait(self, seconds: float) -> None:
         """A speculating step (a tree, a bridge or a fallback while a budget was planned) waited
@@ -204,16 +224,17 @@ class CostModel:
 
     @property
     def coefficients(self) -> tuple[float, float]:
-        w, wx, wy, wxx, wxy = self._s
+        line = self._verify
+        w, wx, wy, _, _ = line.sums
         if w <= 0:
             return self.prior
-        var = (wxx * w - wx * wx) / (w * w)           # weighted variance of the row counts
+        var = line.variance()                          # of the row counts
         if var < 0.25:   # one batch shape seen so far: keep the level, assume the slope ratio
             r = self.slope_ratio
             a = max(wy / w / (1.0 + r * wx / w), 1e-6)
             return a, r * a
-        b = max((wxy * w - wx * wy) / (var * w * w), 0.0)
-        a = max((wy - b * wx) / w, 1e-6)
+        b = max(line.slope(var), 0.0)
+        a = max(line.intercept(b), 1e-6)
         return a, b
 
     def step_time(self, rows: int, max_levels: int) -> float:

@@ -12,8 +12,8 @@ themselves:
   (bench/README.md, one core per model on math);
 - **lockstep**: the drafter drafts while the verifier waits (one tree in flight; the
   in-process engine always): the forward plus the wait for the trees, the wait priced as a
-  part per tree plus one per draft level. On a CPU a lockstep verification runs on the drafter's cores too: one fit of
-  both kinds of step would misprice each;
+  part per tree plus one per draft level. On a CPU a lockstep verification runs on the
+  drafter's cores too: one fit of both kinds of step would misprice each;
 - **plain**: steps in which every sequence decodes alone while they borrow idle drafters'
   cores (a CPU), or on a GPU, where a one-row forward runs another kernel than a few-row one:
   the baseline a plan must beat.
