@@ -31,7 +31,7 @@ from cluster.channels import ChannelLink, ChannelServer
 from cluster.outputs import OutputAddress, OutputServer
 from cluster.transport import RayLink, fetch_tree, unpack_puts
 from speculation.policy import threads_of
-from speculation.requests import GenerationChunk, SpeculationOptions
+from speculation.requests import SpeculationOptions, error_chunk
 from speculation.settings import MAX_BRIDGE_DEPTH, EngineSettings
 from speculation.transport import Exchange
 from speculation.wire import WireError, encode_signals
@@ -207,7 +207,7 @@ class VerifierActor:
             await chunks.aclose()
             self._relays.get(consumer, {}).pop(rid, None)
         if error is not None:
-            await self.outputs.send(consumer, GenerationChunk(rid, [], True, "error", error=error))
+            await self.outputs.send(consumer, error_chunk(rid, error))
 
     def _consumer_gone(self, consumer: str) -> None:
         for task in self._relays.pop(consumer, {}).values():

@@ -28,7 +28,7 @@ import torch
 
 from models.kv_cache import prefix_report
 from speculation.requests import GenerationChunk, GenerationOutput, GenerationRequest, InvalidRequest, \
-    SpeculationOptions, resolve_speculation
+    SpeculationOptions, error_chunk, resolve_speculation
 from speculation.settings import MAX_SPEC_LEN, MAX_TREE_WIDTH, EngineSettings, check_speculation
 
 
@@ -194,7 +194,7 @@ class LocalEngine:
             async for chunk in self.engine.generate_stream(request):
                 yield chunk
         except InvalidRequest as err:
-            yield GenerationChunk(request.request_id, [], True, "error", error=str(err))
+            yield error_chunk(request.request_id, str(err))
 
     async def abort(self, request_id: str) -> None:
         await self.thread.run(self.engine.abort(request_id))

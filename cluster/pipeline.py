@@ -43,7 +43,7 @@ from cluster.outputs import OutputClient, OutputLost
 from cluster.transport import first_line
 from models.kv_cache import prefix_report
 from models.presets import is_eagle_spec
-from speculation.requests import GenerationChunk, GenerationRequest, resolve_speculation
+from speculation.requests import GenerationChunk, GenerationRequest, error_chunk, resolve_speculation
 from speculation.settings import EngineSettings
 from speculation.stats import SpecStats
 
@@ -150,7 +150,7 @@ class PipelineEngine:
             down = await self._down_too_long(pipe)
             if down:              # its node lost, say, and no other taken it yet: retry elsewhere
                 finished = True
-                yield _error_chunk(rid, f"{RETRYABLE}{down}")
+                yield error_chunk(rid, f"{RETRYABLE}{down}")
                 return
             stream = await self._open(pipe, args)
             while not finished:
@@ -290,19 +290,19 @@ class PipelineEngine:
             return await stream.next(self.chunk_timeout_s)
         except OutputLost as e:
             pipe.watch.down()
-            return _error_chunk(rid, f"{RETRYABLE}{VERIFIER_DIED} ({e})")
+            return error_chunk(rid, f"{RETRYABLE}{VERIFIER_DIED} ({e})")
         except asyncio.TimeoutError:
-            return _error_chunk(rid, f"{RETRYABLE}no progress from the verifier in {self.chunk_timeout_s:.0f} s")
+            return error_chunk(rid, f"{RETRYABLE}no progress from the verifier in {self.chunk_timeout_s:.0f} s")
         except ray.exceptions.RayActorError as e:
             pipe.watch.down()
-            return _error_chunk(rid, f"{RETRYABLE}{VERIFIER_DIED} ({first_line(e)})")
+            return error_chunk(rid, f"{RETRYABLE}{VERIFIER_DIED} ({first_line(e)})")
         except ray.exceptions.RayTaskError as e:
             cause = e.as_instanceof_cause()
             if isinstance(cause, ValueError):
-                return _error_chunk(rid, str(cause.args[0] if cause.args else cause))
-            return _error_chunk(rid, f"verifier error: {first_line(e)}")
+                return error_chunk(rid, str(cause.args[0] if cause.args else cause))
+            return error_chunk(rid, f"verifier error: {first_line(e)}")
         except ray.exceptions.RayError as e:     # the stream's objects lost with a node, ...
-            return _error_chunk(rid, f"{RETRYABLE}the verifier's output was lost ({first_line(e)})")
+            return error_chunk(rid, f"{RETRYABLE}the verifier's output was lost ({first_line(e)})")
 
     async def _down_too_long(self, pipe: Pipeline) -> str | None:
         """Why a request should not wait for this pipeline's verifier: it has not answered for
@@ -359,10 +359,6 @@ class _RayChunks:
 
     def close(self) -> None:
         pass
-
-
-def _error_chunk(rid: str, message: str) -> GenerationChunk:
-    return GenerationChunk(rid, [], True, "error", error=message)
 
 
 # ---------------------------------------------------------------- building

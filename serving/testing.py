@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Callable
 
-from speculation.requests import GenerationChunk, GenerationRequest
+from speculation.requests import GenerationChunk, GenerationRequest, error_chunk
 
 SAMPLE_TEXT = ("Hello, wörld! Ünïcödé: 世界 🙂 naïve café — ∑ αβγ. "
                "def reverse(s): return s[::-1]\n")
@@ -45,7 +45,7 @@ class FakeEngine:
         self.requests.append(request)
         rid, sp = request.request_id, request.sampling
         if self.fail_with is not None:
-            yield GenerationChunk(rid, [], True, "error", error=self.fail_with)
+            yield error_chunk(rid, self.fail_with)
             return
         self.active[rid] = 1 + len(request.prompt_token_ids) // 16
         out = list(self.script(request))

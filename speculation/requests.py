@@ -100,6 +100,11 @@ class GenerationChunk:
     prompt_logprobs: list | None = None   # first chunk, with sampling.prompt_logprobs: None, then one per prompt token
 
 
+def error_chunk(request_id: str, message: str) -> GenerationChunk:
+    """A request's last chunk when it failed or was refused: no tokens, `message` its error."""
+    return GenerationChunk(request_id, [], True, "error", error=message)
+
+
 def merge_chunks(first: GenerationChunk, then: GenerationChunk) -> GenerationChunk:
     """One chunk carrying what `first` and `then` (of the same request, in that order) carry:
     their tokens and log-probabilities in order, `first`'s prompt log-probabilities, `then`'s
