@@ -66,13 +66,17 @@ def _unlogprob(x) -> TokenLogprob | None:
     return None if x is None else TokenLogprob(x[0], x[1], [tuple(t) for t in x[2]])
 
 
-def encode_chunk(c: GenerationChunk) -> bytes:
-    """A frame: length, then the chunk's fields in order (log-probabilities as lists)."""
-    body = msgpack.packb([c.request_id, c.token_ids, c.finished, c.finish_reason, c.num_drafted,
-                          c.num_accepted, c.error, c.cached_tokens,
-                          None if c.logprobs is None else [_logprob(x) for x in c.logprobs],
-                          None if c.prompt_logprobs is None else [_logprob(x) for x in c.prompt_logprobs]])
+def frame(obj) -> bytes:
+    """`obj` in msgpack, after its length."""
+    body = msgpack.packb(obj)
     return FRAME.pack(len(body)) + body
+
+
+def encode_chunk(c: GenerationChunk) -> bytes:
+    """A frame of the chunk's fields in order (log-probabilities as lists)."""
+    return frame([c.request_id, c.token_ids, c.finished, c.finish_reason, c.num_drafted, c.num_accepted,
+                  c.error, c.cached_tokens, None if c.logprobs is None else [_logprob(x) for x in c.logprobs],
+                  None if c.prompt_logprobs is None else [_logprob(x) for x in c.prompt_logprobs]])
 
 
 def decode_chunk(body: bytes) -> GenerationChunk:
@@ -121,8 +125,7 @@ class OutputServer:
                 raise ValueError("a consumer's first frame is [token]")
             token = hello[0]
             self.consumers[token] = writer
-            ack = msgpack.packb([token])             # registered: the consumer's submit calls may follow
-            writer.write(FRAME.pack(len(ack)) + ack)
+            writer.write(frame([token]))             # registered: the consumer's submit calls may follow
             while await reader.read(1 << 16):   # the consumer sends nothing more: its close ends this
                 pass
         except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.TimeoutError,
@@ -170,6 +173,7 @@ class OutputClient:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.broken = False
         self._sock: socket.socket | None = None
+        self._writer: asyncio.StreamWriter | None = None
         self._task: asyncio.Task | None = None
 
     async def connect(self, node: str) -> None:
@@ -186,8 +190,7 @@ class OutputClient:
         self._sock = sock
         await asyncio.wait_for(self.loop.sock_connect(sock, target), CONNECT_TIMEOUT_S)
         reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
-        body = msgpack.packb([self.token])
-        writer.write(FRAME.pack(len(body)) + body)
+        writer.write(frame([self.token]))
         await writer.drain()
         self._writer = writer
         ack = msgpack.unpackb(await asyncio.wait_for(read_frame(reader), CONNECT_TIMEOUT_S))
