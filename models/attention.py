@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from kernels import cpu as cpu_kernels
 from kernels import ref
 
 
@@ -49,12 +50,14 @@ class CpuAttentionContext:
     sequence and layer. Which cache slots a forward reads, and which of them each
     query may see, are the same in every layer: this holds the flat slots of
     every sequence's prefix + tree, padded to the longest ([B * S]), and the
-    visibility as an additive mask already laid out for the grouped query heads
-    ([B * Hkv, G * T, S]: 0 where visible, -inf elsewhere). A layer then costs
-    two gathers, one baddbmm, a softmax and one bmm, whatever B is. Same
-    arithmetic as the reference (fp32 scores, softmax, weighted sum), to
-    rounding. With `sliding_window` (the model's; layers may or may not use it)
-    it also holds the windowed visibility, which `attend(..., windowed=True)` uses.
+    visibility ([B, T, S]). In fp32 with the C kernels built, a layer is one call
+    (`kernels.cpu.tree_attention`) over each row's visible slots in order
+    (`ordered()`, built on first use), the same operations for a path's token in
+    any tree; otherwise two gathers, one baddbmm under an additive mask laid out for
+    the grouped query heads (`bias()`, [B * Hkv, G * T, S]), a softmax and one bmm,
+    whatever B is. Same arithmetic as the reference (fp32 scores, softmax, weighted
+    sum), to rounding. With `sliding_window` (the model's; layers may or may not use
+    it) it also holds the windowed visibility, which `attend(..., windowed=True)` uses.
     """
 
     def __init__(self, block_tables: torch.Tensor, prefix_lens: torch.Tensor, tree_mask: torch.Tensor,
@@ -71,31 +74,52 @@ class CpuAttentionContext:
         rel = pos[None, :] - P[:, None]                                              # [B, S] offset into the tree
         in_tree = (rel >= 0) & (rel < T)
 
-        def bias_of(tree_mask: torch.Tensor, prefix_visible: torch.Tensor) -> torch.Tensor:
+        def visible_of(tree_mask: torch.Tensor, prefix_visible: torch.Tensor) -> torch.Tensor:   # [B, T, S]
             tree_part = tree_mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, S))
-            visible = torch.where(in_tree[:, None, :], tree_part, prefix_visible)       # [B, T, S]
-            bias = torch.zeros(B, T, S, device=device).masked_fill_(~visible, float("-inf"))
-            G = num_heads // num_kv_heads
-            return bias[:, None, None].expand(B, num_kv_heads, G, T, S).reshape(B * num_kv_heads, G * T, S)
+            return torch.where(in_tree[:, None, :], tree_part, prefix_visible)
 
-        self.bias = bias_of(tree_mask, (rel < 0)[:, None, :])
-        self.window_bias = None
+        self.visible = {False: visible_of(tree_mask, (rel < 0)[:, None, :])}
         if sliding_window is not None:   # node i sits at P + depth i and sees positions > it - window
             query_pos = P[:, None] + ref.tree_depths(tree_mask)                        # [B, T]
             recent = pos[None, None, :] > (query_pos - sliding_window)[:, :, None]       # [B, T, S]
-            self.window_bias = bias_of(ref.window_tree_mask(tree_mask, sliding_window),
-                                       (rel < 0)[:, None, :] & recent)
+            self.visible[True] = visible_of(ref.window_tree_mask(tree_mask, sliding_window),
+                                            (rel < 0)[:, None, :] & recent)
+        self.G = num_heads // num_kv_heads
+        self.num_kv_heads = num_kv_heads
         self.B, self.T, self.S = B, T, S
+        self._bias: dict[bool, torch.Tensor] = {}
+        self._ordered: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def bias(self, windowed: bool = False) -> torch.Tensor:   # [B * Hkv, G * T, S]: 0 visible, -inf not
+        if windowed not in self._bias:
+            B, T, S = self.B, self.T, self.S
+            bias = torch.zeros(B, T, S, device=self.slots.device).masked_fill_(~self.visible[windowed], float("-inf"))
+            self._bias[windowed] = bias[:, None, None].expand(B, self.num_kv_heads, self.G, T, S).reshape(
+                B * self.num_kv_heads, self.G * T, S)
+        return self._bias[windowed]
+
+    def ordered(self, windowed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache slots each query row sees, in position order (its prefix, its ancestors,
+        itself): [B * T, S] int64, the first counts[r] of row r valid; counts [B * T] int64."""
+        if windowed not in self._ordered:
+            B, T, S = self.B, self.T, self.S
+            vis = self.visible[windowed].reshape(B * T, S)
+            order = torch.argsort((~vis).to(torch.int8), dim=1, stable=True)        # visible first, in order
+            slots = self.slots.view(B, 1, S).expand(B, T, S).reshape(B * T, S)
+            self._ordered[windowed] = (slots.gather(1, order).contiguous(), vis.sum(1))
+        return self._ordered[windowed]
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                sm_scale: float | None = None, windowed: bool = False) -> torch.Tensor:  # [B, T, Hq, D]
         B, T, S = self.B, self.T, self.S
-        assert not windowed or self.window_bias is not None, "context built without the sliding window"
-        bias = self.window_bias if windowed else self.bias
+        assert windowed in self.visible, "context built without the sliding window"
         Hq, D = q.shape[2], q.shape[3]
+        scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+        if cpu_kernels.layer_ops_apply(q, D) and k_cache.dtype == torch.float32:
+            return cpu_kernels.tree_attention(q, k_cache, v_cache, *self.ordered(windowed), scale)
+        bias = self.bias(windowed)
         Hkv = k_cache.shape[2]
         G = Hq // Hkv
-        scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
         k = k_cache.reshape(-1, Hkv, D).index_select(0, self.slots).float()        # [B*S, Hkv, D]
         v = v_cache.reshape(-1, Hkv, D).index_select(0, self.slots).float()
         k = k.view(B, S, Hkv, D).permute(0, 2, 3, 1).reshape(B * Hkv, D, S)

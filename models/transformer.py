@@ -15,6 +15,7 @@ Run it under `torch.no_grad()` / `torch.inference_mode()` all the same.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -175,6 +176,8 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:             # [N, hidden]
         """Token-wise work (norms, projections, MLP) on all N rows at once; attention per group."""
         c = self.c
+        if all(g.context is not None for g in groups) and cpu_kernels.layer_ops_apply(h, c.head_dim):
+            return self._forward_cpu(h, rope, k_cache, v_cache, slots, groups)
         N = h.shape[0]
         Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
 
@@ -196,6 +199,26 @@ class DecoderLayer(nn.Module):
         gate_up = self.gate_up_proj(rms_norm(h, self.mlp_norm, c.rms_norm_eps))   # [N, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)
+
+    def _forward_cpu(self, h, rope, k_cache, v_cache, slots, groups) -> torch.Tensor:   # [N, hidden]
+        """`forward` on a CPU in fp32 with the C layer operators (kernels/cpu/layer_ops.c): the same
+        computation in ~10 calls instead of ~40 torch operators."""
+        c = self.c
+        N = h.shape[0]
+        Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        qkv = self.qkv_proj(cpu_kernels.rms_norm(h, self.attn_norm, c.rms_norm_eps)).contiguous()
+        cpu_kernels.rope_store(qkv, rope[0], rope[1], k_cache, v_cache, slots, Hq, Hkv, D)
+        windowed = self.sliding_window is not None
+        scale = 1.0 / math.sqrt(D)
+        parts = []
+        for g in groups:
+            rows = qkv[g.start:g.start + g.batch * g.length, :Hq * D].view(g.batch, g.length, Hq, D)
+            parts.append(cpu_kernels.tree_attention(rows, k_cache, v_cache, *g.context.ordered(windowed), scale)
+                         .view(g.batch * g.length, Hq * D))
+        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+        h = h + self.o_proj(attn)
+        gate_up = self.gate_up_proj(cpu_kernels.rms_norm(h, self.mlp_norm, c.rms_norm_eps))
+        return h + self.down_proj(cpu_kernels.silu_mul(gate_up))
 
 
 @dataclass

@@ -8,6 +8,10 @@ logits do not depend on how many tokens were verified with it. The weight
 may also be float16 (converted in registers, fp32 arithmetic): half the
 memory traffic, for drafts, whose weights need not be exact.
 
+`rms_norm`, `silu_mul`, `rope_store` and `tree_attention` are a decoder
+layer's work between its matmuls in four calls instead of ~40 torch operators
+(kernels/cpu/layer_ops.c), each row's result again independent of the others.
+
 The shared library is compiled once per source version into
 `<cache>/cpu-kernels/<digest>/` (`$SPECFLASH_CACHE`, as for the embedded
 models) with `cc -O3 -mavx2 -mfma -mf16c -fopenmp`; compiling takes about a
@@ -32,6 +36,7 @@ import torch
 log = logging.getLogger("specflash.kernels")
 
 SOURCE = Path(__file__).with_name("skinny_gemm.c")
+LAYER_SOURCE = Path(__file__).with_name("layer_ops.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
 MAX_ROWS = 16
 
@@ -59,7 +64,8 @@ def _cpu_has_avx2() -> bool:
 def library_path(source: Path = SOURCE) -> Path:
     from kernels.cache import cache_dir
 
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    text = source.read_bytes() + LAYER_SOURCE.read_bytes() + " ".join(FLAGS).encode()
+    digest = hashlib.sha256(text).hexdigest()[:16]
     return cache_dir() / "cpu-kernels" / digest / "libspecflash_cpu.so"
 
 
@@ -76,7 +82,7 @@ def build(force: bool = False, source: Path = SOURCE) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True)
+        proc = subprocess.run([cc, *FLAGS, str(source), str(LAYER_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
         if proc.returncode != 0:
             raise CpuKernelError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
         os.replace(tmp, out)              # concurrent builders race harmlessly
@@ -117,6 +123,16 @@ def open_library(path: Path) -> ctypes.CDLL:
     for fn in (lib.sf_skinny_linear, lib.sf_skinny_linear_f16w):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    if hasattr(lib, "sf_rms_norm"):        # an earlier build (bench/cpu_matmul.py --baseline) may lack them
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        signatures = {"sf_rms_norm": [ptr] * 3 + [i64] * 2 + [ctypes.c_float],
+                      "sf_silu_mul": [ptr] * 2 + [i64] * 2,
+                      "sf_rope_store": [ptr] * 6 + [i64] * 4,
+                      "sf_tree_attention": [ptr, i64] + [ptr] * 4 + [i64, ptr] + [i64] * 4
+                                           + [ctypes.c_float, ptr, ctypes.c_int]}
+        for name, args in signatures.items():
+            getattr(lib, name).restype = None
+            getattr(lib, name).argtypes = args
     return lib
 
 
@@ -159,3 +175,67 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     fn(xc.data_ptr(), wc.data_ptr(), 0 if bc is None else bc.data_ptr(), y.data_ptr(),
                          M, K, N, threads or torch.get_num_threads())
     return y
+
+
+# The layer operators below take CPU float32 tensors (callers check `layer_ops_apply` once per
+# forward); they check shapes, not dtypes, on the hot path.
+
+def layer_ops_apply(x: torch.Tensor, head_dim: int) -> bool:
+    """Whether the C layer operators take this forward: CPU float32 inference, the library
+    built, a head size that is a multiple of 8 up to 256."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and head_dim % 8 == 0 and head_dim <= 256
+            and not (torch.is_grad_enabled() and x.requires_grad) and _load() is not None)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., H] → weight * x / sqrt(mean(x²) + eps), row by row."""
+    H = x.shape[-1]
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    _load().sf_rms_norm(xc.data_ptr(), weight.data_ptr(), out.data_ptr(), xc.numel() // H, H, eps)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] → silu(gate) * up [..., I]."""
+    I2 = gate_up.shape[-1]
+    gu = gate_up.contiguous()
+    out = torch.empty(*gu.shape[:-1], I2 // 2, dtype=torch.float32)
+    _load().sf_silu_mul(gu.data_ptr(), out.data_ptr(), gu.numel() // I2, I2 // 2)
+    return out
+
+
+def rope_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, slots: torch.Tensor, num_heads: int, num_kv_heads: int,
+               head_dim: int) -> None:
+    """RoPE on the q and k heads of qkv [N, (Hq + 2 Hkv) D] in place (cos, sin: N * D/2 values),
+    then each row's k and v to its cache slot (k_cache, v_cache: [.., block_size, Hkv, D]
+    contiguous; slots [N] int64)."""
+    N = qkv.shape[0]
+    if not (qkv.is_contiguous() and cos.is_contiguous() and sin.is_contiguous() and k_cache.is_contiguous()
+            and v_cache.is_contiguous() and cos.numel() == sin.numel() == N * head_dim // 2):
+        raise ValueError("rope_store takes contiguous qkv, cos, sin and caches")
+    sl = slots.contiguous()
+    _load().sf_rope_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                       sl.data_ptr(), N, num_heads, num_kv_heads, head_dim)
+
+
+def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, visible: torch.Tensor,
+                   counts: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, T, Hq, D] (heads contiguous, rows evenly strided); k_cache, v_cache [.., Hkv, D]
+    contiguous; visible [B * T, S] int64: the cache slots each row sees, in order, its first
+    counts[r] entries valid → [B, T, Hq, D]."""
+    B, T, Hq, D = q.shape
+    Hkv = k_cache.shape[-2]
+    R, S = visible.shape
+    row = q.stride(1) if T > 1 else q.stride(0)
+    if not (q.stride(3) == 1 and q.stride(2) == D and (B == 1 or q.stride(0) == T * row) and R == B * T
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and visible.is_contiguous()):
+        raise ValueError("tree_attention: q needs contiguous heads and evenly strided rows, the rest contiguous")
+    threads = torch.get_num_threads()
+    out = torch.empty(B, T, Hq, D, dtype=torch.float32)
+    scratch = torch.empty(max(threads, 1) * max(S, 1), dtype=torch.float32)
+    _load().sf_tree_attention(q.data_ptr(), row, k_cache.data_ptr(), v_cache.data_ptr(), visible.data_ptr(),
+                           counts.data_ptr(), S, out.data_ptr(), R, Hq, Hkv, D, scale, scratch.data_ptr(),
+                           threads)
+    return out

@@ -1,0 +1,194 @@
+/* The work of a decoder layer between its matmuls, for CPU fp32 decoding and tree verification:
+ * RMSNorm, RoPE with the cache write, tree attention over the paged cache, SiLU(gate) * up.
+ *
+ * In torch these are ~40 small operators a layer (SmolLM2-135M, one new token: ~9 ms of a
+ * 26 ms forward on two cores, most of it dispatch); here they are four calls.
+ *
+ * Every result of a row is the same sequence of operations whatever the other rows of the
+ * call are, so a token's hidden states do not depend on how many tokens were verified with it:
+ * - norms and SiLU work on one row at a time (8-lane chunks in order, a fixed horizontal sum);
+ * - attention reads, for each query row, the cache slots it may see as one ordered list (its
+ *   prefix, then its tree ancestors, then itself: `visible`), so a path's token sees the same
+ *   keys in the same order in a tree of any shape as when it is decoded alone; the softmax sum
+ *   and the weighted sum of values run over that list in order.
+ * D (the head size) must be a multiple of 8 and at most 256 (the caller checks).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+static inline float hsum8_ops(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    __m128 sh = _mm_movehdup_ps(s);
+    __m128 t = _mm_add_ps(s, sh);
+    sh = _mm_movehl_ps(sh, t);
+    return _mm_cvtss_f32(_mm_add_ss(t, sh));
+}
+
+/* exp(x) for 8 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n
+ * through the exponent bits. Relative error ~2e-7; inputs below -87.3 give 0. */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* Eight lanes of p[i .. i + 8), the lanes at or past `count` as `fill`. */
+static inline __m256 load_tail(const float *p, int64_t i, int64_t count, float fill) {
+    if (i + 8 <= count) return _mm256_loadu_ps(p + i);
+    float tmp[8];
+    for (int l = 0; l < 8; l++) tmp[l] = i + l < count ? p[i + l] : fill;
+    return _mm256_loadu_ps(tmp);
+}
+
+/* Stores the lanes of v below `count` to p[i .. i + 8). */
+static inline void store_tail(float *p, int64_t i, int64_t count, __m256 v) {
+    if (i + 8 <= count) {
+        _mm256_storeu_ps(p + i, v);
+        return;
+    }
+    float tmp[8];
+    _mm256_storeu_ps(tmp, v);
+    for (int64_t l = 0; i + l < count; l++) p[i + l] = tmp[l];
+}
+
+/* out[n] = w * (x[n] / sqrt(mean(x[n]^2) + eps)), rows of H. */
+void sf_rms_norm(const float *x, const float *w, float *out, int64_t N, int64_t H, float eps) {
+    for (int64_t n = 0; n < N; n++) {
+        const float *xr = x + n * H;
+        float *yr = out + n * H;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t k = 0;
+        for (; k + 8 <= H; k += 8) {
+            __m256 v = _mm256_loadu_ps(xr + k);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float ss = hsum8_ops(acc);
+        for (; k < H; k++) ss = __builtin_fmaf(xr[k], xr[k], ss);
+        const float r = 1.0f / sqrtf(ss / (float)H + eps);
+        for (k = 0; k + 8 <= H; k += 8)
+            _mm256_storeu_ps(yr + k, _mm256_mul_ps(_mm256_loadu_ps(w + k),
+                                                   _mm256_mul_ps(_mm256_loadu_ps(xr + k), _mm256_set1_ps(r))));
+        for (; k < H; k++) yr[k] = w[k] * (xr[k] * r);
+    }
+}
+
+/* out[n, :I] = silu(gu[n, :I]) * gu[n, I:2I], silu(g) = g / (1 + e^-g). */
+void sf_silu_mul(const float *gu, float *out, int64_t N, int64_t I) {
+    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    for (int64_t n = 0; n < N; n++) {
+        const float *g = gu + n * 2 * I, *u = g + I;
+        float *y = out + n * I;
+        for (int64_t k = 0; k < I; k += 8) {
+            __m256 gv = load_tail(g, k, I, 0.0f), uv = load_tail(u, k, I, 0.0f);
+            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, gv))));
+            store_tail(y, k, I, _mm256_mul_ps(s, uv));
+        }
+    }
+}
+
+/* Rotate-half RoPE on the q and k heads of each row of qkv [N, (Hq + 2 Hkv) D] in place
+ * (cos, sin: [N, D/2]), then copy the row's k and v heads to cache slot slots[n] of
+ * k_cache / v_cache ([slots, Hkv, D]). */
+void sf_rope_store(float *qkv, const float *cos, const float *sin, float *k_cache, float *v_cache,
+                   const int64_t *slots, int64_t N, int64_t Hq, int64_t Hkv, int64_t D) {
+    const int64_t half = D / 2, width = (Hq + 2 * Hkv) * D;
+    for (int64_t n = 0; n < N; n++) {
+        float *row = qkv + n * width;
+        const float *c = cos + n * half, *s = sin + n * half;
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            float *x1 = row + h * D, *x2 = x1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                const float a = x1[i], b = x2[i];
+                x1[i] = a * c[i] - b * s[i];
+                x2[i] = b * c[i] + a * s[i];
+            }
+        }
+        float *kd = k_cache + slots[n] * Hkv * D, *vd = v_cache + slots[n] * Hkv * D;
+        const float *ks = row + Hq * D, *vs = row + (Hq + Hkv) * D;
+        for (int64_t i = 0; i < Hkv * D; i++) {
+            kd[i] = ks[i];
+            vd[i] = vs[i];
+        }
+    }
+}
+
+static inline float dot_d(const float *a, const float *b, int64_t D) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
+    return hsum8_ops(acc);
+}
+
+/* One query head of one row: softmax(q . k_j * scale) over the ordered visible slots j, then
+ * the weighted sum of their values into out (D floats). scores: count floats of scratch. */
+static void attend_one(const float *q, const float *k_cache, const float *v_cache, const int64_t *vis,
+                       int64_t count, int64_t kvh, int64_t Hkv, int64_t D, float scale, float *scores,
+                       float *out) {
+    if (count == 0) {                             /* a padding row that sees nothing: zeros */
+        for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
+        return;
+    }
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < count; j++) {
+        const float sc = dot_d(q, k_cache + (vis[j] * Hkv + kvh) * D, D) * scale;
+        scores[j] = sc;
+        mx = sc > mx ? sc : mx;
+    }
+    const __m256 mv = _mm256_set1_ps(mx);
+    __m256 sumv = _mm256_setzero_ps();
+    for (int64_t j = 0; j < count; j += 8) {
+        __m256 p = exp8(_mm256_sub_ps(load_tail(scores, j, count, -INFINITY), mv));
+        sumv = _mm256_add_ps(sumv, p);
+        store_tail(scores, j, count, p);
+    }
+    const float inv = 1.0f / hsum8_ops(sumv);
+    __m256 acc[32];                               /* D <= 256 */
+    const int64_t chunks = D / 8;
+    for (int64_t c = 0; c < chunks; c++) acc[c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < count; j++) {
+        const float *v = v_cache + (vis[j] * Hkv + kvh) * D;
+        const __m256 p = _mm256_set1_ps(scores[j]);
+        for (int64_t c = 0; c < chunks; c++) acc[c] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), acc[c]);
+    }
+    for (int64_t c = 0; c < chunks; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inv)));
+}
+
+/* Tree attention of R query rows: row r's q heads at q + r * q_stride ([Hq, D]), its visible
+ * cache slots vis[r, :counts[r]] (row stride S, in order), its output out[r] ([Hq, D]).
+ * Query head h reads kv head h / (Hq / Hkv). scratch: threads * S floats. */
+void sf_tree_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                       const int64_t *vis, const int64_t *counts, int64_t S, float *out, int64_t R,
+                       int64_t Hq, int64_t Hkv, int64_t D, float scale, float *scratch, int threads) {
+    const int64_t G = Hq / Hkv, tasks = R * Hq;
+    int64_t work = 0;
+    for (int64_t r = 0; r < R; r++) work += counts[r];
+    work *= Hq * D;
+    if (threads < 1 || work < 200000) threads = 1;      /* a short decode step: one thread */
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (int64_t t = 0; t < tasks; t++) {
+        const int64_t r = t / Hq, h = t % Hq;
+#ifdef _OPENMP
+        extern int omp_get_thread_num(void);
+        float *scores = scratch + (int64_t)omp_get_thread_num() * S;
+#else
+        float *scores = scratch;
+#endif
+        attend_one(q + r * q_stride + h * D, k_cache, v_cache, vis + r * S, counts[r], h / G, Hkv, D, scale,
+                   scores, out + (r * Hq + h) * D);
+    }
+}

@@ -1,0 +1,126 @@
+"""kernels.cpu's layer operators (kernels/cpu/layer_ops.c): RMSNorm, SiLU·up, RoPE with the cache
+write, and the models' CPU fp32 forward that takes them. The tree attention itself is checked
+against float64 through `CpuAttentionContext` in test_tree_attention.py."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu
+from models import transformer
+from models.loader import load_model
+from models.transformer import apply_rope, causal_mask, rms_norm
+from models.tree import ancestor_mask
+
+CAN_BUILD = cpu._cpu_has_avx2() and (shutil.which("cc") or shutil.which("gcc")) is not None
+pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs an AVX2/FMA CPU and a C compiler")
+
+
+@pytest.mark.parametrize("H", [8, 37, 576])
+def test_rms_norm_matches_torch(H):
+    g = torch.Generator().manual_seed(H)
+    x, w = torch.randn(5, H, generator=g) * 3, torch.randn(H, generator=g)
+    got = cpu.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(got, rms_norm(x, w, 1e-5), rtol=2e-6, atol=2e-6)
+    # each row alone gives the same bits as among others
+    assert torch.equal(cpu.rms_norm(x[3:4], w, 1e-5), got[3:4])
+
+
+@pytest.mark.parametrize("I", [5, 64, 1536])
+def test_silu_mul_matches_torch_over_the_whole_range(I):
+    g = torch.Generator().manual_seed(I)
+    gate_up = torch.randn(3, 2 * I, generator=g) * 8
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, -87.5, 0.0])[: min(4, I)]   # exp's under- and overflow
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = cpu.silu_mul(gate_up)
+    assert got.shape == (3, I) and not got.isnan().any()
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
+def test_rope_store_rotates_q_and_k_and_writes_k_and_v_to_their_slots():
+    N, Hq, Hkv, D, page = 3, 4, 2, 16, 8
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(N, (Hq + 2 * Hkv) * D, generator=g)
+    angles = torch.randn(N, 1, D // 2, generator=g)
+    cos, sin = angles.cos(), angles.sin()
+    k_cache, v_cache = torch.zeros(4, page, Hkv, D), torch.zeros(4, page, Hkv, D)
+    slots = torch.tensor([9, 30, 2])
+    want = apply_rope(qkv[:, : (Hq + Hkv) * D].view(N, Hq + Hkv, D), cos, sin)
+    v = qkv[:, (Hq + Hkv) * D:].reshape(N, Hkv, D).clone()
+    got = qkv.clone()
+    cpu.rope_store(got, cos, sin, k_cache, v_cache, slots, Hq, Hkv, D)
+    torch.testing.assert_close(got[:, : (Hq + Hkv) * D].view(N, Hq + Hkv, D), want, rtol=1e-6, atol=1e-6)
+    flat_k, flat_v = k_cache.view(-1, Hkv, D), v_cache.view(-1, Hkv, D)
+    torch.testing.assert_close(flat_k[slots], want[:, Hq:])
+    assert torch.equal(flat_v[slots], v)
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu.rope_store(got[:, ::2], cos, sin, k_cache, v_cache, slots, Hq, Hkv, D // 2)
+
+
+def _prefilled(model, ids, P):
+    cache = model.new_cache(32, block_size=8)
+    cache.add_sequence(0)
+    model.forward(ids[:, :P], torch.arange(P)[None], cache, [0], causal_mask(1, P))
+    return cache
+
+
+def test_a_paths_logits_are_the_same_bits_in_any_tree_and_decoded_alone(tiny_target):
+    """What exactness leans on: verifying a path inside a tree gives the bits of decoding it
+    token by token (matmuls, norms and attention all row-independent)."""
+    model = load_model(tiny_target)
+    ids = torch.randint(3, 200, (1, 30), generator=torch.Generator().manual_seed(1))
+    P = 24
+    with torch.inference_mode():
+        cache = _prefilled(model, ids, P)
+        alone = torch.cat([model.forward(ids[:, P + i:P + i + 1], torch.tensor([[P + i]]), cache, [0],
+                                         causal_mask(1, 1)) for i in range(4)], dim=1)
+        # a tree whose path 0 → 2 → 3 → 5 is ids[P:P+4], with decoys beside it
+        parents = torch.tensor([-1, 0, 0, 2, 2, 3])
+        tokens = torch.tensor([[ids[0, P], 7, ids[0, P + 1], ids[0, P + 2], 9, ids[0, P + 3]]])
+        positions = torch.tensor([[P, P + 1, P + 1, P + 2, P + 2, P + 3]])
+        cache = _prefilled(model, ids, P)
+        tree = model.forward(tokens, positions, cache, [0], ancestor_mask(parents)[None])
+    assert torch.equal(tree[0, [0, 2, 3, 5]], alone[0])
+
+
+def test_the_fused_cpu_layer_matches_the_torch_layer(tiny_target, monkeypatch):
+    model = load_model(tiny_target)
+    ids = torch.randint(3, 200, (2, 20), generator=torch.Generator().manual_seed(2))
+    calls = []
+    real = transformer.DecoderLayer._forward_cpu
+    monkeypatch.setattr(transformer.DecoderLayer, "_forward_cpu",
+                        lambda self, *a: calls.append(1) or real(self, *a))
+
+    def run():
+        with torch.inference_mode():
+            cache = model.new_cache(32, block_size=8)
+            for s in (0, 1):
+                cache.add_sequence(s)
+            first = model.forward(ids[:, :16], torch.arange(16).expand(2, 16), cache, [0, 1], causal_mask(2, 16))
+            step = model.forward(ids[:, 16:19], torch.arange(16, 19).expand(2, 3), cache, [0, 1],
+                                 causal_mask(2, 3))
+        return first, step
+
+    fused = run()
+    assert calls, "the CPU fp32 forward did not take the C layer operators"
+    monkeypatch.setattr(transformer.cpu_kernels, "layer_ops_apply", lambda *a: False)
+    calls.clear()
+    plain = run()
+    assert not calls
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_ops_apply_only_to_cpu_float32_inference_with_a_fitting_head_size():
+    x = torch.randn(2, 8)
+    assert cpu.layer_ops_apply(x, 64)
+    assert not cpu.layer_ops_apply(x, 12)           # not a multiple of 8
+    assert not cpu.layer_ops_apply(x, 264)          # wider than the kernel's registers
+    assert not cpu.layer_ops_apply(x.double(), 64)
+    assert not cpu.layer_ops_apply(x.bfloat16(), 64)
