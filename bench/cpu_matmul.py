@@ -6,9 +6,10 @@
     python bench/cpu_matmul.py --rows 1 2 3 4 --baseline OLD.c   # also an earlier kernel's source
 
 One process, the same target and KV cache; every repetition runs each row
-count with `kernels.cpu.skinny_linear` (models.transformer's few-row path) and
-with torch's matmul paths (that kernel switched off), interleaved, so drift of
-the machine hits both alike. A row count T is a verification of a chain of
+count through torch alone, with `kernels.cpu.skinny_linear` (models.transformer's
+few-row path) for the matmuls and torch between them, and with the C layer
+operators too (kernels/cpu/layer_ops.c, the default), interleaved, so drift of
+the machine hits all alike. A row count T is a verification of a chain of
 T - 1 draft tokens after a 120-token prefix (T = 1: plain decoding). Reports
 the median milliseconds and the ratio to torch's one-row step.
 """
@@ -69,25 +70,26 @@ def main(argv: list[str] | None = None) -> int:
         verifier.release("s")
         return seconds
 
-    saved, lib = mt._SKINNY_ROWS, cpu._load()
-    paths = [("torch", 0, lib), ("C kernel", saved, lib)]
+    saved, lib, layer_ops = mt._SKINNY_ROWS, cpu._load(), cpu.layer_ops_apply
+    paths = [("torch", 0, lib, False), ("C-matmul", saved, lib, False), ("C-layer", saved, lib, True)]
     if args.baseline:
-        paths.append(("baseline", saved, cpu.open_library(cpu.build(source=Path(args.baseline)))))
+        paths.append(("baseline", saved, cpu.open_library(cpu.build(source=Path(args.baseline))), True))
     times: dict[tuple[str, int], list[float]] = {}
     try:
         for rep in range(args.reps + 1):
-            for name, limit, library in paths:
+            for name, limit, library, fused in paths:
                 mt._SKINNY_ROWS, cpu._lib = limit, library
+                cpu.layer_ops_apply = layer_ops if fused else (lambda *a: False)
                 for rows in args.rows:
                     t = verify_once(rows)
                     if rep:                                  # the first round warms both paths up
                         times.setdefault((name, rows), []).append(t)
     finally:
-        mt._SKINNY_ROWS, cpu._lib = saved, lib
+        mt._SKINNY_ROWS, cpu._lib, cpu.layer_ops_apply = saved, lib, layer_ops
     base = statistics.median(times[("torch", args.rows[0])])
     print(f"threads {args.threads}, {args.reps} interleaved repetitions, median ms (ratio to torch's "
           f"{args.rows[0]}-row step)")
-    for name, _, _ in paths:
+    for name, *_ in paths:
         cells = [f"{r} rows {statistics.median(times[(name, r)]) * 1e3:.1f} "
                  f"({statistics.median(times[(name, r)]) / base:.2f})" for r in args.rows]
         print(f"{name:9s} " + "  ".join(cells))

@@ -1,7 +1,8 @@
-"""bench/cpu_matmul.py: the few-row kernel against torch's matmul, and against another build."""
+"""bench/cpu_matmul.py: the few-row kernel and the layer operators against torch, and another build."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kernels import cpu
 
@@ -12,7 +13,8 @@ def test_times_each_path_and_a_baseline_build_and_restores_the_kernel(tiny_targe
     assert bench_script("cpu_matmul").main(["--target", str(tiny_target), "--rows", "1", "3", "--reps", "1",
                                             "--baseline", str(cpu.SOURCE)]) == 0
     out = capsys.readouterr().out.splitlines()
-    rows = {line.split()[0]: line for line in out[-3:]}
-    assert set(rows) == {"torch", "C", "baseline"}
+    rows = {line.split()[0]: line for line in out[-4:]}
+    assert set(rows) == {"torch", "C-matmul", "C-layer", "baseline"}
     assert all("1 rows" in line and "3 rows" in line for line in rows.values())
     assert cpu._load() is lib            # the project's build is the one loaded again
+    assert cpu.layer_ops_apply(torch.zeros(1, 8), 8)     # and the layer operators switched on again
