@@ -91,7 +91,7 @@ def test_a_paths_logits_are_the_same_bits_in_any_tree_and_decoded_alone(tiny_tar
 
 def test_the_fused_cpu_layer_matches_the_torch_layer(tiny_target, monkeypatch):
     model = load_model(tiny_target)
-    ids = torch.randint(3, 200, (2, 20), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(3, 200, (2, 24), generator=torch.Generator().manual_seed(2))
     calls = []
     real = transformer.DecoderLayer._forward_cpu
     monkeypatch.setattr(transformer.DecoderLayer, "_forward_cpu",
@@ -102,8 +102,9 @@ def test_the_fused_cpu_layer_matches_the_torch_layer(tiny_target, monkeypatch):
             cache = model.new_cache(32, block_size=8)
             for s in (0, 1):
                 cache.add_sequence(s)
-            first = model.forward(ids[:, :16], torch.arange(16).expand(2, 16), cache, [0, 1], causal_mask(2, 16))
-            step = model.forward(ids[:, 16:19], torch.arange(16, 19).expand(2, 3), cache, [0, 1],
+            # a prompt of 20 rows (more than the few-row matmul takes), then a step of 3
+            first = model.forward(ids[:, :20], torch.arange(20).expand(2, 20), cache, [0, 1], causal_mask(2, 20))
+            step = model.forward(ids[:, 20:23], torch.arange(20, 23).expand(2, 3), cache, [0, 1],
                                  causal_mask(2, 3))
         return first, step
 
