@@ -50,7 +50,7 @@ def worker(role: str, model_dir: str, rows: int, threads: int, seconds: float, s
 
     from models import load_model
     from models.embedded import draft_logit_rows
-    from models.transformer import causal_mask, use_half_weights
+    from models.transformer import causal_mask, use_draft_weights
 
     torch.set_num_threads(threads)
     if sched == "idle":
@@ -60,7 +60,7 @@ def worker(role: str, model_dir: str, rows: int, threads: int, seconds: float, s
     model = load_model(model_dir)
     head = None       # the draft's reduced LM head, selected once (as drafter.model_proposer does)
     if role == "draft":
-        use_half_weights(model)          # the proposer's fp16 few-row matmuls
+        use_draft_weights(model)         # the proposer's low-precision few-row matmuls
         ids = draft_logit_rows(Path(model_dir))
         if ids is not None:
             head = model.lm_head_weight.index_select(0, torch.tensor(ids))

@@ -415,15 +415,15 @@ def sweep(args, target_dir, draft_dir, work, methods, runs, costs: dict) -> dict
     from bench.e2e import forward_ms
     from models.pair import read_logit_rows
     from models import load_model
-    from models.transformer import use_half_weights
+    from models.transformer import use_draft_weights
 
     # the model lines' step costs on the in-process baselines' threads, the draft as its
-    # proposer runs it (fp16 layers, the reduced head selected once)
+    # proposer runs it (int8 layers, the reduced head selected once)
     torch.set_num_threads(args.threads)
     target = load_model(target_dir)
     t1, tk = forward_ms(target, 128, 1), forward_ms(target, 128, args.spec_len + 1)
     draft = load_model(draft_dir)
-    use_half_weights(draft)
+    use_draft_weights(draft)
     rows = read_logit_rows(draft_dir, target.config.vocab_size)
     d1 = forward_ms(draft, 128, 1, logit_rows=None if rows is None else torch.tensor(rows))
     # a lone stream's pipeline takes turns (lockstep): each level costs the wait the verifier

@@ -28,17 +28,17 @@ import torch
 from speculation.proposal import DraftRequest
 from drafter.tree_search import ROOT, TreeBuilder
 from models.kv_cache import OutOfBlocks
-from models.transformer import PackedWeight, use_half_weights
+from models.transformer import DRAFT_WEIGHTS, PackedWeight, low_precision, use_draft_weights
 from models.tree import TokenTree, ragged_tree_forward
 
 
 class ModelProposer:
     def __init__(self, model, cache, spec_len: int, tree_width: int = 1, max_nodes: int | None = None,
                  logit_rows: Sequence[int] | None = None, vocab_size: int | None = None,
-                 half_weights: bool = True) -> None:
+                 weights: str | None = DRAFT_WEIGHTS) -> None:
         self.model = model              # models.Transformer (the draft)
-        if half_weights:                # few-row CPU matmuls read fp16 copies: half the traffic
-            use_half_weights(model)
+        if weights:                     # few-row CPU matmuls read int8 (or fp16) copies: less traffic
+            use_draft_weights(model, weights)
         self.cache = cache              # models.PagedKVCache sized for it
         self.spec_len, self.tree_width = spec_len, tree_width
         self.max_nodes = max_nodes      # None = depth * width
@@ -47,10 +47,10 @@ class ModelProposer:
         self.logit_rows = None if logit_rows is None else torch.tensor(list(logit_rows), device=device)
         # the reduced LM head, selected once: [V', hidden]
         self.lm_head = None if logit_rows is None else model.lm_head_weight.index_select(0, self.logit_rows)
-        if half_weights and self.lm_head is not None and self.lm_head.dtype == torch.float32 \
+        if weights and self.lm_head is not None and self.lm_head.dtype == torch.float32 \
                 and self.lm_head.device.type == "cpu":
-            self.lm_head = self.lm_head.half().float()     # fp16 values, as the layers
-        self.head_pack = PackedWeight(transposed_gemv=True, half=half_weights)   # built on first use
+            self.lm_head = low_precision(self.lm_head, weights)[2]     # the format's values, as the layers
+        self.head_pack = PackedWeight(transposed_gemv=True, low=weights or None)   # built on first use
         self._committed: dict[Hashable, int] = {}   # committed tokens whose K/V the draft cache holds
         self._layout: dict[Hashable, list[int]] = {}   # builder node ids cached after them, in order
         self._node_ids: dict[Hashable, list[int]] = {}   # tree node index -> builder node id

@@ -52,11 +52,12 @@ class PackedWeight:
     SmolLM2-135M, one thread: 4 / 8 tokens verified in 1.15x / 1.27x its own
     one-token step, against 1.57x / 1.70x through torch; two threads: a
     one-token step 17% faster than torch's); its results for a row do not
-    depend on the other rows. With `half` (drafts: their weights need not be
-    exact, most were stored in fp16 anyway) it reads a float16 copy of the
-    weight instead: half the memory traffic, which also leaves more of the
-    memory bandwidth to a target running beside the draft. Where that kernel
-    cannot be built, or for more rows, the paths below apply (in fp32).
+    depend on the other rows. With `low` (drafts: their weights need not be
+    exact) it reads a low-precision copy of the weight instead (`DRAFT_WEIGHTS`):
+    float16, half the memory traffic, or int8 with a scale per row, a quarter,
+    which also leaves more of the memory bandwidth to a target running beside
+    the draft. Where that kernel cannot be built, or for more rows, the paths
+    below apply (in fp32, on the weight rounded to the same values).
 
     MKL's sgemm repacks the whole weight on every call with few rows (a tree
     verify or a short prefill), which halves throughput on this kind of CPU;
@@ -69,20 +70,23 @@ class PackedWeight:
     a third) copy of the weight.
     """
 
-    def __init__(self, transposed_gemv: bool = False, half: bool = False) -> None:
+    def __init__(self, transposed_gemv: bool = False, low: str | None = None) -> None:
         self.transposed_gemv = transposed_gemv
-        self.half = half
+        self.low = low                                 # None, "fp16" or "int8": the few-row kernel's copy
         self._key: tuple[int, int] | None = None
         self._packed: torch.Tensor | None = None       # oneDNN layout, [out, in]
         self._transposed: torch.Tensor | None = None   # [in, out] contiguous
-        self._half_key: tuple[int, int] | None = None
-        self._half: torch.Tensor | None = None         # float16 copy, [out, in]
+        self._low_key: tuple[int, int] | None = None
+        self._low: tuple[torch.Tensor, torch.Tensor | None] | None = None   # [out, in] copy, [out] scales
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] @ weight [out, in].T + bias → [..., out]."""
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if 1 <= rows <= _SKINNY_ROWS and _cpu_fp32_inference(x, weight) and cpu_kernels.available():
-            return cpu_kernels.skinny_linear(x, self._half_copy(weight) if self.half else weight, bias)
+            if self.low is None:
+                return cpu_kernels.skinny_linear(x, weight, bias)
+            low, scales = self._low_copy(weight)
+            return cpu_kernels.skinny_linear(x, low, bias, scales=scales)
         fast = _MKLDNN_LINEAR and _cpu_fp32_inference(x, weight)
         one_thread = torch.get_num_threads() == 1
         if not fast or (rows == 1 and one_thread and not self.transposed_gemv) or rows == 0:
@@ -100,24 +104,43 @@ class PackedWeight:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, bias, "none", [], "")
 
-    def _half_copy(self, weight: torch.Tensor) -> torch.Tensor:
+    def _low_copy(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = (weight.data_ptr(), weight._version)
-        if key != self._half_key:
-            self._half, self._half_key = weight.detach().half(), key
-        return self._half
+        if key != self._low_key:
+            low, scales, _ = low_precision(weight.detach(), self.low)
+            self._low, self._low_key = (low, scales), key
+        return self._low
 
 
-def use_half_weights(model: nn.Module) -> None:
-    """A draft's layers in float16 precision: their weights are rounded to fp16 values in place
-    (so every path computes with the same numbers) and few-row CPU matmuls read fp16 copies.
-    The embeddings, norms and full LM head are left as they are; so are weights that are not
-    CPU fp32 (a GPU draft runs its own dtype)."""
+DRAFT_WEIGHTS = "int8"   # what a CPU draft's few-row matmuls read (`use_draft_weights`)
+
+
+def low_precision(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """weight [out, in] float32 in `fmt`: (the copy the few-row kernel reads: float16, or int8
+    with one float32 scale per row (its absolute maximum / 127); those scales or None; the fp32
+    values it stands for)."""
+    if fmt == "fp16":
+        low = weight.half()
+        return low, None, low.float()
+    if fmt == "int8":
+        amax = weight.abs().amax(dim=1)
+        scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).float()
+        q = torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+        return q, scales, q.float() * scales[:, None]
+    raise ValueError(f"unknown draft weight format {fmt!r} (fp16 or int8)")
+
+
+def use_draft_weights(model: nn.Module, fmt: str = DRAFT_WEIGHTS) -> None:
+    """A draft's layers in low precision (`low_precision`): their weights are rounded to the
+    format's values in place (so every path computes with the same numbers) and few-row CPU
+    matmuls read the low-precision copies. The embeddings, norms and full LM head are left as
+    they are; so are weights that are not CPU fp32 (a GPU draft runs its own dtype)."""
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, Linear) and module.weight.device.type == "cpu" \
                     and module.weight.dtype == torch.float32:
-                module.weight.copy_(module.weight.half().float())
-                module._pack.half = True
+                module.weight.copy_(low_precision(module.weight, fmt)[2])
+                module._pack.low = fmt
 
 
 def _cpu_fp32_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -6,7 +6,8 @@ once, in the nn.Linear layout (kernels/cpu/skinny_gemm.c). Every output
 element is computed the same way whatever the number of rows, so a token's
 logits do not depend on how many tokens were verified with it. The weight
 may also be float16 (converted in registers, fp32 arithmetic): half the
-memory traffic, for drafts, whose weights need not be exact.
+memory traffic, or int8 with a scale per weight row: a quarter; for drafts,
+whose weights need not be exact.
 
 `rms_norm`, `silu_mul`, `rope_store` and `tree_attention` are a decoder
 layer's work between its matmuls in four calls instead of ~40 torch operators
@@ -123,6 +124,10 @@ def open_library(path: Path) -> ctypes.CDLL:
     for fn in (lib.sf_skinny_linear, lib.sf_skinny_linear_f16w):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    if hasattr(lib, "sf_skinny_linear_i8w"):   # an earlier build (bench/cpu_matmul.py --baseline) may lack it
+        lib.sf_skinny_linear_i8w.restype = ctypes.c_int
+        lib.sf_skinny_linear_i8w.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int,
+                                                                                            ctypes.c_void_p]
     if hasattr(lib, "sf_rms_norm"):        # an earlier build (bench/cpu_matmul.py --baseline) may lack them
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         signatures = {"sf_rms_norm": [ptr] * 3 + [i64] * 2 + [ctypes.c_float],
@@ -146,9 +151,10 @@ def unavailable_reason() -> str | None:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  threads: int | None = None) -> torch.Tensor:
+                  threads: int | None = None, scales: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) for at most 16 rows, CPU; x, bias and the result
-    float32, the weight float32 or float16.
+    float32, the weight float32 or float16, or int8 with `scales` [N] float32 (weight row n
+    stands for scales[n] * weight[n]).
 
     Raises CpuKernelError when the library is unavailable and ValueError for
     inputs it does not take (other dtypes or devices, more than MAX_ROWS rows).
@@ -159,9 +165,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     K = x.shape[-1]
     M = x.numel() // K if K else 0
     N = weight.shape[0]
-    if not (x.dtype == torch.float32 and weight.dtype in (torch.float32, torch.float16)
+    if not (x.dtype == torch.float32 and weight.dtype in (torch.float32, torch.float16, torch.int8)
             and x.device.type == weight.device.type == "cpu"):
-        raise ValueError("skinny_linear takes CPU float32 inputs and a float32 or float16 weight")
+        raise ValueError("skinny_linear takes CPU float32 inputs and a float32, float16 or int8 weight")
+    if (weight.dtype == torch.int8) != (scales is not None):
+        raise ValueError("an int8 weight takes scales (float32, one per weight row), and only it")
+    if scales is not None and (scales.dtype != torch.float32 or scales.shape != (N,)):
+        raise ValueError(f"scales must be float32 [{N}]")
     if weight.dim() != 2 or weight.shape[1] != K:
         raise ValueError(f"weight {tuple(weight.shape)} does not match x's last dimension {K}")
     if not 1 <= M <= MAX_ROWS:
@@ -171,9 +181,12 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     xc, wc = x.contiguous(), weight.contiguous()
     bc = None if bias is None else bias.contiguous()
     y = torch.empty(*x.shape[:-1], N, dtype=torch.float32)
-    fn = lib.sf_skinny_linear if weight.dtype == torch.float32 else lib.sf_skinny_linear_f16w
-    fn(xc.data_ptr(), wc.data_ptr(), 0 if bc is None else bc.data_ptr(), y.data_ptr(),
-                         M, K, N, threads or torch.get_num_threads())
+    args = (xc.data_ptr(), wc.data_ptr(), 0 if bc is None else bc.data_ptr(), y.data_ptr(), M, K, N,
+            threads or torch.get_num_threads())
+    if weight.dtype == torch.int8:
+        lib.sf_skinny_linear_i8w(*args, scales.contiguous().data_ptr())
+    else:
+        (lib.sf_skinny_linear if weight.dtype == torch.float32 else lib.sf_skinny_linear_f16w)(*args)
     return y
 
 

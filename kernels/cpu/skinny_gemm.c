@@ -1,5 +1,6 @@
 /* y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) for few rows M (1..16), fp32 arithmetic, AVX2 + FMA;
- * w in fp32, or in fp16 (F16C conversion in registers: half the memory traffic).
+ * w in fp32, in fp16 (F16C conversion in registers: half the memory traffic), or in int8 with one
+ * fp32 scale per weight row (a quarter of it: y[m, n] = scale[n] * (x[m] . q[n]) + bias[n]).
  *
  * Decoding and tree verification multiply a handful of rows by every weight
  * of the model once per step: the weight streams from memory and each of its
@@ -41,11 +42,12 @@ static inline float hsum8(__m256 v) {
 
 /* Dot products of one weight row with G (1, 2 or 4) x rows, two accumulators per x row (even and
  * odd 8-float chunks of k). Every element: chunks of 16 in order, a last chunk of 8 into the
- * even accumulator, hsum(even + odd), the scalar tail, the bias. WT is the weight's element
- * type, LOAD8 / LOAD1 read 8 / 1 of them as fp32 (fp16 weights: F16C conversion in registers). */
-#define DEFINE_ROW(G, SFX, WT, LOAD8, LOAD1)                                                     \
+ * even accumulator, hsum(even + odd), the scalar tail, OUT (the row's scale, for int8), the bias.
+ * WT is the weight's element type, LOAD8 / LOAD1 read 8 / 1 of them as fp32 (fp16 weights: F16C
+ * conversion in registers; int8: sign-extended and converted). */
+#define DEFINE_ROW(G, SFX, WT, LOAD8, LOAD1, OUT)                                                \
 static inline void row_##SFX##G(const float *x, const WT *wr, float *y, int64_t K, int64_t N,    \
-                                float b) {                                                       \
+                                float b, float sc) {                                             \
     const int64_t K16 = K & ~(int64_t)15, K8 = K & ~(int64_t)7;                                  \
     __m256 a0[G], a1[G];                                                                         \
     _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++) {                                      \
@@ -68,7 +70,7 @@ static inline void row_##SFX##G(const float *x, const WT *wr, float *y, int64_t 
     _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++) {                                      \
         float s = hsum8(_mm256_add_ps(a0[m], a1[m]));                                            \
         for (int64_t k = K8; k < K; k++) s = __builtin_fmaf(x[m * K + k], LOAD1(wr[k]), s);      \
-        y[m * N] = s + b;                                                                        \
+        y[m * N] = OUT(s, sc) + b;                                                               \
     }                                                                                            \
 }
 
@@ -76,32 +78,41 @@ static inline void row_##SFX##G(const float *x, const WT *wr, float *y, int64_t 
 #define LOAD1_F32(v) (v)
 #define LOAD8_F16(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #define LOAD1_F16(v) _cvtsh_ss(v)
+#define LOAD8_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#define LOAD1_I8(v) ((float)(v))
+#define OUT_PLAIN(s, sc) (s)
+#define OUT_SCALED(s, sc) ((s) * (sc))
 
-DEFINE_ROW(1, f32_, float, LOAD8_F32, LOAD1_F32) DEFINE_ROW(2, f32_, float, LOAD8_F32, LOAD1_F32)
-DEFINE_ROW(4, f32_, float, LOAD8_F32, LOAD1_F32)
-DEFINE_ROW(1, f16_, uint16_t, LOAD8_F16, LOAD1_F16) DEFINE_ROW(2, f16_, uint16_t, LOAD8_F16, LOAD1_F16)
-DEFINE_ROW(4, f16_, uint16_t, LOAD8_F16, LOAD1_F16)
+DEFINE_ROW(1, f32_, float, LOAD8_F32, LOAD1_F32, OUT_PLAIN)
+DEFINE_ROW(2, f32_, float, LOAD8_F32, LOAD1_F32, OUT_PLAIN)
+DEFINE_ROW(4, f32_, float, LOAD8_F32, LOAD1_F32, OUT_PLAIN)
+DEFINE_ROW(1, f16_, uint16_t, LOAD8_F16, LOAD1_F16, OUT_PLAIN)
+DEFINE_ROW(2, f16_, uint16_t, LOAD8_F16, LOAD1_F16, OUT_PLAIN)
+DEFINE_ROW(4, f16_, uint16_t, LOAD8_F16, LOAD1_F16, OUT_PLAIN)
+DEFINE_ROW(1, i8_, int8_t, LOAD8_I8, LOAD1_I8, OUT_SCALED)
+DEFINE_ROW(2, i8_, int8_t, LOAD8_I8, LOAD1_I8, OUT_SCALED)
+DEFINE_ROW(4, i8_, int8_t, LOAD8_I8, LOAD1_I8, OUT_SCALED)
 
 /* Columns [n0, n1) of y: weight rows in memory order, x rows in groups of 4, the rest as 2, 1
  * or 2 + 1 (a weight row is read from memory once; a second group reads it again from L1).
  * `python bench/cpu_matmul.py --rows 1 2 3 4 5 6 7 8` times each count in a whole forward. */
 #define DEFINE_COLUMNS(SFX, WT)                                                                  \
-static void columns_##SFX(const float *x, const WT *w, const float *bias, float *y,              \
-                          int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {             \
+static void columns_##SFX(const float *x, const WT *w, const float *scales, const float *bias,  \
+                          float *y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {   \
     for (int64_t n = n0; n < n1; n++) {                                                          \
         const WT *wr = w + n * K;                                                                \
-        const float b = bias ? bias[n] : 0.0f;                                                   \
+        const float b = bias ? bias[n] : 0.0f, sc = scales ? scales[n] : 1.0f;                   \
         for (int64_t m0 = 0; m0 < M; m0 += 4) {                                                  \
             const float *xg = x + m0 * K;                                                        \
             float *yg = y + m0 * N + n;                                                          \
             switch (M - m0 < 4 ? M - m0 : 4) {                                                   \
-                case 1: row_##SFX##1(xg, wr, yg, K, N, b); break;                                \
-                case 2: row_##SFX##2(xg, wr, yg, K, N, b); break;                                \
+                case 1: row_##SFX##1(xg, wr, yg, K, N, b, sc); break;                            \
+                case 2: row_##SFX##2(xg, wr, yg, K, N, b, sc); break;                            \
                 case 3: /* two and one: row_3 streamed ~40 % slower than row_4 (AMD EPYC) */     \
-                    row_##SFX##2(xg, wr, yg, K, N, b);                                           \
-                    row_##SFX##1(xg + 2 * K, wr, yg + 2 * N, K, N, b);                           \
+                    row_##SFX##2(xg, wr, yg, K, N, b, sc);                                       \
+                    row_##SFX##1(xg + 2 * K, wr, yg + 2 * N, K, N, b, sc);                       \
                     break;                                                                       \
-                default: row_##SFX##4(xg, wr, yg, K, N, b); break;                               \
+                default: row_##SFX##4(xg, wr, yg, K, N, b, sc); break;                           \
             }                                                                                    \
         }                                                                                        \
     }                                                                                            \
@@ -109,27 +120,35 @@ static void columns_##SFX(const float *x, const WT *w, const float *bias, float 
 
 DEFINE_COLUMNS(f32_, float)
 DEFINE_COLUMNS(f16_, uint16_t)
+DEFINE_COLUMNS(i8_, int8_t)
 
-/* Returns 0, or -1 when M is outside 1..16 (the caller takes another path). */
-#define DEFINE_ENTRY(NAME, SFX, WT)                                                              \
+/* Returns 0, or -1 when M is outside 1..16 (the caller takes another path). SCALES: the int8
+ * entry's extra argument (and SCALE_ARG what the columns get: it, or NULL). */
+#define COMMA_SCALES , const float *scales
+#define DEFINE_ENTRY(NAME, SFX, WT, SCALES)                                                      \
 int NAME(const float *x, const WT *w, const float *bias, float *y,                               \
-         int64_t M, int64_t K, int64_t N, int threads) {                                         \
+         int64_t M, int64_t K, int64_t N, int threads SCALES) {                                  \
     if (M < 1 || M > 16) return -1;                                                              \
     const int64_t chunk = 64;                      /* output columns per task */                 \
     const int64_t tasks = (N + chunk - 1) / chunk;                                               \
     if (threads <= 1 || tasks < 2) {                                                             \
-        columns_##SFX(x, w, bias, y, M, K, N, 0, N);                                             \
+        columns_##SFX(x, w, SCALE_ARG, bias, y, M, K, N, 0, N);                                  \
         return 0;                                                                                \
     }                                                                                            \
     _Pragma("omp parallel for num_threads(threads) schedule(static)")                            \
     for (int64_t t = 0; t < tasks; t++) {                                                        \
         int64_t n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;                            \
-        columns_##SFX(x, w, bias, y, M, K, N, n0, n1);                                           \
+        columns_##SFX(x, w, SCALE_ARG, bias, y, M, K, N, n0, n1);                                \
     }                                                                                            \
     return 0;                                                                                    \
 }
 
+#define SCALE_ARG NULL
 /* fp32 weights */
-DEFINE_ENTRY(sf_skinny_linear, f32_, float)
+DEFINE_ENTRY(sf_skinny_linear, f32_, float, )
 /* fp16 weights (IEEE half, as torch.float16 stores them), fp32 activations and accumulation */
-DEFINE_ENTRY(sf_skinny_linear_f16w, f16_, uint16_t)
+DEFINE_ENTRY(sf_skinny_linear_f16w, f16_, uint16_t, )
+#undef SCALE_ARG
+#define SCALE_ARG scales
+/* int8 weights, one fp32 scale per weight row (drafts: `models.transformer.use_draft_weights`) */
+DEFINE_ENTRY(sf_skinny_linear_i8w, i8_, int8_t, COMMA_SCALES)

@@ -56,20 +56,42 @@ def test_float16_weights_compute_in_float32(K):
     assert torch.equal(cpu.skinny_linear(x, w, b), cpu.skinny_linear(x, w.float(), b))
 
 
-def test_half_weight_drafts_round_their_layers_and_read_fp16_copies():
-    from models.transformer import Linear, use_half_weights
+@pytest.mark.parametrize("K", [16, 37, 576])
+def test_int8_weights_with_row_scales(K):
+    g = torch.Generator().manual_seed(K)
+    q = torch.randint(-127, 128, (70, K), generator=g, dtype=torch.int8)
+    scales = torch.rand(70, generator=g) * 0.01 + 1e-4
+    b = torch.randn(70, generator=g)
+    w = q.double() * scales.double()[:, None]
+    for M in (1, 3, 4, 5, 8, 16):
+        x = torch.randn(M, K, generator=g)
+        for threads in (1, 2):
+            got = cpu.skinny_linear(x, q, b, threads=threads, scales=scales)
+            torch.testing.assert_close(got.double(), x.double() @ w.T + b.double(), atol=1e-4 * K ** 0.5, rtol=1e-5)
+    with pytest.raises(ValueError, match="scales"):
+        cpu.skinny_linear(x, q, b)
+    with pytest.raises(ValueError, match="scales"):
+        cpu.skinny_linear(x, q.float(), b, scales=scales)
+
+
+@pytest.mark.parametrize("fmt", ["fp16", "int8"])
+def test_drafts_round_their_layers_and_read_low_precision_copies(fmt):
+    from models.transformer import Linear, low_precision, use_draft_weights
 
     net = torch.nn.Sequential(Linear(24, 40), Linear(40, 8, bias=False))
     before = [m.weight.detach().clone() for m in net]
-    use_half_weights(net)
+    use_draft_weights(net, fmt)
     for m, w in zip(net, before):
-        assert m._pack.half and torch.equal(m.weight, w.half().float())
+        assert m._pack.low == fmt and torch.equal(m.weight, low_precision(w, fmt)[2])
+        assert (m.weight - w).abs().max() <= w.abs().max() * (1e-3 if fmt == "fp16" else 1 / 254 + 1e-6)
     x = torch.randn(3, 24)
     with torch.inference_mode():
-        few = net(x)                                       # the fp16 kernel
-        many = net(x.repeat(6, 1))[:3]                     # 18 rows: torch's fp32 path
+        few = net(x)                                       # the low-precision kernel
+        many = net(x.repeat(6, 1))[:3]                     # 18 rows: torch's fp32 path, on the rounded values
     torch.testing.assert_close(few, many, atol=1e-5, rtol=1e-5)
-    assert net[0]._pack._half.dtype == torch.float16
+    assert net[0]._pack._low[0].dtype == (torch.float16 if fmt == "fp16" else torch.int8)
+    with pytest.raises(ValueError, match="unknown draft weight format"):
+        low_precision(before[0], "int4")
 
 
 def test_a_row_does_not_depend_on_its_neighbours_or_threads():
