@@ -15,7 +15,6 @@ Run it under `torch.no_grad()` / `torch.inference_mode()` all the same.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -197,19 +196,15 @@ class DecoderLayer(nn.Module):
         slots: torch.Tensor,       # [N] int64 cache slot of each row
         groups: "Sequence[AttentionGroup]",
     ) -> torch.Tensor:             # [N, hidden]
-        """Token-wise work (norms, projections, MLP) on all N rows at once; attention per group."""
+        """Token-wise work (norms, projections, MLP) on all N rows at once; attention per group.
+        On a CPU in fp32 the work between the matmuls takes the C layer operators
+        (kernels/cpu/layer_ops.c): four calls instead of ~40 torch operators."""
         c = self.c
-        if all(g.context is not None for g in groups) and cpu_kernels.layer_ops_apply(h, c.head_dim):
-            return self._forward_cpu(h, rope, k_cache, v_cache, slots, groups)
-        N = h.shape[0]
-        Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
-
-        qkv = self.qkv_proj(rms_norm(h, self.attn_norm, c.rms_norm_eps))   # [N, (Hq+2Hkv)*D]
-        qk = apply_rope(qkv[:, : (Hq + Hkv) * D].view(N, Hq + Hkv, D), *rope)
-        q, k = qk[:, :Hq], qk[:, Hq:]                                        # [N, Hq|Hkv, D]
-        v = qkv[:, (Hq + Hkv) * D :].reshape(N, Hkv, D)
-        k_cache.view(-1, Hkv, D).index_copy_(0, slots, k.reshape(N, Hkv, D))
-        v_cache.view(-1, Hkv, D).index_copy_(0, slots, v)
+        Hq, D = c.num_heads, c.head_dim
+        fused = all(g.context is not None for g in groups) and cpu_kernels.layer_ops_apply(h, D)
+        norm = cpu_kernels.rms_norm if fused else rms_norm
+        qkv = self.qkv_proj(norm(h, self.attn_norm, c.rms_norm_eps))      # [N, (Hq+2Hkv)*D]
+        q = self._rope_store(qkv, rope, k_cache, v_cache, slots, fused)     # [N, Hq, D]
         parts = []
         for g in groups:
             qg = q[g.start:g.start + g.batch * g.length].view(g.batch, g.length, Hq, D)
@@ -219,29 +214,27 @@ class DecoderLayer(nn.Module):
         attn = parts[0] if len(parts) == 1 else torch.cat(parts)
         h = h + self.o_proj(attn)
 
-        gate_up = self.gate_up_proj(rms_norm(h, self.mlp_norm, c.rms_norm_eps))   # [N, 2I]
+        gate_up = self.gate_up_proj(norm(h, self.mlp_norm, c.rms_norm_eps))   # [N, 2I]
+        if fused:
+            return h + self.down_proj(cpu_kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)
 
-    def _forward_cpu(self, h, rope, k_cache, v_cache, slots, groups) -> torch.Tensor:   # [N, hidden]
-        """`forward` on a CPU in fp32 with the C layer operators (kernels/cpu/layer_ops.c): the same
-        computation in ~10 calls instead of ~40 torch operators."""
+    def _rope_store(self, qkv, rope, k_cache, v_cache, slots, fused: bool) -> torch.Tensor:   # [N, Hq, D]
+        """RoPE on the rows' q and k, their k and v written to their cache slots; returns q."""
         c = self.c
-        N = h.shape[0]
+        N = qkv.shape[0]
         Hq, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
-        qkv = self.qkv_proj(cpu_kernels.rms_norm(h, self.attn_norm, c.rms_norm_eps)).contiguous()
-        cpu_kernels.rope_store(qkv, rope[0], rope[1], k_cache, v_cache, slots, Hq, Hkv, D)
-        windowed = self.sliding_window is not None
-        scale = 1.0 / math.sqrt(D)
-        parts = []
-        for g in groups:
-            rows = qkv[g.start:g.start + g.batch * g.length, :Hq * D].view(g.batch, g.length, Hq, D)
-            parts.append(cpu_kernels.tree_attention(rows, k_cache, v_cache, *g.context.ordered(windowed), scale)
-                         .view(g.batch * g.length, Hq * D))
-        attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-        h = h + self.o_proj(attn)
-        gate_up = self.gate_up_proj(cpu_kernels.rms_norm(h, self.mlp_norm, c.rms_norm_eps))
-        return h + self.down_proj(cpu_kernels.silu_mul(gate_up))
+        if fused:                          # in place, in one C call
+            qkv = qkv.contiguous()
+            cpu_kernels.rope_store(qkv, rope[0], rope[1], k_cache, v_cache, slots, Hq, Hkv, D)
+            return qkv[:, :Hq * D].view(N, Hq, D)
+        qk = apply_rope(qkv[:, : (Hq + Hkv) * D].view(N, Hq + Hkv, D), *rope)
+        q, k = qk[:, :Hq], qk[:, Hq:]                                        # [N, Hq|Hkv, D]
+        v = qkv[:, (Hq + Hkv) * D :].reshape(N, Hkv, D)
+        k_cache.view(-1, Hkv, D).index_copy_(0, slots, k.reshape(N, Hkv, D))
+        v_cache.view(-1, Hkv, D).index_copy_(0, slots, v)
+        return q
 
 
 @dataclass
