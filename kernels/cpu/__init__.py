@@ -38,6 +38,7 @@ log = logging.getLogger("specflash.kernels")
 
 SOURCE = Path(__file__).with_name("skinny_gemm.c")
 LAYER_SOURCE = Path(__file__).with_name("layer_ops.c")
+HEADER = Path(__file__).with_name("simd.h")     # included by both; an earlier --baseline source may not
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
 MAX_ROWS = 16
 
@@ -65,7 +66,7 @@ def _cpu_has_avx2() -> bool:
 def library_path(source: Path = SOURCE) -> Path:
     from kernels.cache import cache_dir
 
-    text = source.read_bytes() + LAYER_SOURCE.read_bytes() + " ".join(FLAGS).encode()
+    text = source.read_bytes() + LAYER_SOURCE.read_bytes() + HEADER.read_bytes() + " ".join(FLAGS).encode()
     digest = hashlib.sha256(text).hexdigest()[:16]
     return cache_dir() / "cpu-kernels" / digest / "libspecflash_cpu.so"
 
@@ -83,7 +84,8 @@ def build(force: bool = False, source: Path = SOURCE) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, str(source), str(LAYER_SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *FLAGS, f"-I{HEADER.parent}", str(source), str(LAYER_SOURCE), "-o", tmp, "-lm"],
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             raise CpuKernelError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
         os.replace(tmp, out)              # concurrent builders race harmlessly

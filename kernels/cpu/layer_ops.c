@@ -17,14 +17,11 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
-static inline float hsum8_ops(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    __m128 sh = _mm_movehdup_ps(s);
-    __m128 t = _mm_add_ps(s, sh);
-    sh = _mm_movehl_ps(sh, t);
-    return _mm_cvtss_f32(_mm_add_ss(t, sh));
-}
+#include "simd.h"
 
 /* exp(x) for 8 lanes: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n
  * through the exponent bits. Relative error ~2e-7; inputs below -87.3 give 0. */
@@ -77,7 +74,7 @@ void sf_rms_norm(const float *x, const float *w, float *out, int64_t N, int64_t 
             __m256 v = _mm256_loadu_ps(xr + k);
             acc = _mm256_fmadd_ps(v, v, acc);
         }
-        float ss = hsum8_ops(acc);
+        float ss = hsum8(acc);
         for (; k < H; k++) ss = __builtin_fmaf(xr[k], xr[k], ss);
         const float r = 1.0f / sqrtf(ss / (float)H + eps);
         for (k = 0; k + 8 <= H; k += 8)
@@ -131,7 +128,7 @@ static inline float dot_d(const float *a, const float *b, int64_t D) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d += 8)
         acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-    return hsum8_ops(acc);
+    return hsum8(acc);
 }
 
 /* One query head of one row: softmax(q . k_j * scale) over the ordered visible slots j, then
@@ -156,7 +153,7 @@ static void attend_one(const float *q, const float *k_cache, const float *v_cach
         sumv = _mm256_add_ps(sumv, p);
         store_tail(scores, j, count, p);
     }
-    const float inv = 1.0f / hsum8_ops(sumv);
+    const float inv = 1.0f / hsum8(sumv);
     __m256 acc[32];                               /* D <= 256 */
     const int64_t chunks = D / 8;
     for (int64_t c = 0; c < chunks; c++) acc[c] = _mm256_setzero_ps();
@@ -183,7 +180,6 @@ void sf_tree_attention(const float *q, int64_t q_stride, const float *k_cache, c
     for (int64_t t = 0; t < tasks; t++) {
         const int64_t r = t / Hq, h = t % Hq;
 #ifdef _OPENMP
-        extern int omp_get_thread_num(void);
         float *scores = scratch + (int64_t)omp_get_thread_num() * S;
 #else
         float *scores = scratch;
