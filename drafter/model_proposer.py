@@ -28,7 +28,7 @@ import torch
 from speculation.proposal import DraftRequest
 from drafter.tree_search import ROOT, TreeBuilder
 from models.kv_cache import OutOfBlocks
-from models.transformer import DRAFT_WEIGHTS, PackedWeight, low_precision, use_draft_weights
+from models.transformer import DRAFT_WEIGHTS, PackedWeight, use_draft_weights
 from models.tree import TokenTree, ragged_tree_forward
 
 
@@ -47,10 +47,10 @@ class ModelProposer:
         self.logit_rows = None if logit_rows is None else torch.tensor(list(logit_rows), device=device)
         # the reduced LM head, selected once: [V', hidden]
         self.lm_head = None if logit_rows is None else model.lm_head_weight.index_select(0, self.logit_rows)
+        self.head_pack = PackedWeight(transposed_gemv=True, low=weights or None)   # built on first use
         if weights and self.lm_head is not None and self.lm_head.dtype == torch.float32 \
                 and self.lm_head.device.type == "cpu":
-            self.lm_head = low_precision(self.lm_head, weights)[2]     # the format's values, as the layers
-        self.head_pack = PackedWeight(transposed_gemv=True, low=weights or None)   # built on first use
+            self.head_pack.round_to(self.lm_head, weights)     # the format's values, as the layers
         self._committed: dict[Hashable, int] = {}   # committed tokens whose K/V the draft cache holds
         self._layout: dict[Hashable, list[int]] = {}   # builder node ids cached after them, in order
         self._node_ids: dict[Hashable, list[int]] = {}   # tree node index -> builder node id

@@ -103,6 +103,14 @@ class PackedWeight:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, bias, "none", [], "")
 
+    def round_to(self, weight: torch.Tensor, fmt: str) -> None:
+        """Round `weight` in place to `fmt`'s values (`low_precision`) and keep the copy the
+        few-row kernel reads of it, made by that same rounding."""
+        low, scales, values = low_precision(weight.detach(), fmt)
+        with torch.no_grad():
+            weight.copy_(values)
+        self.low, self._low, self._low_key = fmt, (low, scales), (weight.data_ptr(), weight._version)
+
     def _low_copy(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         key = (weight.data_ptr(), weight._version)
         if key != self._low_key:
@@ -134,12 +142,10 @@ def use_draft_weights(model: nn.Module, fmt: str = DRAFT_WEIGHTS) -> None:
     format's values in place (so every path computes with the same numbers) and few-row CPU
     matmuls read the low-precision copies. The embeddings, norms and full LM head are left as
     they are; so are weights that are not CPU fp32 (a GPU draft runs its own dtype)."""
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, Linear) and module.weight.device.type == "cpu" \
-                    and module.weight.dtype == torch.float32:
-                module.weight.copy_(low_precision(module.weight, fmt)[2])
-                module._pack.low = fmt
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.device.type == "cpu" \
+                and module.weight.dtype == torch.float32:
+            module._pack.round_to(module.weight, fmt)
 
 
 def _cpu_fp32_inference(x: torch.Tensor, weight: torch.Tensor) -> bool:
