@@ -109,6 +109,18 @@ class CpuAttentionContext:
             self._ordered[windowed] = (slots.gather(1, order).contiguous(), vis.sum(1))
         return self._ordered[windowed]
 
+    @staticmethod
+    def ordered_rows(contexts: "list[CpuAttentionContext]", windowed: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`ordered(windowed)` of the groups of one packed forward, their rows one after the
+        other ([N, max S] int64, padded past each row's count; [N] int64)."""
+        parts = [c.ordered(windowed) for c in contexts]
+        if len(parts) == 1:
+            return parts[0]
+        S = max(v.shape[1] for v, _ in parts)
+        return (torch.cat([torch.nn.functional.pad(v, (0, S - v.shape[1])) for v, _ in parts]),
+                torch.cat([n for _, n in parts]))
+
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                sm_scale: float | None = None, windowed: bool = False) -> torch.Tensor:  # [B, T, Hq, D]
         B, T, S = self.B, self.T, self.S

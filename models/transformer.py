@@ -15,6 +15,7 @@ Run it under `torch.no_grad()` / `torch.inference_mode()` all the same.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
@@ -102,6 +103,13 @@ class PackedWeight:
         if self._packed is None:
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, bias, "none", [], "")
+
+    def operand(self, weight: torch.Tensor, bias: torch.Tensor | None) -> "cpu_kernels.SfWeight":
+        """The weight as the whole-layer C call reads it: the low-precision copy where there is one."""
+        if self.low is None:
+            return cpu_kernels.weight_operand(weight.detach(), bias)
+        low, scales = self._low_copy(weight)
+        return cpu_kernels.weight_operand(low, bias, scales)
 
     def round_to(self, weight: torch.Tensor, fmt: str) -> None:
         """Round `weight` in place to `fmt`'s values (`low_precision`) and keep the copy the
@@ -192,6 +200,8 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self._c_key: tuple | None = None
+        self._c_layer: cpu_kernels.SfLayer | None = None
 
     def forward(
         self,
@@ -201,10 +211,15 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,     # [N_blocks, block_size, Hkv, D]
         slots: torch.Tensor,       # [N] int64 cache slot of each row
         groups: "Sequence[AttentionGroup]",
+        step: "cpu_kernels.DecoderStep | None" = None,   # the forward's whole-layer C call
     ) -> torch.Tensor:             # [N, hidden]
         """Token-wise work (norms, projections, MLP) on all N rows at once; attention per group.
         On a CPU in fp32 the work between the matmuls takes the C layer operators
-        (kernels/cpu/layer_ops.c): four calls instead of ~40 torch operators."""
+        (kernels/cpu/layer_ops.c): four calls instead of ~40 torch operators; with `step`
+        (1 to 16 rows, `Transformer._decoder_step`) the whole layer is one C call that runs the
+        same steps in the same order, updating h in place."""
+        if step is not None:
+            return step.layer(self._c_operand(k_cache, v_cache), h)
         c = self.c
         Hq, D = c.num_heads, c.head_dim
         fused = all(g.context is not None for g in groups) and cpu_kernels.layer_ops_apply(h, D)
@@ -225,6 +240,22 @@ class DecoderLayer(nn.Module):
             return h + self.down_proj(cpu_kernels.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the C operand behind (raw pointers into this layer's tensors)."""
+        return {**self.__dict__, "_c_key": None, "_c_layer": None}
+
+    def _c_operand(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> "cpu_kernels.SfLayer":
+        """This layer for `kernels.cpu.DecoderStep.layer`, built again when a weight or the cache changes."""
+        linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        params = (self.attn_norm, self.mlp_norm, *(m.weight for m in linears))
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), *((p.data_ptr(), p._version) for p in params))
+        if key != self._c_key:
+            weights = [m._pack.operand(m.weight, m.bias) for m in linears]
+            self._c_layer = cpu_kernels.layer_operand(self.attn_norm, self.mlp_norm, weights, k_cache, v_cache,
+                                                      self.sliding_window is not None)
+            self._c_key = key
+        return self._c_layer
 
     def _rope_store(self, qkv, rope, k_cache, v_cache, slots, fused: bool) -> torch.Tensor:   # [N, Hq, D]
         """RoPE on the rows' q and k, their k and v written to their cache slots; returns q."""
@@ -426,9 +457,27 @@ class Transformer(nn.Module):
         """input_ids, positions, slots: [N]; features: [N, hidden] or None → [N, hidden]."""
         rope = self.rope(positions)
         h = self._inputs(input_ids, features)
+        step = self._decoder_step(h, rope, slots, groups, cache)
+        if step is not None:
+            h = h.contiguous().clone()          # updated in place, layer by layer
         for i, layer in enumerate(self.layers):
-            h = layer(h, rope, cache.k[i], cache.v[i], slots, groups)
+            h = layer(h, rope, cache.k[i], cache.v[i], slots, groups, step)
         return rms_norm(h, self.norm, self.config.rms_norm_eps)
+
+    def _decoder_step(self, h, rope, slots, groups, cache) -> "cpu_kernels.DecoderStep | None":
+        """The whole-layer C call's per-forward half, where it applies: a CPU fp32 forward of 1 to
+        16 rows (the few-row matmul's), every group with its CPU attention context, the C
+        library built; else None (each layer runs its steps from Python)."""
+        c, N = self.config, h.shape[0]
+        if not (1 <= N <= cpu_kernels.MAX_ROWS and groups and all(g.context is not None for g in groups)
+                and cache.k[0].dtype == torch.float32 and self.layers[0].qkv_proj.weight.dtype == torch.float32
+                and cpu_kernels.layer_ops_apply(h, c.head_dim) and cpu_kernels.decoder_layer_available()):
+            return None
+        ordered = {w: CpuAttentionContext.ordered_rows([g.context for g in groups], w)
+                   for w in ((False, True) if c.sliding_window is not None else (False,))}
+        return cpu_kernels.DecoderStep(N, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
+                                       c.intermediate_size, c.rms_norm_eps, 1.0 / math.sqrt(c.head_dim),
+                                       rope[0], rope[1], slots, ordered)
 
     def logits(
         self,

@@ -124,3 +124,80 @@ def test_layer_ops_apply_only_to_cpu_float32_inference_with_a_fitting_head_size(
     assert not cpu.layer_ops_apply(x, 264)          # wider than the kernel's registers
     assert not cpu.layer_ops_apply(x.double(), 64)
     assert not cpu.layer_ops_apply(x.bfloat16(), 64)
+
+
+def _random_model(**overrides):
+    from models.config import ModelConfig
+    from models.transformer import Transformer
+
+    c = ModelConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4,
+                    num_kv_heads=2, head_dim=16, max_position_embeddings=256, **overrides)
+    model = Transformer(c)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def _packed_step(model, seed: int):
+    """Two groups of different lengths (a 3-node tree beside a 1-row decode, after prompts of 13
+    and 30 tokens): the hidden states of the step, [3 + 1, hidden]."""
+    from models.transformer import PackedInput
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():
+        cache = model.new_cache(16, block_size=8)
+        for s, P in ((0, 13), (1, 30)):
+            cache.add_sequence(s)
+            model.forward(torch.randint(3, 300, (1, P), generator=g), torch.arange(P)[None], cache, [s],
+                          causal_mask(1, P))
+        tree = PackedInput([0], torch.tensor([[4, 9, 11]]), torch.tensor([[13, 14, 14]]),
+                           ancestor_mask(torch.tensor([-1, 0, 0]))[None])
+        decode = PackedInput([1], torch.tensor([[7]]), torch.tensor([[30]]), causal_mask(1, 1))
+        return model.forward_packed([tree, decode], cache)
+
+
+@pytest.mark.parametrize("overrides,draft_weights", [
+    ({}, None),
+    ({"arch": "mistral", "sliding_window": 6, "window_layers": [0, 2]}, None),
+    ({"attention_bias": True, "attention_out_bias": True, "mlp_bias": True}, None),
+    ({}, "int8"),
+    ({}, "fp16"),
+])
+def test_a_whole_layer_in_one_c_call_gives_the_bits_of_its_steps_from_python(overrides, draft_weights, monkeypatch):
+    """kernels/cpu/decoder_layer.c runs the layer's steps in one call; a forward of two groups
+    (a tree and a decode), with sliding-window layers, biases or low-precision draft weights,
+    gives exactly the hidden states of the same steps called one by one."""
+    model = _random_model(**overrides)
+    if draft_weights:
+        transformer.use_draft_weights(model, draft_weights)
+    steps = []
+    real = cpu.DecoderStep.layer
+    monkeypatch.setattr(cpu.DecoderStep, "layer", lambda self, *a: steps.append(1) or real(self, *a))
+    whole = _packed_step(model, 3)
+    # the 13-token prompt and the 4-row step (not the 30-token prompt): a C call per layer each
+    assert len(steps) == 2 * 3, "the few-row forwards did not run their layers in one C call each"
+    monkeypatch.setattr(transformer.cpu_kernels, "decoder_layer_available", lambda: False)
+    steps.clear()
+    one_by_one = _packed_step(model, 3)
+    assert not steps
+    assert torch.equal(whole, one_by_one)
+
+
+def test_the_whole_layer_call_refuses_what_it_does_not_take():
+    with pytest.raises(ValueError, match="contiguous 2-D"):
+        cpu.weight_operand(torch.zeros(4, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="int8 weight takes scales"):
+        cpu.weight_operand(torch.zeros(4, 8, dtype=torch.int8))
+    with pytest.raises(ValueError, match="float32 \\[4\\]"):
+        cpu.weight_operand(torch.zeros(4, 8), bias=torch.zeros(3))
+    ordered = {False: (torch.zeros(2, 5, dtype=torch.long), torch.ones(2, dtype=torch.long))}
+    args = (64, 4, 2, 16, 96, 1e-6, 0.25, torch.zeros(2, 8), torch.zeros(2, 8), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="1 to 16 rows"):
+        cpu.DecoderStep(17, *args, ordered)
+    with pytest.raises(ValueError, match="must match the rows"):
+        cpu.DecoderStep(3, *args, ordered)
+    step = cpu.DecoderStep(2, *args, ordered)
+    with pytest.raises(ValueError, match="contiguous \\[2, 64\\]"):
+        step.layer(cpu.SfLayer(), torch.zeros(3, 64))

@@ -1,0 +1,92 @@
+/* A whole decoder layer in one call, for CPU fp32 forwards of 1 to 16 rows (plain decoding,
+ * tree verification, draft passes): the few-row matmuls of skinny_gemm.c and the operators of
+ * layer_ops.c, in the order models.transformer.DecoderLayer.forward runs them:
+ *
+ *   h += o_proj(attention(rope_store(qkv_proj(rms_norm(h)))))
+ *   h += down_proj(silu_mul(gate_up_proj(rms_norm(h))))
+ *
+ * Python called each of those nine steps on its own (~300 calls a forward of SmolLM2-135M,
+ * each a few microseconds of argument checks, tensor allocation and ctypes marshalling: ~15 %
+ * of a 12 ms one-row forward); here a forward is one call per layer. Every step is the same
+ * function with the same arguments as the per-step path, so the results are the same bits.
+ */
+#include <stdint.h>
+
+int sf_skinny_linear(const float *x, const float *w, const float *bias, float *y,
+                     int64_t M, int64_t K, int64_t N, int threads);
+int sf_skinny_linear_f16w(const float *x, const uint16_t *w, const float *bias, float *y,
+                          int64_t M, int64_t K, int64_t N, int threads);
+int sf_skinny_linear_i8w(const float *x, const int8_t *w, const float *bias, float *y,
+                         int64_t M, int64_t K, int64_t N, int threads, const float *scales);
+void sf_rms_norm(const float *x, const float *w, float *out, int64_t N, int64_t H, float eps);
+void sf_silu_mul(const float *gu, float *out, int64_t N, int64_t I);
+void sf_rope_store(float *qkv, const float *cos, const float *sin, float *k_cache, float *v_cache,
+                   const int64_t *slots, int64_t N, int64_t Hq, int64_t Hkv, int64_t D);
+void sf_tree_attention(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                       const int64_t *vis, const int64_t *counts, int64_t S, float *out, int64_t R,
+                       int64_t Hq, int64_t Hkv, int64_t D, float scale, float *scratch, int threads);
+
+enum { SF_F32 = 0, SF_F16 = 1, SF_I8 = 2 };
+
+/* One weight as the few-row matmul reads it: [out, in] in `kind`'s format (int8: with one
+ * fp32 scale per row), an optional fp32 bias [out]. */
+typedef struct {
+    const void *w;
+    const float *scales;
+    const float *bias;
+    int64_t kind;
+} sf_weight;
+
+/* A layer's parameters and its cache pages ([slots, Hkv, D] each). windowed: the layer uses
+ * the model's sliding window (the forward's second visibility). */
+typedef struct {
+    const float *attn_norm, *mlp_norm;      /* [H] */
+    sf_weight qkv, o, gate_up, down;
+    float *k_cache, *v_cache;
+    int64_t windowed;
+} sf_layer;
+
+/* What every layer of one forward shares: its N rows' RoPE and cache slots, each row's ordered
+ * visible slots (full and windowed: [N, S] and [N] counts, see sf_tree_attention), the shapes
+ * and the scratch rows. */
+typedef struct {
+    int64_t N, H, Hq, Hkv, D, I;
+    float eps, scale;
+    const float *cos, *sin;                 /* [N, D/2] */
+    const int64_t *slots;                   /* [N] */
+    const int64_t *vis[2], *counts[2];
+    int64_t S[2];
+    float *xn, *qkv, *attn, *tmp, *gu, *act, *scratch;   /* [N, H], [N, (Hq+2Hkv)D], [N, HqD],
+                                                            [N, H], [N, 2I], [N, I], threads * max S */
+    int64_t threads;
+} sf_forward;
+
+static int linear(const sf_weight *w, const float *x, float *y, int64_t M, int64_t K, int64_t N, int threads) {
+    switch (w->kind) {
+    case SF_F32: return sf_skinny_linear(x, (const float *)w->w, w->bias, y, M, K, N, threads);
+    case SF_F16: return sf_skinny_linear_f16w(x, (const uint16_t *)w->w, w->bias, y, M, K, N, threads);
+    case SF_I8: return sf_skinny_linear_i8w(x, (const int8_t *)w->w, w->bias, y, M, K, N, threads, w->scales);
+    default: return -2;
+    }
+}
+
+/* h [N, H] in place. Returns 0, or the failing matmul's code (rows outside 1..16, a bad kind). */
+int sf_decoder_layer(const sf_layer *L, const sf_forward *F, float *h) {
+    const int64_t N = F->N, H = F->H, Hq = F->Hq, Hkv = F->Hkv, D = F->D, I = F->I;
+    const int64_t qkv_w = (Hq + 2 * Hkv) * D, win = L->windowed ? 1 : 0;
+    const int th = (int)F->threads;
+    int rc;
+    sf_rms_norm(h, L->attn_norm, F->xn, N, H, F->eps);
+    if ((rc = linear(&L->qkv, F->xn, F->qkv, N, H, qkv_w, th))) return rc;
+    sf_rope_store(F->qkv, F->cos, F->sin, L->k_cache, L->v_cache, F->slots, N, Hq, Hkv, D);
+    sf_tree_attention(F->qkv, qkv_w, L->k_cache, L->v_cache, F->vis[win], F->counts[win], F->S[win], F->attn,
+                      N, Hq, Hkv, D, F->scale, F->scratch, th);
+    if ((rc = linear(&L->o, F->attn, F->tmp, N, Hq * D, H, th))) return rc;
+    for (int64_t i = 0; i < N * H; i++) h[i] = h[i] + F->tmp[i];
+    sf_rms_norm(h, L->mlp_norm, F->xn, N, H, F->eps);
+    if ((rc = linear(&L->gate_up, F->xn, F->gu, N, H, 2 * I, th))) return rc;
+    sf_silu_mul(F->gu, F->act, N, I);
+    if ((rc = linear(&L->down, F->act, F->tmp, N, I, H, th))) return rc;
+    for (int64_t i = 0; i < N * H; i++) h[i] = h[i] + F->tmp[i];
+    return 0;
+}
