@@ -6,10 +6,12 @@
     python bench/cpu_matmul.py --rows 1 2 3 4 --baseline OLD.c   # also an earlier kernel's source
 
 One process, the same target and KV cache; every repetition runs each row
-count through torch alone, with `kernels.cpu.skinny_linear` (models.transformer's
-few-row path) for the matmuls and torch between them, with the C layer operators
-too (kernels/cpu/layer_ops.c) called layer by layer from Python, and with each
-whole layer in one C call (kernels/cpu/decoder_layer.c, the default), interleaved, so drift of
+count through torch alone (C-: the few-row C kernels instead): with
+`kernels.cpu.skinny_linear` on the weights in place and the C layer operators
+(kernels/cpu/layer_ops.c) called from Python (C-layer); the same with each whole
+layer in one C call (kernels/cpu/decoder_layer.c; C-decoder); and that with the
+weights repacked into panels (`kernels.cpu.panel_linear`; C-panels, the
+default), interleaved, so drift of
 the machine hits all alike. A row count T is a verification of a chain of
 T - 1 draft tokens after a 120-token prefix (T = 1: plain decoding). Reports
 the median milliseconds and the ratio to torch's one-row step.
@@ -73,23 +75,26 @@ def main(argv: list[str] | None = None) -> int:
 
     saved, lib, layer_ops, whole = mt._SKINNY_ROWS, cpu._load(), cpu.layer_ops_apply, cpu.decoder_layer_available
     never = lambda *a: False     # noqa: E731
-    paths = [("torch", 0, lib, False, False), ("C-matmul", saved, lib, False, False),
-             ("C-layer", saved, lib, True, False), ("C-decoder", saved, lib, True, True)]
+    # name, few-row limit, library, C layer operators, a layer in one call, float32 panels
+    paths = [("torch", 0, lib, False, False, False), ("C-layer", saved, lib, True, False, False),
+             ("C-decoder", saved, lib, True, True, False), ("C-panels", saved, lib, True, True, True)]
     if args.baseline:
-        paths.append(("baseline", saved, cpu.open_library(cpu.build(source=Path(args.baseline))), True, True))
+        paths.append(("baseline", saved, cpu.open_library(cpu.build(source=Path(args.baseline))), True, True, False))
     times: dict[tuple[str, int], list[float]] = {}
     try:
         for rep in range(args.reps + 1):
-            for name, limit, library, fused, in_one_call in paths:
-                mt._SKINNY_ROWS, cpu._lib = limit, library
+            for name, limit, library, fused, in_one_call, panels in paths:
+                mt._SKINNY_ROWS, cpu._lib, mt.FP32_PANELS = limit, library, panels
                 cpu.layer_ops_apply = layer_ops if fused else never
                 cpu.decoder_layer_available = whole if in_one_call else never
+                verify_once(1)                               # a switch of path may repack the weights
                 for rows in args.rows:
                     t = verify_once(rows)
                     if rep:                                  # the first round warms both paths up
                         times.setdefault((name, rows), []).append(t)
     finally:
         mt._SKINNY_ROWS, cpu._lib, cpu.layer_ops_apply, cpu.decoder_layer_available = saved, lib, layer_ops, whole
+        mt.FP32_PANELS = True
     base = statistics.median(times[("torch", args.rows[0])])
     print(f"threads {args.threads}, {args.reps} interleaved repetitions, median ms (ratio to torch's "
           f"{args.rows[0]}-row step)")

@@ -46,13 +46,12 @@ def few_row_limit(model) -> int | None:
 class PackedWeight:
     """The CPU fp32 matmul of a weight: a C kernel for few rows, else a oneDNN-prepacked copy.
 
-    Up to 16 rows (plain decoding, tree verification, drafting) go to
-    `kernels.cpu.skinny_linear`, which reads the weight once in place and costs
-    little more for 8 rows than for one (`python bench/cpu_matmul.py`,
-    SmolLM2-135M, one thread: 4 / 8 tokens verified in 1.15x / 1.27x its own
-    one-token step, against 1.57x / 1.70x through torch; two threads: a
-    one-token step 17% faster than torch's); its results for a row do not
-    depend on the other rows. With `low` (drafts: their weights need not be
+    Up to 16 rows (plain decoding, tree verification, drafting) go to a C
+    kernel that reads the weight once: `kernels.cpu.panel_linear` on a copy
+    repacked into panels of 16 output columns (`FP32_PANELS`), or
+    `kernels.cpu.skinny_linear` on the weight in place; either costs little
+    more for 4 rows than for one (`python bench/cpu_matmul.py`), and its
+    results for a row do not depend on the other rows. With `low` (drafts: their weights need not be
     exact) it reads a low-precision copy of the weight instead (`DRAFT_WEIGHTS`):
     float16, half the memory traffic, or int8 with a scale per row, a quarter,
     which also leaves more of the memory bandwidth to a target running beside
@@ -77,16 +76,16 @@ class PackedWeight:
         self._packed: torch.Tensor | None = None       # oneDNN layout, [out, in]
         self._transposed: torch.Tensor | None = None   # [in, out] contiguous
         self._low_key: tuple[int, int] | None = None
-        self._low: tuple[torch.Tensor, torch.Tensor | None] | None = None   # [out, in] copy, [out] scales
+        self._low: tuple[torch.Tensor, torch.Tensor | None] | None = None   # `_few_row_copy`
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., in] @ weight [out, in].T + bias → [..., out]."""
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if 1 <= rows <= _SKINNY_ROWS and _cpu_fp32_inference(x, weight) and cpu_kernels.available():
-            if self.low is None:
-                return cpu_kernels.skinny_linear(x, weight, bias)
-            low, scales = self._low_copy(weight)
-            return cpu_kernels.skinny_linear(x, low, bias, scales=scales)
+            copy, scales = self._few_row_copy(weight)
+            if copy.dim() == 3:
+                return cpu_kernels.panel_linear(x, copy, weight.shape[0], bias)
+            return cpu_kernels.skinny_linear(x, copy, bias, scales=scales)
         fast = _MKLDNN_LINEAR and _cpu_fp32_inference(x, weight)
         one_thread = torch.get_num_threads() == 1
         if not fast or (rows == 1 and one_thread and not self.transposed_gemv) or rows == 0:
@@ -105,11 +104,11 @@ class PackedWeight:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, bias, "none", [], "")
 
     def operand(self, weight: torch.Tensor, bias: torch.Tensor | None) -> "cpu_kernels.SfWeight":
-        """The weight as the whole-layer C call reads it: the low-precision copy where there is one."""
-        if self.low is None:
-            return cpu_kernels.weight_operand(weight.detach(), bias)
-        low, scales = self._low_copy(weight)
-        return cpu_kernels.weight_operand(low, bias, scales)
+        """The weight as the whole-layer C call reads it: the copy `matmul` reads for few rows."""
+        copy, scales = self._few_row_copy(weight)
+        if copy.dim() == 3:
+            return cpu_kernels.panel_operand(copy, weight.shape[0], bias)
+        return cpu_kernels.weight_operand(copy, bias, scales)
 
     def round_to(self, weight: torch.Tensor, fmt: str) -> None:
         """Round `weight` in place to `fmt`'s values (`low_precision`) and keep the copy the
@@ -117,17 +116,24 @@ class PackedWeight:
         low, scales, values = low_precision(weight.detach(), fmt)
         with torch.no_grad():
             weight.copy_(values)
-        self.low, self._low, self._low_key = fmt, (low, scales), (weight.data_ptr(), weight._version)
+        self.low, self._low, self._low_key = fmt, (low, scales), (weight.data_ptr(), weight._version, fmt)
 
-    def _low_copy(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        key = (weight.data_ptr(), weight._version)
+    def _few_row_copy(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """What the few-row kernels read, made again when the weight changes: the low-precision
+        copy and its scales; else (float32) the weight's panels (`FP32_PANELS`) or the weight."""
+        key = (weight.data_ptr(), weight._version, self.low or FP32_PANELS)
         if key != self._low_key:
-            low, scales, _ = low_precision(weight.detach(), self.low)
-            self._low, self._low_key = (low, scales), key
+            if self.low is not None:
+                low, scales, _ = low_precision(weight.detach(), self.low)
+                self._low = (low, scales)
+            else:
+                self._low = (cpu_kernels.panel_pack(weight.detach()) if FP32_PANELS else weight.detach(), None)
+            self._low_key = key
         return self._low
 
 
 DRAFT_WEIGHTS = "int8"   # what a CPU draft's few-row matmuls read (`use_draft_weights`)
+FP32_PANELS = True       # float32 weights' few-row matmuls read panels (kernels.cpu.panel_linear), not the weight
 
 
 def low_precision(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -246,10 +252,12 @@ class DecoderLayer(nn.Module):
         return {**self.__dict__, "_c_key": None, "_c_layer": None}
 
     def _c_operand(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> "cpu_kernels.SfLayer":
-        """This layer for `kernels.cpu.DecoderStep.layer`, built again when a weight or the cache changes."""
+        """This layer for `kernels.cpu.DecoderStep.layer`, built again when a norm, the copy of a
+        weight the few-row kernels read (`PackedWeight._few_row_copy`) or the cache changes."""
         linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
-        params = (self.attn_norm, self.mlp_norm, *(m.weight for m in linears))
-        key = (k_cache.data_ptr(), v_cache.data_ptr(), *((p.data_ptr(), p._version) for p in params))
+        copies = [m._pack._few_row_copy(m.weight)[0] for m in linears]   # what the operands point into
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), *((p.data_ptr(), p._version) for p in (self.attn_norm, self.mlp_norm)),
+               *((c.data_ptr(), c.dim()) for c in copies))
         if key != self._c_key:
             weights = [m._pack.operand(m.weight, m.bias) for m in linears]
             self._c_layer = cpu_kernels.layer_operand(self.attn_norm, self.mlp_norm, weights, k_cache, v_cache,

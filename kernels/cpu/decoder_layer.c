@@ -1,5 +1,5 @@
 /* A whole decoder layer in one call, for CPU fp32 forwards of 1 to 16 rows (plain decoding,
- * tree verification, draft passes): the few-row matmuls of skinny_gemm.c and the operators of
+ * tree verification, draft passes): the few-row matmuls (panel_gemm.c, skinny_gemm.c) and the operators of
  * layer_ops.c, in the order models.transformer.DecoderLayer.forward runs them:
  *
  *   h += o_proj(attention(rope_store(qkv_proj(rms_norm(h)))))
@@ -18,6 +18,8 @@ int sf_skinny_linear_f16w(const float *x, const uint16_t *w, const float *bias, 
                           int64_t M, int64_t K, int64_t N, int threads);
 int sf_skinny_linear_i8w(const float *x, const int8_t *w, const float *bias, float *y,
                          int64_t M, int64_t K, int64_t N, int threads, const float *scales);
+int sf_panel_linear(const float *x, const float *wp, const float *bias, float *y, int64_t M, int64_t K,
+                    int64_t N, int threads);
 void sf_rms_norm(const float *x, const float *w, float *out, int64_t N, int64_t H, float eps);
 void sf_silu_mul(const float *gu, float *out, int64_t N, int64_t I);
 void sf_rope_store(float *qkv, const float *cos, const float *sin, float *k_cache, float *v_cache,
@@ -26,10 +28,10 @@ void sf_tree_attention(const float *q, int64_t q_stride, const float *k_cache, c
                        const int64_t *vis, const int64_t *counts, int64_t S, float *out, int64_t R,
                        int64_t Hq, int64_t Hkv, int64_t D, float scale, float *scratch, int threads);
 
-enum { SF_F32 = 0, SF_F16 = 1, SF_I8 = 2 };
+enum { SF_F32 = 0, SF_F16 = 1, SF_I8 = 2, SF_PANELS = 3 };
 
 /* One weight as the few-row matmul reads it: [out, in] in `kind`'s format (int8: with one
- * fp32 scale per row), an optional fp32 bias [out]. */
+ * fp32 scale per row; panels: fp32 repacked for panel_gemm.c), an optional fp32 bias [out]. */
 typedef struct {
     const void *w;
     const float *scales;
@@ -65,6 +67,7 @@ static int linear(const sf_weight *w, const float *x, float *y, int64_t M, int64
     switch (w->kind) {
     case SF_F32: return sf_skinny_linear(x, (const float *)w->w, w->bias, y, M, K, N, threads);
     case SF_F16: return sf_skinny_linear_f16w(x, (const uint16_t *)w->w, w->bias, y, M, K, N, threads);
+    case SF_PANELS: return sf_panel_linear(x, (const float *)w->w, w->bias, y, M, K, N, threads);
     case SF_I8: return sf_skinny_linear_i8w(x, (const int8_t *)w->w, w->bias, y, M, K, N, threads, w->scales);
     default: return -2;
     }

@@ -1,4 +1,5 @@
-"""kernels.cpu.skinny_linear: the C few-row matmul every CPU decoding / verification step takes."""
+"""kernels.cpu.skinny_linear and panel_linear: the C few-row matmuls every CPU decoding /
+verification step takes (the weight in place, or repacked into panels of 16 columns)."""
 from __future__ import annotations
 
 import os
@@ -22,20 +23,30 @@ def test_builds_and_loads_here():
     assert cpu.available(), cpu.unavailable_reason()
 
 
+def _fp32_product(layout: str, w: torch.Tensor):
+    """x, bias, threads -> x @ w.T + bias through the kernel of `layout`."""
+    if layout == "rows":
+        return lambda x, b=None, threads=None: cpu.skinny_linear(x, w, b, threads=threads)
+    panels = cpu.panel_pack(w)
+    return lambda x, b=None, threads=None: cpu.panel_linear(x, panels, w.shape[0], b, threads=threads)
+
+
 @pytest.mark.parametrize("K", [8, 24, 37, 576, 1536])
 @pytest.mark.parametrize("N", [1, 5, 64, 131])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_matches_float64_reference(K, N, threads):
+@pytest.mark.parametrize("layout", ["rows", "panels"])
+def test_matches_float64_reference(K, N, threads, layout):
     g = torch.Generator().manual_seed(K * 1000 + N)
     w = torch.randn(N, K, generator=g)
     b = torch.randn(N, generator=g)
+    product = _fp32_product(layout, w)
     for M in range(1, cpu.MAX_ROWS + 1):
         x = torch.randn(M, K, generator=g)
         ref = x.double() @ w.double().T
-        got = cpu.skinny_linear(x, w, None, threads=threads)
+        got = product(x, None, threads)
         assert got.shape == (M, N) and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), ref, atol=1e-4 * K ** 0.5, rtol=1e-5)
-        got_b = cpu.skinny_linear(x, w, b, threads=threads)
+        got_b = product(x, b, threads)
         torch.testing.assert_close(got_b.double(), ref + b.double(), atol=1e-4 * K ** 0.5, rtol=1e-5)
 
 
@@ -94,16 +105,18 @@ def test_drafts_round_their_layers_and_read_low_precision_copies(fmt):
         low_precision(before[0], "int4")
 
 
-def test_a_row_does_not_depend_on_its_neighbours_or_threads():
+@pytest.mark.parametrize("layout", ["rows", "panels"])
+def test_a_row_does_not_depend_on_its_neighbours_or_threads(layout):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(300, 576, generator=g)
     b = torch.randn(300, generator=g)
     x = torch.randn(cpu.MAX_ROWS, 576, generator=g)
-    full = cpu.skinny_linear(x, w, b, threads=1)
+    product = _fp32_product(layout, w)
+    full = product(x, b, 1)
     for m in range(1, cpu.MAX_ROWS + 1):
-        assert torch.equal(cpu.skinny_linear(x[:m], w, b, threads=1), full[:m])
-        assert torch.equal(cpu.skinny_linear(x[m - 1:m], w, b, threads=2), full[m - 1:m])
-    assert torch.equal(cpu.skinny_linear(x[5:8], w, b, threads=2), full[5:8])
+        assert torch.equal(product(x[:m], b, 1), full[:m])
+        assert torch.equal(product(x[m - 1:m], b, 2), full[m - 1:m])
+    assert torch.equal(product(x[5:8], b, 2), full[5:8])
 
 
 def test_leading_dimensions_and_strided_input():
@@ -129,12 +142,31 @@ def test_refuses_what_it_does_not_take():
         cpu.skinny_linear(torch.randn(2, 16), w, torch.randn(5))
 
 
-def test_linear_layers_take_it_for_few_rows_and_fall_back_beyond(monkeypatch):
+def test_panels_refuse_what_they_do_not_take():
+    w = torch.randn(20, 16)
+    panels = cpu.panel_pack(w)
+    assert panels.shape == (2, 16, 16) and torch.equal(panels[1, :, 4:], torch.zeros(16, 12))
+    with pytest.raises(ValueError, match="2-D CPU float32"):
+        cpu.panel_pack(w.double())
+    with pytest.raises(ValueError, match=f"1 to {cpu.MAX_ROWS} rows"):
+        cpu.panel_linear(torch.randn(cpu.MAX_ROWS + 1, 16), panels, 20)
+    with pytest.raises(ValueError, match="panels of a \\[33, 16\\] weight"):   # 33 rows need 3 panels
+        cpu.panel_linear(torch.randn(2, 16), panels, 33)
+    with pytest.raises(ValueError, match="panels of a"):
+        cpu.panel_linear(torch.randn(2, 8), panels, 20)
+    with pytest.raises(ValueError, match="bias"):
+        cpu.panel_linear(torch.randn(2, 16), panels, 20, torch.randn(5))
+
+
+@pytest.mark.parametrize("panels", [True, False])
+def test_linear_layers_take_it_for_few_rows_and_fall_back_beyond(monkeypatch, panels):
     from models import transformer
 
     calls = []
-    real = cpu.skinny_linear
-    monkeypatch.setattr(cpu, "skinny_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    kernel = "panel_linear" if panels else "skinny_linear"
+    real = getattr(cpu, kernel)
+    monkeypatch.setattr(transformer, "FP32_PANELS", panels)
+    monkeypatch.setattr(cpu, kernel, lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     lin = transformer.Linear(32, 16)
     with torch.inference_mode():
         few, many = torch.randn(1, 4, 32), torch.randn(1, transformer._SKINNY_ROWS + 1, 32)
