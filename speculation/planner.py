@@ -62,9 +62,11 @@ lone stream beside a CPU drafter; `verifier.scheduler.Scheduler.plan_overlap`) t
 turns like the synchronous engine: `overlap` and `bridges` are off, and the draft
 cost per level is the verifier's measured wait for the trees.
 
-A new sequence starts from the acceptance the drafter has been earning: its γ
+A new sequence starts from the acceptance its drafter has been earning: its γ
 prior (worth `prior_weight` levels) is the pooled γ of recent verifications
-across all sequences, or 0.6 before there are any. A draft far from the target
+across the sequences of the same proposer (a draft model's, an EAGLE head's and
+prompt lookup's acceptances have nothing to say of each other), or 0.6 before
+there are any. A draft far from the target
 thus does not pay a round of rejected trees at the start of every request, and
 the probe back-off is pooled the same way: a new sequence waits as long as the
 latest failed probe's (until any sequence speculates again).
@@ -144,7 +146,12 @@ class WeightedLine:
 class CostModel:
     """verify(rows) ≈ a + b · rows and draft(levels) ≈ d0 + d · levels, fitted by
     exponentially-weighted least squares; a prior until the first measurement,
-    and b = slope_ratio · a while only one batch shape has been seen.
+    and b = slope_ratio · a while only one batch shape has been seen. A row count
+    measured `measured` times (decayed) is priced at its own recent mean instead
+    (`verify_time`): a verification's cost is not linear in its rows (the CPU's
+    panel kernel takes up to 6 rows in one pass over the weights, 7 to 12 in two:
+    1, 4 and 8 rows cost 8.8, 10.4 and 17.4 ms, whose line priced 2-4 rows ~15 % too
+    dear, and the planner kept trees shallow after wide trees had run).
 
     The first `one_off` measurements of each batch shape (rows verified, levels
     drafted) are left out: those forwards pay one-off work — on a GPU Triton
@@ -171,6 +178,8 @@ class CostModel:
         # exchange's latency); a cost per step, not per row
         self.wait = 0.0
         self._seen_rows: dict[int, int] = {}     # batch shape -> its one-off costs skipped so far
+        self._by_rows: dict[int, list[float]] = {}   # rows -> [decayed count, decayed seconds]
+        self.measured = 3.0                      # decayed count from which a row count's mean holds
         self._seen_levels: dict[int, int] = {}
 
     def observe_verify(self, rows: int, seconds: float) -> None:
@@ -178,6 +187,23 @@ class CostModel:
             self._seen_rows[rows] = self._seen_rows.get(rows, 0) + 1
             return
         self._verify.add(float(rows), seconds)
+        n, total = self._by_rows.get(rows, (0.0, 0.0))
+        self._by_rows[rows] = [n * self.decay + 1.0, total * self.decay + seconds]
+
+    def verify_time(self, rows: float) -> float:
+        """Seconds a verification of `rows` costs: each neighbouring whole row count's own mean
+        where measured, else the fitted line, interpolated for averaged (fractional) rows."""
+        a, b = self.coefficients
+
+        def at(r: int) -> float:
+            n, total = self._by_rows.get(r, (0.0, 0.0))
+            return total / n if n >= self.measured else a + b * r
+
+        lo = int(rows)
+        if rows == lo:
+            return at(lo)
+        f = rows - lo
+        return (1.0 - f) * at(lo) + f * at(lo + 1)
 
     @property
     def observed(self) -> bool:
@@ -237,13 +263,13 @@ class CostModel:
         a = max(line.intercept(b), 1e-6)
         return a, b
 
-    def step_time(self, rows: int, max_levels: int) -> float:
-        a, b = self.coefficients
+    def step_time(self, rows: float, max_levels: int) -> float:
+        verify = self.verify_time(rows)
         d0, d = self.draft_coefficients
         draft = d0 + d * max_levels if max_levels > 0 else 0.0
         if self.overlap:
-            return max(a + b * rows, draft) + (self.wait if max_levels > 0 else 0.0)
-        return a + b * rows + draft
+            return max(verify, draft) + (self.wait if max_levels > 0 else 0.0)
+        return verify + draft
 
 
 def one_off_costs(model) -> int:
@@ -262,8 +288,7 @@ class VerifyCosts:
         self.model = model
 
     def step_time(self, rows: float, max_levels: int) -> float:
-        a, b = self.model.coefficients
-        return a + b * rows
+        return self.model.verify_time(rows)
 
 
 @dataclass
@@ -276,6 +301,7 @@ class SeqState:
     off_steps: int = 0
     probe_gap: int = 0      # steps at 0 before the next probe (0 = the controller's probe_every)
     probed: bool = False    # the last plan was a probe
+    proposer: str = "model"  # whose pool its γ and probe back-off go to (`AdaptiveSpeculation.add`)
 
     @property
     def gamma(self) -> float:
@@ -291,8 +317,8 @@ class AdaptiveSpeculation:
         self.max_spec_len = max_spec_len
         self.prior_weight = prior_weight
         self.pool_decay = pool_decay
-        self._pool = [0.0, 0.0]    # EMA of per-level attempts / accepts over every sequence
-        self._pool_gap = 0         # probe wait a new sequence starts with (see `add`)
+        self._pool: dict[str, list[float]] = {}   # proposer -> EMA of per-level attempts / accepts
+        self._pool_gap: dict[str, int] = {}       # proposer -> probe wait a new sequence starts with
         self.probe_every = probe_every
         self.probe_gamma = probe_gamma
         self.margin = margin
@@ -313,16 +339,17 @@ class AdaptiveSpeculation:
         # is under way (`verifier.chunking`): a fixed cost per step, which deeper trees amortise
         self.chunk_s = 0.0
 
-    def add(self, stream: str, mode: str, spec_len: int, width: int) -> None:
+    def add(self, stream: str, mode: str, spec_len: int, width: int, proposer: str = "model") -> None:
         width = 1 if mode == "chain" else max(1, width)
         w = self.prior_weight
         self.seqs[stream] = SeqState(mode, min(spec_len, self.max_spec_len), width,
-                                     attempts=w, accepts=w * self.prior_gamma, probe_gap=self._pool_gap)
+                                     attempts=w, accepts=w * self.prior_gamma(proposer),
+                                     probe_gap=self._pool_gap.get(proposer, 0), proposer=proposer)
 
-    @property
-    def prior_gamma(self) -> float:
-        """The γ a new sequence starts from: pooled over recent verifications, else 0.6."""
-        attempts, accepts = self._pool
+    def prior_gamma(self, proposer: str = "model") -> float:
+        """The γ a new sequence of `proposer` starts from: pooled over its recent verifications,
+        else 0.6."""
+        attempts, accepts = self._pool.get(proposer, (0.0, 0.0))
         return accepts / attempts if attempts >= 4.0 else 0.6
 
     def remove(self, stream: str) -> None:
@@ -337,7 +364,8 @@ class AdaptiveSpeculation:
         st.attempts = st.attempts * self.decay + tries
         st.accepts = st.accepts * self.decay + accepted_depth
         d = self.pool_decay
-        self._pool = [self._pool[0] * d + tries, self._pool[1] * d + accepted_depth]
+        attempts, accepts = self._pool.get(st.proposer, (0.0, 0.0))
+        self._pool[st.proposer] = [attempts * d + tries, accepts * d + accepted_depth]
 
     def plan(self, streams: list[str], drafter_ok: bool = True, plain_step_s: float | None = None,
              alone: int = 0, caps: dict[str, int] | None = None) -> dict[str, tuple[int, int]]:
@@ -357,7 +385,7 @@ class AdaptiveSpeculation:
                 if k == 0:
                     if st.probed:        # the probe did not win it back: wait twice as long
                         st.probe_gap = min(2 * (st.probe_gap or self.probe_every), 8 * self.probe_every)
-                        self._pool_gap = max(self._pool_gap, st.probe_gap)
+                        self._pool_gap[st.proposer] = max(self._pool_gap.get(st.proposer, 0), st.probe_gap)
                     st.probed = False
                     st.off_steps += 1
                     if st.off_steps >= (st.probe_gap or self.probe_every):   # refresh a stale γ
@@ -367,7 +395,7 @@ class AdaptiveSpeculation:
                             k, st.probed = min(2, st.max_len, (caps or {}).get(s, st.max_len)), True
                 else:
                     st.off_steps, st.probe_gap, st.probed = 0, 0, False
-                    self._pool_gap = 0           # speculation pays again somewhere: probe as usual
+                    self._pool_gap[st.proposer] = 0   # speculation pays again somewhere: probe as usual
                 out[s] = (k, st.width) if k else (0, 0)
         return out
 

@@ -111,7 +111,7 @@ class Admission:
         beside = [t.budget for t in sch.streams.values() if t.prefilled]
         for rid in joins:
             s = sch.streams[rid]
-            sch.adaptive.add(rid, s.mode, s.spec_len, s.tree_width)
+            sch.adaptive.add(rid, s.mode, s.spec_len, s.tree_width, s.proposer)
             if s.proposer == "model":
                 sch.lookup.add(rid, s.mode, s.spec_len)
         # first budgets planned with the running batch (a tree that a large batch's plan would

@@ -126,6 +126,12 @@ class StepCosts:
         else:
             costs = self.plain if borrowed and not drafted else self.overlap
             costs.observe_verify(rows, step_s)
+            if not drafted and not borrowed and self.planner.costs is self.lockstep:
+                # in lockstep a step of sequences all decoding alone is the row count the plans
+                # weigh trees against: without it the lockstep line was fitted from tree steps
+                # alone (4 and 7 rows on this CPU: 1 row extrapolated to 4.8 ms, measured 9.5)
+                # and decoding alone looked too cheap to speculate against
+                self.lockstep.observe_verify(rows, step_s)
             if spec.planned and priced:
                 self.overlap.observe_wait(waited)
             if not drafted and not borrowed and self.settings.device != "cpu":

@@ -36,6 +36,26 @@ def test_cost_model_recovers_a_and_b():
     assert abs(a - 0.09) < 0.01 and abs(b - 0.16) < 0.01
 
 
+def test_a_measured_row_count_is_priced_at_its_own_mean_not_the_line():
+    """This CPU's panel kernel: 1 to 6 rows in one pass over the weights, 7 in two. The line
+    through 1, 4 and 7 rows misprices 4 rows; each measured count keeps its own mean, an
+    unmeasured one takes the line, and averaged (fractional) rows interpolate."""
+    c = CostModel(one_off=0, overlap=False)
+    for _ in range(10):
+        for rows, ms in ((1, 9.0), (4, 10.5), (7, 18.0)):
+            c.observe_verify(rows, ms / 1e3)
+    a, b = c.coefficients
+    assert a + 4 * b > 0.012                                 # the line: 4 rows ~19 % dear
+    assert c.verify_time(4) == pytest.approx(0.0105) and c.verify_time(1) == pytest.approx(0.009)
+    assert c.verify_time(2) == pytest.approx(a + 2 * b)      # never measured: the line
+    assert c.verify_time(3.5) == pytest.approx(0.5 * (a + 3 * b) + 0.5 * 0.0105)
+    assert c.step_time(4, 3) == pytest.approx(0.0105 + 3 * c.d)
+    c2 = CostModel(one_off=0)
+    c2.observe_verify(5, 0.02)
+    c2.observe_verify(5, 0.02)                                # decayed count < 3: the line still
+    assert c2.verify_time(5) == pytest.approx(sum(c2.coefficients[i] * (1, 5)[i] for i in (0, 1)))
+
+
 def test_first_costs_of_each_shape_are_left_out():
     """A shape's first forward compiles, its second captures a CUDA graph: 40x and 20x
     outliers there must not reach the fit."""
@@ -127,16 +147,34 @@ def test_a_new_sequence_starts_from_the_acceptance_the_drafter_has_been_earning(
     ad = AdaptiveSpeculation(max_spec_len=4)
     feed(ad.costs, 0.09, 0.016)                       # CPU-like: a 0.6 draft pays, a useless one does not
     ad.add("first", "auto", 4, 1)
-    assert ad.prior_gamma == 0.6 and ad.plan(["first"])["first"][0] > 0   # nothing known yet: optimistic
+    assert ad.prior_gamma() == 0.6 and ad.plan(["first"])["first"][0] > 0   # nothing known yet: optimistic
     for _ in range(30):
         ad.observe("first", 3, 0)                     # every tree rejected at its first node
     ad.remove("first")
     ad.add("next", "auto", 4, 1)
-    assert ad.prior_gamma < 0.05 and ad.plan(["next"]) == {"next": (0, 0)}   # starts off, no wasted trees
+    assert ad.prior_gamma() < 0.05 and ad.plan(["next"]) == {"next": (0, 0)}   # starts off, no wasted trees
     for _ in range(60):
         ad.observe("next", 3, 3)                      # (its probes) now accepted in full
     ad.add("third", "auto", 4, 1)
-    assert ad.prior_gamma > 0.7 and ad.plan(["third"])["third"][0] >= 2
+    assert ad.prior_gamma() > 0.7 and ad.plan(["third"])["third"][0] >= 2
+
+
+def test_each_proposer_earns_its_own_prior_and_probe_back_off():
+    """Prompt lookup failing on one engine says nothing of its draft model: a model sequence
+    after many failed lookup chains (and their probes backing off) starts from the model's own
+    pool, which knows nothing yet (0.6), and speculates at once."""
+    ad = AdaptiveSpeculation(max_spec_len=4)
+    feed(ad.costs, 0.09, 0.016)
+    ad.add("lookup", "auto", 4, 1, proposer="ngram")
+    for _ in range(40):
+        ad.observe("lookup", 3, 0)                    # every lookup chain rejected at once
+        ad.plan(["lookup"])                           # its probes fail: the back-off grows
+    assert ad.prior_gamma("ngram") < 0.05 and ad._pool_gap["ngram"] > 0
+    ad.add("model", "auto", 4, 1)
+    assert ad.prior_gamma("model") == 0.6 and ad.seqs["model"].probe_gap == 0
+    assert ad.plan(["model"])["model"][0] > 0
+    ad.add("lookup2", "auto", 4, 1, proposer="ngram")
+    assert ad.plan(["lookup2"]) == {"lookup2": (0, 0)}   # the lookup pool's word still holds for lookup
 
 
 def _pipeline(gamma_hits: tuple[int, int], a: float, b: float, overlap: bool = True) -> AdaptiveSpeculation:

@@ -53,6 +53,25 @@ def test_in_lockstep_the_wait_is_the_draft_per_level_less_the_catch_up():
     assert c.overlap.wait == 0.0
 
 
+def test_in_lockstep_steps_decoding_alone_price_one_row_for_the_lockstep_plans():
+    """The in-process engine steps in lockstep: its plans weigh a tree against decoding alone
+    by the lockstep model, which must see the one-row steps too. Fitted from tree steps alone
+    (4 and 7 rows) it priced one row at half its cost and the planner stopped speculating."""
+    c = step_costs()
+    c.choose(False, 1)                                   # lockstep (no overlap)
+    assert c.planner.costs is c.lockstep
+    for _ in range(12):
+        c.observe_step(4, 0.0105, 3, False, True, StepKind(planned=True))
+        c.observe_step(7, 0.0180, 3, False, True, StepKind(planned=True))
+        c.observe_step(1, 0.0090, None, False, False, StepKind())             # decoding alone
+    assert c.lockstep.verify_time(1) == pytest.approx(0.009)
+    c2 = step_costs()
+    c2.choose(True, 1)                                   # overlapped: the plain step is no lockstep step
+    for _ in range(3):                                   # (a shape's first cost is left out)
+        c2.observe_step(1, 0.009, None, False, False, StepKind())
+    assert not c2.lockstep.observed and c2.overlap.observed
+
+
 def test_collect_notes_what_the_batch_was_planned_as(tiny_target):
     """A bridge after a contradicted tree is a speculating step; a tree still awaited after a
     resync makes the step's wait a catch-up; a sequence decoding alone by plan is neither."""
