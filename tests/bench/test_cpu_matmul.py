@@ -1,10 +1,11 @@
-"""bench/cpu_matmul.py: the few-row kernel and the layer operators against torch, and another build."""
+"""bench/cpu_matmul.py: the few-row kernels and the layer operators against torch, and another build."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kernels import cpu
+from models import transformer
 
 
 @pytest.mark.skipif(not cpu.available(), reason="the C kernel needs AVX2/FMA/F16C and a C compiler")
@@ -13,8 +14,9 @@ def test_times_each_path_and_a_baseline_build_and_restores_the_kernel(tiny_targe
     assert bench_script("cpu_matmul").main(["--target", str(tiny_target), "--rows", "1", "3", "--reps", "1",
                                             "--baseline", str(cpu.SOURCE)]) == 0
     out = capsys.readouterr().out.splitlines()
-    rows = {line.split()[0]: line for line in out[-4:]}
-    assert set(rows) == {"torch", "C-matmul", "C-layer", "baseline"}
+    rows = {line.split()[0]: line for line in out[-5:]}
+    assert set(rows) == {"torch", "C-layer", "C-decoder", "C-panels", "baseline"}
     assert all("1 rows" in line and "3 rows" in line for line in rows.values())
     assert cpu._load() is lib            # the project's build is the one loaded again
     assert cpu.layer_ops_apply(torch.zeros(1, 8), 8)     # and the layer operators switched on again
+    assert cpu.decoder_layer_available() and transformer.FP32_PANELS   # a layer in one call, panels

@@ -26,7 +26,9 @@ def test_the_gpu_bench_runs_the_eagle_head_pipeline_exactly(ray_cluster, tmp_pat
     assert set(points) == {("off", None), ("reference", 1.0), ("async", 0.0), ("async", 0.5)}
     ref = points["reference", 1.0]
     assert ref["gamma"] == 0.0 and ref["exact"]                  # nothing accepted: the target alone
-    assert 0 < ref["check"]["tie_tolerance"] < 1e-3              # fp32: rounding only
+    # fp32: rounding only (0 here: the panel kernel sums each output along k in order, as
+    # oneDNN's prefill-shaped matmul does at this tiny width)
+    assert 0 <= ref["check"]["tie_tolerance"] < 1e-3
     full = points["async", 0.0]
     assert full["gamma"] == 1.0 and full["check"]["equal"]       # the replayed reference, all accepted
     assert full["drafter"]["trees"] > 0                          # drafted by the EAGLE head's actor

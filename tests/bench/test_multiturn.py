@@ -13,7 +13,7 @@ def test_the_multiturn_bench_runs_every_configuration(tiny_target, close_draft, 
         assert bench_script("multiturn").main([
             "--target", str(tiny_target), "--draft", str(close_draft), "--turns", "3", "--conversations", "1",
             "--system-tokens", "40", "--turn-tokens", "10", "--max-tokens", "4", "--long-prompt", "64",
-            "--streams", "2", "--decode-tokens", "120", "--settle-s", "0.1", "--chunk", "16", "--block-size", "8",
+            "--streams", "2", "--decode-tokens", "200", "--settle-s", "0.01", "--chunk", "16", "--block-size", "8",
             "--num-blocks", "256", "--out", str(tmp_path)]) == 0
     finally:
         torch.set_num_threads(threads)
@@ -43,8 +43,11 @@ def test_the_multiturn_bench_runs_every_configuration(tiny_target, close_draft, 
 def test_the_interference_run_takes_its_configurations_and_refuses_unknown_ones(
         tiny_target, close_draft, bench_script, tmp_path, capsys):
     threads = torch.get_num_threads()
+    # the streams must still decode when the long prompt arrives and while it prefills: the tiny
+    # model's steps take well under a millisecond (each layer one C call), so 200 tokens and a
+    # 10 ms settle (120 tokens and 100 ms once outran the settle)
     common = ["--target", str(tiny_target), "--draft", str(close_draft), "--parts", "interference",
-              "--long-prompt", "48", "--streams", "2", "--decode-tokens", "120", "--settle-s", "0.1", "--chunk", "16",
+              "--long-prompt", "48", "--streams", "2", "--decode-tokens", "200", "--settle-s", "0.01", "--chunk", "16",
               "--block-size", "8", "--num-blocks", "256", "--out", str(tmp_path)]
     try:
         assert bench_script("multiturn").main(common + ["--prefill", "budget", "--repeats", "2"]) == 0
