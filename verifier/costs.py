@@ -71,6 +71,13 @@ class StepCosts:
             a, b = self.plain.coefficients
             scale = lendable_later / self.threads
             self.overlap.prior = (a * scale, b * scale)
+        if not overlapped and not self.lockstep.observed and self.plain.observed:
+            # No lockstep step measured yet, plain ones are: a lockstep forward runs on the
+            # drafter's cores too, as the plain steps did, so it starts from their cost, not the
+            # model's prior (22 ms a row). Against measured 13 ms plain steps, that prior made every
+            # tree look a loss and a server whose first requests decoded alone never speculated
+            # (`bench/load.py --engine pipeline`: 0 of 1388 steps drafted).
+            self.lockstep.prior = self.plain.coefficients
 
     def borrowing_measured(self, lendable_later: int) -> bool:
         """Plain steps would run on borrowed cores (once the drafters are idle: a drafter busy

@@ -72,6 +72,22 @@ def test_in_lockstep_steps_decoding_alone_price_one_row_for_the_lockstep_plans()
     assert not c2.lockstep.observed and c2.overlap.observed
 
 
+def test_a_lockstep_plan_starts_from_the_measured_plain_steps():
+    """A server whose first requests decode alone (plain steps on the drafter's cores, 13 ms)
+    and whose lone stream then asks for trees in lockstep: its plans start from the plain
+    steps' cost, not the model's prior (22 ms a row and more), against which every tree was a
+    loss and the stream never speculated."""
+    c = step_costs()
+    for _ in range(6):
+        c.observe_step(1, 0.013, None, True, False, StepKind())             # borrowed plain steps
+    assert c.plain.observed and not c.lockstep.observed
+    c.choose(False, 2)                                                     # a lone stream: lockstep
+    assert c.lockstep.coefficients == c.plain.coefficients
+    c.planner.add("s", "auto", 4, 1)
+    plan = c.planner.plan(["s"], plain_step_s=c.plain_step_s(1, 2))
+    assert plan["s"][0] > 0
+
+
 def test_collect_notes_what_the_batch_was_planned_as(tiny_target):
     """A bridge after a contradicted tree is a speculating step; a tree still awaited after a
     resync makes the step's wait a catch-up; a sequence decoding alone by plan is neither."""
