@@ -256,7 +256,8 @@ class DecoderLayer(nn.Module):
         weight the few-row kernels read (`PackedWeight._few_row_copy`) or the cache changes."""
         linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         copies = [m._pack._few_row_copy(m.weight)[0] for m in linears]   # what the operands point into
-        key = (k_cache.data_ptr(), v_cache.data_ptr(), *((p.data_ptr(), p._version) for p in (self.attn_norm, self.mlp_norm)),
+        norms = (self.attn_norm, self.mlp_norm)
+        key = (k_cache.data_ptr(), v_cache.data_ptr(), *((p.data_ptr(), p._version) for p in norms),
                *((c.data_ptr(), c.dim()) for c in copies))
         if key != self._c_key:
             weights = [m._pack.operand(m.weight, m.bias) for m in linears]
