@@ -226,6 +226,13 @@ def panel_pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(P, PANEL, K).transpose(1, 2).contiguous()
 
 
+def _holds_panels(panels: torch.Tensor, n: int, K: int | None = None) -> bool:
+    """Whether `panels` can be `panel_pack`'s of a float32 CPU weight [n, K] (any K where None)."""
+    return (panels.dtype == torch.float32 and panels.device.type == "cpu" and panels.dim() == 3
+            and panels.shape[2] == PANEL and (K is None or panels.shape[1] == K) and panels.is_contiguous()
+            and max(0, (panels.shape[0] - 1) * PANEL) < n <= panels.shape[0] * PANEL)
+
+
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None = None,
                  threads: int | None = None) -> torch.Tensor:
     """x [..., K] float32 (1 to 16 rows) @ the weight [n, K] that `panel_pack` made `panels` of,
@@ -235,9 +242,7 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tens
         raise CpuKernelError(f"CPU kernels unavailable: {_error}")
     K = x.shape[-1]
     M = x.numel() // K if K else 0
-    if not (x.dtype == panels.dtype == torch.float32 and x.device.type == panels.device.type == "cpu"
-            and panels.dim() == 3 and panels.shape[1:] == (K, PANEL) and panels.is_contiguous()
-            and 0 < n <= panels.shape[0] * PANEL and n > (panels.shape[0] - 1) * PANEL):
+    if not (x.dtype == torch.float32 and x.device.type == "cpu" and _holds_panels(panels, n, K)):
         raise ValueError(f"panel_linear takes CPU float32 x [..., {K}] and the panels of a [{n}, {K}] weight")
     if not 1 <= M <= MAX_ROWS:
         raise ValueError(f"panel_linear takes 1 to {MAX_ROWS} rows, got {M}")
@@ -366,21 +371,23 @@ def weight_operand(weight: torch.Tensor, bias: torch.Tensor | None = None,
         raise ValueError("a decoder_layer weight is a contiguous 2-D CPU float32, float16 or int8 tensor")
     if (weight.dtype == torch.int8) != (scales is not None):
         raise ValueError("an int8 weight takes scales (float32, one per weight row), and only it")
-    for extra in (scales, bias):
-        if extra is not None and (extra.dtype != torch.float32 or extra.shape != (weight.shape[0],)
-                                  or not extra.is_contiguous()):
-            raise ValueError(f"scales and bias must be contiguous float32 [{weight.shape[0]}]")
+    _check_rows_vectors(weight.shape[0], scales, bias)
     return SfWeight(weight.data_ptr(), 0 if scales is None else scales.data_ptr(),
                     0 if bias is None else bias.data_ptr(), _KINDS[weight.dtype])
 
 
+def _check_rows_vectors(n: int, *vectors: torch.Tensor | None) -> None:
+    """A decoder_layer weight's scales and bias: each None or contiguous float32 [n]."""
+    for v in vectors:
+        if v is not None and (v.dtype != torch.float32 or v.shape != (n,) or not v.is_contiguous()):
+            raise ValueError(f"scales and bias must be contiguous float32 [{n}]")
+
+
 def panel_operand(panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> SfWeight:
     """The `panel_pack` panels of a float32 weight [n, K] and its bias [n] as an SfWeight."""
-    if not (panels.dtype == torch.float32 and panels.dim() == 3 and panels.shape[2] == PANEL
-            and panels.is_contiguous() and (panels.shape[0] - 1) * PANEL < n <= panels.shape[0] * PANEL):
+    if not _holds_panels(panels, n):
         raise ValueError(f"not the panels of a weight of {n} rows")
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,) or not bias.is_contiguous()):
-        raise ValueError(f"scales and bias must be contiguous float32 [{n}]")
+    _check_rows_vectors(n, bias)
     return SfWeight(panels.data_ptr(), 0, 0 if bias is None else bias.data_ptr(), _PANELS)
 
 
