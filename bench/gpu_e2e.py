@@ -91,7 +91,7 @@ def engine_for(args):
         settings["lockstep_alone"] = False
     if args.no_lockstep_shared_gpu:   # on one GPU: overlap the two actors' forwards anyway
         settings["lockstep_shared_gpu"] = False
-    if args.restart_depth:            # restart trees instead of bridges after a contradiction
+    if args.restart_depth is not None:    # restart trees or bridges after a contradiction
         settings["restart_depth"] = args.restart_depth
     return build_pipeline_engine(AppArgs(placement=placement), target_dir=args.target,
                                  draft_dir=draft_spec(args.target, args.draft),
@@ -240,9 +240,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-lockstep-shared-gpu", action="store_true",
                    help="EngineSettings.lockstep_shared_gpu off: drafter and verifier on the one GPU "
                         "overlap their forwards (time-sliced) instead of taking turns")
-    p.add_argument("--restart-depth", type=int, default=0,
+    p.add_argument("--restart-depth", type=int, default=None,
                    help="EngineSettings.restart_depth: a restart chain this deep after a contradicted "
-                        "outcome instead of a bridge step (0: bridge)")
+                        "outcome instead of a bridge step (0: bridge; -1: a lone overlapped stream "
+                        "restarts at its depth; default: its own)")
     p.add_argument("--ray-logs", action="store_true", help="the actors' log lines on stderr (log_to_driver)")
     p.add_argument("--replot", nargs=2, metavar=("JSON", "PNG"),
                    help="recompute a saved run's model columns in JSON and redraw PNG; runs nothing")

@@ -219,7 +219,7 @@ class Drafter:
             return DraftPass()
         items = []
         for s in ready:
-            k, width, bridge = next_tree_shape(self.settings, s.params, s.budget, s.bridge, s.proposer)
+            k, width, bridge = next_tree_shape(self.settings, s.params, s.budget, s.bridge, s.proposer, s.restart)
             items.append(DraftItem(s.stream, s.position(), s.params, s.generator, k, width, s.epoch, bridge,
                                    s.proposer))
         # lockstep (one tree in flight): the next tree waits for this one's signal, so no

@@ -39,8 +39,9 @@ min(s, budget) tokens after the committed prefix, sends it at once and drafts it
 next tree after the restart tree's assumed outcome. The wait is one hop plus s + 1
 draft levels instead of a bridge step; the first token after a rejection is then
 verified beside the one the target fixed, and a contradicted restart tree is followed
-by another one. Both sides decide s alike (`speculation.policy.restart_tree_depth`, from the
-budget of the step's signal); a budget of 0 bridges as before.
+by another one. The verifier decides s (`speculation.policy.restart_tree_depth`: the setting,
+or by default a lone overlapped stream's budget) and the step's signal says it (`Signal.restart`,
+`DraftStream.restart`); 0 bridges as before.
 """
 from __future__ import annotations
 
@@ -79,6 +80,7 @@ class DraftStream:
         self.next_tree_id = 0
         self.budget: tuple[int, int] = (0, 0)      # (spec_len, tree_width) from the verifier
         self.bridge = False                        # next tree drafted after the bridge token
+        self.restart = 0                           # ... or a restart tree this deep (the signal's word)
 
     def position(self) -> list[int] | None:
         """Tokens the next tree is drafted after, or None when an outcome can't be assumed."""
@@ -114,7 +116,7 @@ class DraftStream:
         """
         held = self.confirmed + [t for f in self.inflight for t in f.assumed]   # what the draft KV assumed
         self.confirmed.extend(sig.token_ids)
-        self.bridge = False
+        self.bridge, self.restart = False, sig.restart
         # the root (last committed token) is always fed afresh with the next tree
         keep = min(common_prefix(held, self.confirmed), len(self.confirmed) - 1)
         head = self.inflight[0] if self.inflight else None
@@ -137,7 +139,7 @@ class DraftStream:
         """Restart from the whole committed prefix; returns the nodes dropped."""
         wasted = sum(f.num_nodes for f in self.inflight)
         self.inflight.clear()
-        self.bridge = False
+        self.bridge, self.restart = False, 0
         self.confirmed = list(tokens)
         self.epoch = max(self.epoch + 1, epoch)
         return wasted

@@ -1,10 +1,12 @@
 """Decisions both sides of the pipeline make alike, each from its own view (DESIGN.md §3).
 
-The drafter and the verifier never ask each other how deep a bridge chain is, whether they
-run in lockstep, or how deep the restart tree after a contradiction will be: each decides
-with the functions here from what it knows (the settings, the budget of the last step
-signal, where the other side runs). Where the two views differ for a step, the cost is
-speed, never exactness: outcomes and bridges follow each tree's own header.
+The drafter and the verifier never ask each other how deep a bridge chain is or whether they
+run in lockstep: each decides with the functions here from what it knows (the settings, the
+budget of the last step signal, where the other side runs). Where the two views differ for a
+step, the cost is speed, never exactness: outcomes and bridges follow each tree's own header.
+Whether a restart tree follows a contradicted outcome, and how deep, the verifier decides
+(`restart_tree_depth`) and its step signal says (`Signal.restart`): a mismatch there would
+leave the verifier waiting for a tree the drafter never drafts.
 """
 from __future__ import annotations
 
@@ -20,23 +22,33 @@ def bridge_chain_depth(settings: EngineSettings, params, budget: int, proposer: 
     return max(0, min(settings.bridge_depth, budget, MAX_BRIDGE_DEPTH))
 
 
-def restart_tree_depth(settings: EngineSettings, budget: int) -> int:
-    """Depth of the restart tree that follows a contradicted outcome: the setting within the
-    sequence's budget (the verifier's last signal); 0 = the verifier bridges instead (the
-    setting is 0, or speculation is off for the sequence)."""
-    return max(0, min(settings.restart_depth, budget))
+# a lone overlapped stream's restart chain (`restart_depth` -1): the draft is right about half as
+# often just after a miss as elsewhere, and each level more is one more draft forward the verifier
+# waits for: past ~3 tokens a level's expected gain is below its wait (bench/README.md, one core each)
+LONE_RESTART_DEPTH = 3
+
+
+def restart_tree_depth(settings: EngineSettings, budget: int, lone_overlapped: bool) -> int:
+    """The verifier's choice of the restart tree that follows a contradicted outcome, told to
+    the drafter with the step's signal (`Signal.restart`): the setting within the sequence's
+    budget (its next tree's depth); with the setting -1, a chain of `LONE_RESTART_DEPTH` for a
+    lone stream overlapped with its drafter (`lone_overlapped`: the verifier waits for a short chain
+    instead of decoding one token alone, the drafter having nothing else to draft) and a
+    bridge for streams that share one; 0 = the verifier bridges (so does a budget of 0)."""
+    depth = LONE_RESTART_DEPTH if settings.restart_depth < 0 and lone_overlapped else settings.restart_depth
+    return max(0, min(depth, budget))
 
 
 def next_tree_shape(settings: EngineSettings, params, budget: tuple[int, int], contradicted: bool,
-                    proposer: str = "model") -> tuple[int, int, int]:
+                    proposer: str = "model", restart: int = 0) -> tuple[int, int, int]:
     """The drafter's next tree for a sequence: (depth, width, bridge), `bridge` the tokens the
     verifier's bridge step is assumed to commit before it (0: none; `drafter.draft_side`).
-    After a contradicted outcome: a restart chain (`restart_tree_depth`), else the restart
-    tree after a bridge of one token or a bridge chain's r plus one (drafter/streams.py)."""
+    After a contradicted outcome: the restart chain the verifier asked for (`restart`, from
+    the step's signal: `restart_tree_depth`), else the restart tree after a bridge of one
+    token or a bridge chain's r plus one (drafter/streams.py)."""
     k, width = budget
     if not contradicted:
         return k, width, 0
-    restart = restart_tree_depth(settings, k)
     if restart:
         return restart, 1, 0
     return k, width, 1 + bridge_chain_depth(settings, params, k, proposer)

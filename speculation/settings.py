@@ -59,12 +59,16 @@ class SpeculationSettings(BaseModel):
         "After a tree whose outcome contradicts what the drafter assumed, the verifier's next "
         "step (the bridge) verifies the draft's own greedy chain of this many tokens, drafted by "
         "a copy of the draft the verifier holds, instead of decoding one token alone (greedy "
-        "requests with a draft model; 0 = decode alone). Used only with restart_depth 0."))
-    restart_depth: int = Field(0, ge=0, le=MAX_SPEC_LEN, description=(
+        "requests with a draft model; 0 = decode alone). Used where no restart tree follows "
+        "(`restart_depth`)."))
+    restart_depth: int = Field(-1, ge=-1, le=MAX_SPEC_LEN, description=(
         "After a tree whose outcome contradicts what the drafter assumed, the drafter drafts a "
         "restart tree this deep (within the sequence's budget) after the committed prefix and "
         "the verifier waits for it, instead of decoding one token alone (a bridge) while the "
-        "drafter drafts a full tree after its guess of that token. 0 = bridge."))
+        "drafter drafts a full tree after its guess of that token. 0 = bridge; -1 = a lone "
+        "stream overlapped with its drafter restarts at its budget's depth, streams sharing a "
+        "drafter bridge (`speculation.policy.restart_tree_depth`). The verifier decides and "
+        "tells the drafter with the step's signal (`Signal.restart`)."))
     lookup: bool = Field(
         True, description="In auto mode, where the draft model does not pay, the verifier speculates "
                           "with prompt lookup (n-grams of the prompt and output) when that pays.")

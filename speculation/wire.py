@@ -31,9 +31,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-WIRE_VERSION = 6                 # 2: "reset" (a restarted verifier); 3: a stream's proposer; 4: target features;
+WIRE_VERSION = 7                 # 2: "reset" (a restarted verifier); 3: a stream's proposer; 4: target features;
 #                                  5: a request's grammar in `params` (models.grammar.GrammarSpec as a dict);
-#                                  6: the verifier's word on lockstep in every signal
+#                                  6: the verifier's word on lockstep in every signal; 7: the restart tree's depth
 SIGNAL_KINDS = ("step", "join", "leave", "resync", "reset")
 
 
@@ -202,11 +202,15 @@ class Signal:
     # step / join / resync: whether the drafter runs in lockstep with this stream as its only one,
     # by the verifier's choice (`verifier.regime`); None: each side's rule (`speculation.policy`)
     lockstep: bool | None = None
+    # step: the depth of the restart tree the drafter drafts next after the committed prefix, this
+    # step having contradicted its assumed outcome (`speculation.policy.restart_tree_depth`); 0 = the
+    # verifier bridges instead (or nothing was contradicted)
+    restart: int = 0
 
 
 def encode_signals(signals: list[Signal]) -> bytes:
     body = [[s.kind, s.stream, s.epoch, s.tree_id, s.prefix_len, s.token_ids, list(s.budget),
-             s.params, s.proposer, _pack_features(s.features), s.lockstep] for s in signals]
+             s.params, s.proposer, _pack_features(s.features), s.lockstep, s.restart] for s in signals]
     return msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": body})
 
 
@@ -238,9 +242,9 @@ def decode_signals(data: bytes) -> list[Signal]:
         raise WireError("signal frame lacks its item list")
     out = []
     for item in items:
-        if not isinstance(item, list) or len(item) != 11:
-            raise WireError(f"signal item must have 11 fields, got {item!r}")
-        kind, stream, epoch, tree_id, prefix_len, tokens, budget, params, proposer, features, lockstep = item
+        if not isinstance(item, list) or len(item) != 12:
+            raise WireError(f"signal item must have 12 fields, got {item!r}")
+        kind, stream, epoch, tree_id, prefix_len, tokens, budget, params, proposer, features, lockstep, restart = item
         if kind not in SIGNAL_KINDS:
             raise WireError(f"unknown signal kind {kind!r}")
         ints = (epoch, tree_id, prefix_len, *budget) if isinstance(budget, list) else None
@@ -249,10 +253,11 @@ def decode_signals(data: bytes) -> list[Signal]:
                 or not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens)
                 or not (params is None or isinstance(params, dict))
                 or not (proposer is None or isinstance(proposer, str))
-                or not (lockstep is None or isinstance(lockstep, bool))):
+                or not (lockstep is None or isinstance(lockstep, bool))
+                or not (isinstance(restart, int) and not isinstance(restart, bool) and restart >= 0)):
             raise WireError(f"malformed signal item {item!r}")
         out.append(Signal(kind, stream, epoch, tree_id, prefix_len, tokens, tuple(budget), params, proposer,
-                          _unpack_features(features), lockstep))
+                          _unpack_features(features), lockstep, restart))
     return out
 
 

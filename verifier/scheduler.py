@@ -102,7 +102,7 @@ class Scheduler:
         self.features = target.verifier.features     # a feature-conditioned drafter reads them
         self.ring = Ring(settings.ring_slots)
         self.adaptive = AdaptiveSpeculation(max_spec_len=MAX_SPEC_LEN)
-        self.adaptive.restart_depth = settings.restart_depth
+        self.adaptive.restart_depth = max(0, settings.restart_depth)   # as planned: `_plan_and_signal`
         self.costs = StepCosts(self.adaptive, target.model, settings, self.threads)
         self.step_kind = StepKind()       # what the batch collected last was planned as (`collect`)
         self.regime = RegimeChoice(settings.lockstep_measured)    # a lone stream's: overlap or lockstep
@@ -344,32 +344,44 @@ class Scheduler:
         self.plan_overlap()
         lendable = self.registry.lendable_threads(now=False)
         extra = self.costs.refilling(len(live), lendable)
+        self.adaptive.restart_depth = self._restart_depth(live)
         plan = self.adaptive.plan([s.request_id for s in live], alone=extra,
                                   plain_step_s=self.costs.plain_step_s(len(live) + extra, lendable)) if live else {}
         lockstep: dict[int, bool] = {}     # each drafter's way this step, worked out once
         for s, tree_id, kept in steps:
             s.budget = s.capped(plan[s.request_id])
             self.stats.observe_speculation(s.budget[0] > 0)
-            if s.bridge and restart_tree_depth(self.settings, s.budget[0]):
+            if s.drafter is None:
+                continue
+            if s.drafter not in lockstep:
+                lockstep[s.drafter] = self.members.lockstep(s.drafter)
+            restart = 0
+            if s.bridge:
+                restart = restart_tree_depth(self.settings, s.budget[0],
+                                             not lockstep[s.drafter] and self.members.feeds_one(s.drafter))
+            if restart:
                 # no bridge: the drafter drafts a short restart tree after the committed prefix
                 # (this step's signal tells it) and the sequence waits for it
                 s.bridge, s.restarting = False, True
                 self.stats.observe_restart()
-            if s.drafter is None:
-                continue
             if s.budget == s.sent_budget == (0, 0) and tree_id == -1:
                 # the drafter has nothing to draft and knows it: it hears of these tokens with
                 # the next signal it needs instead of once per step (no wake-ups, no calls)
                 s.unsent.extend(kept)
                 continue
             ring = self.ring.stream(s.request_id)
-            if s.drafter not in lockstep:
-                lockstep[s.drafter] = self.members.lockstep(s.drafter)
             self.registry.send(s.drafter, Signal("step", s.request_id, ring.epoch, tree_id, len(s.committed),
                                                  s.unsent + kept, s.budget,
                                                  features=s.unsent_features() if self.features else None,
-                                                 lockstep=lockstep[s.drafter]))
+                                                 lockstep=lockstep[s.drafter], restart=restart))
             s.unsent, s.sent_budget = [], s.budget
+
+    def _restart_depth(self, live: list[VerifyStream]) -> int:
+        """The depth of the restart trees the plan prices after a contradicted outcome (within each
+        stream's depth): `restart_tree_depth`'s, the one stream planned counted as overlapped
+        alone with its drafter where it is; 0 = bridges."""
+        alone = len(live) == 1 and live[0].drafter is not None and self.members.feeds_one(live[0].drafter)
+        return restart_tree_depth(self.settings, MAX_SPEC_LEN, alone and not self.members.lockstep(live[0].drafter))
 
     def plan_overlap(self) -> None:
         """Before a plan: the step-cost model of how the drafters run now (`StepCosts.choose`):

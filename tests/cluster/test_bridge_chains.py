@@ -50,7 +50,7 @@ def test_a_drafter_killed_while_chains_bridge_leaves_the_output_exact(make_engin
     from .test_pipeline_faults import kill_after
 
     engine = make_engine(tiny_target, far_draft, drafters=1, drafter_timeout_s=1.0,
-                         speculation={"bridge_depth": 2})
+                         speculation={"bridge_depth": 2, "restart_depth": 0})   # a lone stream: no restarts
     prompt = prompts(1, seed=23)[0]
     killed_at = []
     tokens, last = run(collect(engine, request("victim", prompt, 60, "chain", 4),

@@ -48,3 +48,28 @@ def test_a_drafter_killed_while_the_verifier_waits_for_restarts_leaves_the_outpu
     assert killed_at and killed_at[0] < 60, "the drafter must die mid-generation"
     assert tokens == hf_greedy(hf_target, prompt, 60) and last.finish_reason == "length"
     assert run(engine.stats())["restarts"] > 0
+
+
+@pytest.mark.parametrize("restart_depth", [-1, 0])
+def test_a_lone_overlapped_stream_restarts_by_default(make_engine, tiny_target, far_draft, hf_target,
+                                                      restart_depth):
+    """By default (`restart_depth` -1) a lone stream overlapped with its drafter answers a
+    contradicted outcome with a restart chain of up to `LONE_RESTART_DEPTH` tokens, which the
+    verifier chose and its step signal told the drafter (`Signal.restart`); with 0 it bridges.
+    Either way a greedy request with a far draft (contradicted nearly every step) is the
+    target alone, token for token."""
+    from speculation.policy import LONE_RESTART_DEPTH
+
+    engine = make_engine(tiny_target, far_draft, drafters=1,
+                         speculation={"restart_depth": restart_depth, "lockstep_alone": False,
+                                      "lockstep_measured": False})
+    prompt = prompts(1, seed=37)[0]
+    tokens, last = run(collect(engine, request("alone", prompt, 40, "chain", 4)), 180)
+    assert tokens == hf_greedy(hf_target, prompt, 40) and last.finish_reason == "length"
+    stats = run(engine.stats())
+    assert stats["drafter_rollbacks"] > 0, stats
+    if restart_depth:
+        assert stats["restarts"] > 0 and stats["restart_trees"] > 0, stats
+        assert stats["restart_drafted"] <= LONE_RESTART_DEPTH * stats["restart_trees"]
+    else:
+        assert stats["restarts"] == stats["restart_trees"] == 0, stats

@@ -104,10 +104,14 @@ def test_a_contradicted_restart_tree_is_followed_by_another_restart():
     after it; contradicted, the drafter restarts again (its `bridge` flag: a contradiction)."""
     s = DraftStream("s", [1, 2], 0, SamplingParams(temperature=0), 0)
     f = s.record(2, [5, 6, 7], 2)
-    assert s.on_step(Signal("step", "s", 0, f.tree_id, 4, [5, 4]))[0] and s.bridge
+    assert s.on_step(Signal("step", "s", 0, f.tree_id, 4, [5, 4], restart=1))[0] and s.bridge
+    assert s.restart == 1                         # the verifier's word: a chain of 1 after [1, 2, 5, 4]
     s.bridge = False                              # the drafter drafted its restart tree:
     r = s.record(4, [8, 9], 1)                    # a chain [8] after [1, 2, 5, 4], guess 9
     s.record(6, [3, 3], 1)
     assert s.position() == [1, 2, 5, 4, 8, 9, 3, 3]
     bumped, keep, wasted = s.on_step(Signal("step", "s", 1, r.tree_id, 6, [8, 1]))
-    assert bumped and s.bridge and wasted == 1 and keep == 5
+    assert bumped and s.bridge and wasted == 1 and keep == 5 and s.restart == 0   # told to bridge now
+    s.on_step(Signal("step", "s", 2, -1, 7, [2], restart=3))
+    s.resync([1, 2, 5, 4, 8, 1, 2], 3)
+    assert s.restart == 0 and not s.bridge

@@ -20,28 +20,36 @@ def test_bridge_chain_depth_is_decided_alike_from_settings_params_and_budget():
     assert bridge_chain_depth(EngineSettings.model_construct(bridge_depth=9), greedy, 16) == MAX_BRIDGE_DEPTH
 
 
-def test_after_a_contradiction_both_sides_choose_a_restart_tree_or_a_bridge_alike():
-    """`restart_depth` s: the drafter's next tree after a contradicted outcome is a restart
-    chain of min(s, budget) with no bridge before it exactly where the verifier does not
-    bridge (`restart_tree_depth`); a budget of 0 bridges; with s = 0 the drafter bridges
-    (plainly, or after a bridge chain); without a contradiction nothing changes."""
-    from speculation.policy import next_tree_shape, restart_tree_depth
+def test_after_a_contradiction_the_drafter_drafts_the_restart_tree_the_verifier_chose():
+    """`restart_tree_depth` is the verifier's choice, told with the step's signal: s > 0 gives
+    a restart chain of min(s, budget) for every stream; the default (-1) gives a lone
+    overlapped stream a chain of min(`LONE_RESTART_DEPTH`, budget) and bridges streams that
+    share a drafter;
+    0 and a budget of 0 bridge. The drafter's next tree after a contradicted outcome is that
+    chain with no bridge before it exactly where the verifier does not bridge, and otherwise
+    a bridge (plainly, or after a bridge chain); without a contradiction nothing changes."""
+    from speculation.policy import LONE_RESTART_DEPTH, next_tree_shape, restart_tree_depth
     from speculation.settings import EngineSettings
 
+    assert EngineSettings().restart_depth == -1 and LONE_RESTART_DEPTH == 3
     greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=0.8)
     for settings in (EngineSettings(restart_depth=1), EngineSettings(restart_depth=3),
-                     EngineSettings(), EngineSettings(bridge_depth=2)):
-        for params in (greedy, sampled):
-            for budget in ((0, 0), (1, 1), (2, 2), (6, 1)):
-                verifier_bridges = restart_tree_depth(settings, budget[0]) == 0
-                depth, width, bridge = next_tree_shape(settings, params, budget, True)
-                assert (bridge > 0) == verifier_bridges, (settings, budget)
-                if not verifier_bridges:
-                    assert (depth, width) == (min(settings.restart_depth, budget[0]), 1)
-                else:
-                    assert (depth, width) == budget
-                assert next_tree_shape(settings, params, budget, False) == (*budget, 0)
-    assert next_tree_shape(EngineSettings(restart_depth=3), greedy, (6, 2), True) == (3, 1, 0)
+                     EngineSettings(), EngineSettings(restart_depth=0), EngineSettings(bridge_depth=2)):
+        for lone in (True, False):
+            for params in (greedy, sampled):
+                for budget in ((0, 0), (1, 1), (2, 2), (6, 1)):
+                    restart = restart_tree_depth(settings, budget[0], lone)
+                    auto = LONE_RESTART_DEPTH if lone else 0
+                    chosen = settings.restart_depth if settings.restart_depth >= 0 else auto
+                    assert restart == min(chosen, budget[0]), (settings, lone, budget)
+                    depth, width, bridge = next_tree_shape(settings, params, budget, True, restart=restart)
+                    assert (bridge > 0) == (restart == 0), (settings, budget)
+                    assert (depth, width) == ((restart, 1) if restart else budget)
+                    assert next_tree_shape(settings, params, budget, False, restart=restart) == (*budget, 0)
+    assert restart_tree_depth(EngineSettings(), 6, True) == 3 and restart_tree_depth(EngineSettings(), 2, True) == 2
+    assert restart_tree_depth(EngineSettings(), 6, False) == 0
+    assert restart_tree_depth(EngineSettings(restart_depth=0), 4, True) == 0
+    assert next_tree_shape(EngineSettings(restart_depth=3), greedy, (6, 2), True, restart=3) == (3, 1, 0)
     assert next_tree_shape(EngineSettings(bridge_depth=2), greedy, (6, 1), True) == (6, 1, 3)
     assert next_tree_shape(EngineSettings(bridge_depth=2), sampled, (6, 1), True) == (6, 1, 1)
 

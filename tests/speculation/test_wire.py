@@ -91,22 +91,28 @@ def test_header_rejects_bad_fields_and_inconsistent_assumption():
 
 def test_signals_round_trip_and_validation():
     sigs = [Signal("step", "a", 2, 5, 40, [3, 4, 5], (4, 2), lockstep=True),
+            Signal("step", "a", 2, 6, 44, [6, 7], (4, 1), lockstep=False, restart=4),
             Signal("resync", "b", 7, -1, 3, [1, 2, 3], (0, 0), {"temperature": 0.0, "seed": 3}, "ngram",
                    lockstep=False),
             Signal("leave", "c")]
     assert decode_signals(encode_signals(sigs)) == sigs
-    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["nope", "a", 0, 0, 0, [], [0, 0], None, None, None, None]]})
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["nope", "a", 0, 0, 0, [], [0, 0], None, None, None, None, 0]]})
     with pytest.raises(WireError, match="unknown signal kind"):
         decode_signals(bad)
-    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["step", "a", 0, 0, 0, ["x"], [0, 0], None, None, None, None]]})
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["step", "a", 0, 0, 0, ["x"], [0, 0], None, None, None, None, 0]]})
     with pytest.raises(WireError, match="malformed"):
         decode_signals(bad)
-    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["join", "a", 0, 0, 0, [], [0, 0], None, 7, None, None]]})
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["join", "a", 0, 0, 0, [], [0, 0], None, 7, None, None, 0]]})
     with pytest.raises(WireError, match="malformed"):
         decode_signals(bad)
-    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["step", "a", 0, 0, 0, [], [0, 0], None, None, None, 1]]})
+    bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["step", "a", 0, 0, 0, [], [0, 0], None, None, None, 1, 0]]})
     with pytest.raises(WireError, match="malformed"):              # the word on lockstep: a bool or nothing
         decode_signals(bad)
+    for restart in (-1, "2", None):                                # the restart tree's depth: an int >= 0
+        bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals",
+                             "items": [["step", "a", 0, 0, 0, [], [0, 0], None, None, None, None, restart]]})
+        with pytest.raises(WireError, match="malformed"):
+            decode_signals(bad)
     with pytest.raises(WireError, match="wire version"):
         decode_signals(msgpack.packb({"v": 0, "kind": "signals", "items": []}))
     # target features (an EAGLE head's input) cross as raw float32 with their shape
@@ -117,7 +123,7 @@ def test_signals_round_trip_and_validation():
     (back,) = decode_signals(encode_signals([Signal("step", "a", 0, 2, 9, [4, 5, 6], (2, 1), features=(6, feats))]))
     assert back.features[0] == 6 and np.array_equal(back.features[1], feats.numpy())
     bad = msgpack.packb({"v": WIRE_VERSION, "kind": "signals",
-                         "items": [["step", "a", 0, 0, 0, [], [0, 0], None, None, [0, 2, 2, b"short"], None]]})
+                         "items": [["step", "a", 0, 0, 0, [], [0, 0], None, None, [0, 2, 2, b"short"], None, 0]]})
     with pytest.raises(WireError, match="features"):
         decode_signals(bad)
 
@@ -131,5 +137,5 @@ def test_reset_signal_round_trips_and_a_frame_of_the_previous_version_is_rejecte
         decode_signals(old)
     with pytest.raises(WireError, match="must be bytes"):
         decode_signals(["step"])
-    with pytest.raises(WireError, match="11 fields"):
+    with pytest.raises(WireError, match="12 fields"):
         decode_signals(msgpack.packb({"v": WIRE_VERSION, "kind": "signals", "items": [["reset", ""]]}))
