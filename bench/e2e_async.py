@@ -299,7 +299,11 @@ def parser() -> argparse.ArgumentParser:
                    help="EngineSettings.bridge_depth: draft tokens a bridge step verifies (default: its own)")
     p.add_argument("--restart-depth", type=int, default=None,
                    help="EngineSettings.restart_depth: depth of the restart tree after a contradicted "
-                        "outcome, 0 = bridge (default: its own)")
+                        "outcome, 0 = bridge, -1 = a lone overlapped stream restarts at its depth "
+                        "(default: its own)")
+    p.add_argument("--exchange-channels", action="store_true",
+                   help="EngineSettings.exchange_channels: the drafter exchanges over Ray shared-memory "
+                        "channels instead of an actor call each")
     p.add_argument("--one-core-each", action="store_true",
                    help="every model on one core, none lent: the in-process methods on one thread, the "
                         "pipeline overlapped with no verifier step on the drafter's core (module doc)")
@@ -334,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = {} if args.ring_slots is None else {"ring_slots": args.ring_slots}
     if args.no_lockstep_alone:
         settings["lockstep_alone"] = False
+    if args.exchange_channels:
+        settings["exchange_channels"] = True
     settings = pipeline_settings(args.one_core_each, args.bridge_depth, args.restart_depth, **settings)
     methods["async"] = measure_async(target_dir, draft_dir, args.spec_len, 1, args.async_mode, **settings)
     try:
