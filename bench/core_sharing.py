@@ -50,7 +50,8 @@ def worker(role: str, model_dir: str, rows: int, threads: int, seconds: float, s
 
     from models import load_model
     from models.embedded import draft_logit_rows
-    from models.transformer import causal_mask, use_draft_weights
+    from models.linear import use_draft_weights
+    from models.transformer import causal_mask
 
     torch.set_num_threads(threads)
     if sched == "idle":

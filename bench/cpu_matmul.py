@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
 
-    import models.transformer as mt
+    import models.linear as mt
     from kernels import cpu
     from models import load_model
     from models.sampling import SamplingParams

@@ -152,7 +152,8 @@ def forward_ms(model, prefix_len: int, num_tokens: int, repeats: int = 7, logit_
     With `logit_rows` (a draft's reduced head) the rows are selected once, as the
     proposer does, and applied to the hidden states with the proposer's packed head.
     """
-    from models.transformer import PackedWeight, causal_mask
+    from models.linear import PackedWeight
+    from models.transformer import causal_mask
 
     head = pack = None
     if logit_rows is not None:

@@ -421,7 +421,7 @@ def sweep(args, target_dir, draft_dir, work, methods, runs, costs: dict) -> dict
     from bench.e2e import forward_ms
     from models.pair import read_logit_rows
     from models import load_model
-    from models.transformer import use_draft_weights
+    from models.linear import use_draft_weights
 
     # the model lines' step costs on the in-process baselines' threads, the draft as its
     # proposer runs it (int8 layers, the reduced head selected once)

@@ -28,7 +28,7 @@ import torch
 from speculation.proposal import DraftRequest
 from drafter.tree_search import ROOT, TreeBuilder
 from models.kv_cache import OutOfBlocks
-from models.transformer import DRAFT_WEIGHTS, PackedWeight, use_draft_weights
+from models.linear import DRAFT_WEIGHTS, PackedWeight, use_draft_weights
 from models.tree import TokenTree, ragged_tree_forward
 
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 
 from models.config import ModelConfig
-from models.transformer import Linear, Transformer
+from models.linear import Linear
+from models.transformer import Transformer
 
 FC_WEIGHT, FC_BIAS = "eagle.fc.weight", "eagle.fc.bias"
 

@@ -148,7 +148,7 @@ def ragged_tree_forward(
     lm_head: torch.Tensor | None = None,     # [V', hidden]: those rows, selected once by the caller
     features: Sequence[torch.Tensor] | None = None,   # B x [T_b, hidden]: a feature-conditioned draft's input
     return_hidden: bool = False,
-    head_pack=None,                          # models.transformer.PackedWeight kept with `lm_head`
+    head_pack=None,                          # models.linear.PackedWeight kept with `lm_head`
 ):                                           # B x [L_b, V or V'] float32 (, B x [T_b, hidden])
     """One forward over B trees of different sizes; each sequence grows by exactly T_b.
 

@@ -332,7 +332,7 @@ class AdaptiveSpeculation:
         self.restart_depth = 0
         self.seqs: dict[str, SeqState] = {}
         # rows per forward beyond which the step costs jump (the CPU's few-row kernel,
-        # `models.transformer.few_row_limit`): plans stay within it unless decoding alone
+        # `models.linear.few_row_limit`): plans stay within it unless decoding alone
         # already exceeds it. None = no such limit.
         self.row_limit: int | None = None
         # seconds each step of the plan also spends on a prompt's chunk while a chunked prefill

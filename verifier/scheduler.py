@@ -32,7 +32,7 @@ from dataclasses import replace
 import torch
 
 from models.sampling import SamplingParams
-from models.transformer import few_row_limit
+from models.linear import few_row_limit
 from models.tree import TokenTree
 from speculation.planner import AdaptiveSpeculation
 from speculation.policy import bridge_chain_depth, restart_tree_depth, threads_of

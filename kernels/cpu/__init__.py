@@ -14,7 +14,7 @@ repacked once (`panel_pack`) into panels of 16 output columns
 (kernels/cpu/panel_gemm.c): each row's outputs accumulate along k in
 registers, so 5 to 8 rows cost ~20-30 % less than reading the nn.Linear layout,
 with the same property (a row's result never depends on the others).
-`models.transformer.PackedWeight` takes it for float32 weights.
+`models.linear.PackedWeight` takes it for float32 weights.
 
 `rms_norm`, `silu_mul`, `rope_store` and `tree_attention` are a decoder
 layer's work between its matmuls in four calls instead of ~40 torch operators

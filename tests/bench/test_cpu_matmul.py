@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels import cpu
-from models import transformer
+from models import linear
 
 
 @pytest.mark.skipif(not cpu.available(), reason="the C kernel needs AVX2/FMA/F16C and a C compiler")
@@ -19,4 +19,4 @@ def test_times_each_path_and_a_baseline_build_and_restores_the_kernel(tiny_targe
     assert all("1 rows" in line and "3 rows" in line for line in rows.values())
     assert cpu._load() is lib            # the project's build is the one loaded again
     assert cpu.layer_ops_apply(torch.zeros(1, 8), 8)     # and the layer operators switched on again
-    assert cpu.decoder_layer_available() and transformer.FP32_PANELS   # a layer in one call, panels
+    assert cpu.decoder_layer_available() and linear.FP32_PANELS   # a layer in one call, panels

@@ -14,7 +14,7 @@ import pytest
 
 import models
 import models.loader as loader
-import models.transformer as transformer
+import models.linear as linear
 import cluster.actors as actors
 from cluster.actors import DrafterActor, VerifierActor, settings_dict
 from cluster.local import build_local_engine
@@ -28,7 +28,7 @@ def forward_threads(monkeypatch):
     """The ids of the threads that loaded a model (weights converted, packed: parallel regions
     on the CPU) or ran any linear layer of one, from now on."""
     seen: set[int] = set()
-    forward, load_model = transformer.Linear.forward, loader.load_model
+    forward, load_model = linear.Linear.forward, loader.load_model
 
     def recording(self, x):
         seen.add(threading.get_ident())
@@ -38,7 +38,7 @@ def forward_threads(monkeypatch):
         seen.add(threading.get_ident())
         return load_model(*args, **kwargs)
 
-    monkeypatch.setattr(transformer.Linear, "forward", recording)
+    monkeypatch.setattr(linear.Linear, "forward", recording)
     monkeypatch.setattr(loader, "load_model", loading)
     monkeypatch.setattr(models, "load_model", loading)
     return seen

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu
-from models import transformer
+from models import linear, transformer
 from models.loader import load_model
 from models.transformer import apply_rope, causal_mask, rms_norm
 from models.tree import ancestor_mask
@@ -171,7 +171,7 @@ def test_a_whole_layer_in_one_c_call_gives_the_bits_of_its_steps_from_python(ove
     gives exactly the hidden states of the same steps called one by one."""
     model = _random_model(**overrides)
     if draft_weights:
-        transformer.use_draft_weights(model, draft_weights)
+        linear.use_draft_weights(model, draft_weights)
     steps = []
     real = cpu.DecoderStep.layer
     monkeypatch.setattr(cpu.DecoderStep, "layer", lambda self, *a: steps.append(1) or real(self, *a))

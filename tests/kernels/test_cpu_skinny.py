@@ -87,7 +87,7 @@ def test_int8_weights_with_row_scales(K):
 
 @pytest.mark.parametrize("fmt", ["fp16", "int8"])
 def test_drafts_round_their_layers_and_read_low_precision_copies(fmt):
-    from models.transformer import Linear, low_precision, use_draft_weights
+    from models.linear import Linear, low_precision, use_draft_weights
 
     net = torch.nn.Sequential(Linear(24, 40), Linear(40, 8, bias=False))
     before = [m.weight.detach().clone() for m in net]
@@ -160,7 +160,7 @@ def test_panels_refuse_what_they_do_not_take():
 
 @pytest.mark.parametrize("panels", [True, False])
 def test_linear_layers_take_it_for_few_rows_and_fall_back_beyond(monkeypatch, panels):
-    from models import transformer
+    from models import linear as transformer
 
     calls = []
     kernel = "panel_linear" if panels else "skinny_linear"
@@ -176,7 +176,7 @@ def test_linear_layers_take_it_for_few_rows_and_fall_back_beyond(monkeypatch, pa
 
 
 def test_disabled_or_unbuildable_falls_back_with_a_reason(tmp_path):
-    code = ("from kernels import cpu; import torch; from models.transformer import Linear;"
+    code = ("from kernels import cpu; import torch; from models.linear import Linear;"
             "lin = Linear(8, 4); y = lin(torch.randn(2, 8));"
             "print(cpu.available(), '|', cpu.unavailable_reason(), '|', tuple(y.shape))")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECFLASH_CACHE": str(tmp_path / "cache")}

@@ -131,7 +131,7 @@ def test_out_of_blocks_in_forward_leaves_every_sequence_unchanged(model):
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("transposed_gemv", [False, True])
 def test_prepacked_cpu_linear_follows_weight_updates(rows, transposed_gemv):
-    from models.transformer import Linear
+    from models.linear import Linear
 
     torch.manual_seed(0)
     lin = Linear(16, 24)
