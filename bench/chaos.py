@@ -416,7 +416,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, SoakConfig, dict]
     ap.add_argument("--seed", type=int, default=d.seed)
     common.add_model_pair(ap, default="a tiny random Llama and a close draft")
     ap.add_argument("--restart-depth", type=int, default=None,
-                    help="EngineSettings.restart_depth: restart trees instead of bridges (default: its own)")
+                    help="EngineSettings.restart_depth: restart trees instead of bridges (-1: a lone "
+                         "overlapped stream's; default: its own)")
     ap.add_argument("--bridge-depth", type=int, default=None,
                     help="EngineSettings.bridge_depth: bridge chains of this depth (default: its own)")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -435,8 +436,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, SoakConfig, dict]
     try:                        # the cluster config's own bounds and its one-policy rule
         SpeculationSettings(**policy)
     except ValidationError as e:
-        ap.error("--restart-depth and --bridge-depth as the cluster config takes them (at least 0, at most "
-                 "one of them above 0): " + "; ".join(err["msg"] for err in e.errors()))
+        ap.error("--restart-depth and --bridge-depth as the cluster config takes them (restart depth at least "
+                 "-1, bridge depth at least 0, at most one of them above 0): "
+                 + "; ".join(err["msg"] for err in e.errors()))
     cfg = SoakConfig(duration_s=args.duration, max_requests=args.max_requests, concurrency=args.concurrency,
                      request_timeout_s=args.request_timeout, fault_every_s=args.fault_every, faults=faults,
                      node_down_s=args.node_down, max_tokens=max(args.max_tokens, d.min_tokens),

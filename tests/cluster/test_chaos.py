@@ -63,7 +63,7 @@ def test_the_soak_refuses_two_policies_at_once(bench_script, capsys):
     """`--restart-depth` and `--bridge-depth` are one choice (as in the cluster config): a
     clear error before any cluster starts."""
     chaos = bench_script("chaos")
-    for bad in (["--restart-depth", "1", "--bridge-depth", "2"], ["--restart-depth", "-1"], ["--bridge-depth", "9"]):
+    for bad in (["--restart-depth", "1", "--bridge-depth", "2"], ["--restart-depth", "-2"], ["--bridge-depth", "9"]):
         with pytest.raises(SystemExit) as refused:
             chaos.main(bad)
         assert refused.value.code == 2, bad
