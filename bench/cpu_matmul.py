@@ -31,6 +31,30 @@ from bench import common  # noqa: E402  (bench/ off sys.path, the repository on 
 import torch  # noqa: E402
 
 
+def time_paths(paths: list[tuple], verify_once, rows: list[int], reps: int, layer_ops, whole
+               ) -> dict[tuple[str, int], list[float]]:
+    """Seconds of `verify_once(n)` for each path and row count, the paths interleaved round by
+    round (the first round warms them up, untimed). A path: (name, few-row limit, library, C
+    layer operators, a layer in one call, float32 panels), set on `models.linear` and
+    `kernels.cpu` for its turn (the caller puts them back)."""
+    import models.linear as mt
+    from kernels import cpu
+
+    never = lambda *a: False     # noqa: E731
+    times: dict[tuple[str, int], list[float]] = {}
+    for rep in range(reps + 1):
+        for name, limit, library, fused, in_one_call, panels in paths:
+            mt._SKINNY_ROWS, cpu._lib, mt.FP32_PANELS = limit, library, panels
+            cpu.layer_ops_apply = layer_ops if fused else never
+            cpu.decoder_layer_available = whole if in_one_call else never
+            verify_once(1)                               # a switch of path may repack the weights
+            for n in rows:
+                t = verify_once(n)
+                if rep:                                  # the first round warms both paths up
+                    times.setdefault((name, n), []).append(t)
+    return times
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", help="target checkpoint (default: the embedded SmolLM2-135M)")
@@ -74,24 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         return seconds
 
     saved, lib, layer_ops, whole = mt._SKINNY_ROWS, cpu._load(), cpu.layer_ops_apply, cpu.decoder_layer_available
-    never = lambda *a: False     # noqa: E731
     # name, few-row limit, library, C layer operators, a layer in one call, float32 panels
     paths = [("torch", 0, lib, False, False, False), ("C-layer", saved, lib, True, False, False),
              ("C-decoder", saved, lib, True, True, False), ("C-panels", saved, lib, True, True, True)]
     if args.baseline:
         paths.append(("baseline", saved, cpu.open_library(cpu.build(source=Path(args.baseline))), True, True, False))
-    times: dict[tuple[str, int], list[float]] = {}
     try:
-        for rep in range(args.reps + 1):
-            for name, limit, library, fused, in_one_call, panels in paths:
-                mt._SKINNY_ROWS, cpu._lib, mt.FP32_PANELS = limit, library, panels
-                cpu.layer_ops_apply = layer_ops if fused else never
-                cpu.decoder_layer_available = whole if in_one_call else never
-                verify_once(1)                               # a switch of path may repack the weights
-                for rows in args.rows:
-                    t = verify_once(rows)
-                    if rep:                                  # the first round warms both paths up
-                        times.setdefault((name, rows), []).append(t)
+        times = time_paths(paths, verify_once, args.rows, args.reps, layer_ops, whole)
     finally:
         mt._SKINNY_ROWS, cpu._lib, cpu.layer_ops_apply, cpu.decoder_layer_available = saved, lib, layer_ops, whole
         mt.FP32_PANELS = True

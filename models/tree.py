@@ -136,6 +136,35 @@ def pack_groups(lengths: Sequence[int], contexts: Sequence[int] | None = None) -
     return groups
 
 
+def _pack_inputs(groups: list[list[int]], seq_ids, input_ids, positions, tree_masks, features,
+                 hidden_size: int):
+    """`ragged_tree_forward`'s groups as `PackedInput`s, each sequence padded to its group's
+    longest (a padding token sees only itself and the prefix; its position repeats the last);
+    returns them and, per sequence, (its first row in the packed forward, its group's T)."""
+    from models.transformer import PackedInput
+
+    sizes = [int(x.shape[0]) for x in input_ids]
+    inputs, row_of, start = [], {}, 0
+    for members in groups:
+        T = max(1, max(sizes[b] for b in members))
+        B = len(members)
+        ids = torch.zeros(B, T, dtype=torch.long)
+        pos = torch.zeros(B, T, dtype=torch.long)
+        mask = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)                 # [B, T, T]
+        feats = None if features is None else torch.zeros(B, T, hidden_size, dtype=features[0].dtype)
+        for j, b in enumerate(members):
+            n = sizes[b]
+            ids[j, :n], pos[j, :n] = input_ids[b], positions[b]
+            pos[j, n:] = positions[b][-1] if n else 0
+            mask[j, :n, :n] = tree_masks[b]
+            if feats is not None:
+                feats[j, :n] = features[b]
+            row_of[b] = (start + j * T, T)
+        inputs.append(PackedInput([seq_ids[b] for b in members], ids, pos, mask, feats))
+        start += B * T
+    return inputs, row_of
+
+
 def ragged_tree_forward(
     model,                                   # models.Transformer
     cache,                                   # models.PagedKVCache
@@ -162,34 +191,14 @@ def ragged_tree_forward(
     again on every call. With `return_hidden`, also each sequence's final-norm hidden
     states (the features the LM head read).
     """
-    from models.transformer import PackedInput
-
     sizes = [int(x.shape[0]) for x in input_ids]
     before = [cache.seq_len(s) for s in seq_ids]
     # on the CPU a group's attention is padded to its longest context; the GPU kernel reads each
     # sequence's own length (and one group keeps a forward on its CUDA graph)
     on_cpu = model.embed_tokens.weight.device.type == "cpu"
     contexts = [p + n for p, n in zip(before, sizes)] if on_cpu else None
-    groups, inputs, row_of = pack_groups(sizes, contexts), [], {}
-    start = 0
-    for members in groups:
-        T = max(1, max(sizes[b] for b in members))
-        B = len(members)
-        ids = torch.zeros(B, T, dtype=torch.long)
-        pos = torch.zeros(B, T, dtype=torch.long)
-        mask = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)                 # [B, T, T]
-        feats = None if features is None else torch.zeros(B, T, model.config.hidden_size,
-                                                          dtype=features[0].dtype)
-        for j, b in enumerate(members):
-            n = sizes[b]
-            ids[j, :n], pos[j, :n] = input_ids[b], positions[b]
-            pos[j, n:] = positions[b][-1] if n else 0
-            mask[j, :n, :n] = tree_masks[b]
-            if feats is not None:
-                feats[j, :n] = features[b]
-            row_of[b] = (start + j * T, T)
-        inputs.append(PackedInput([seq_ids[b] for b in members], ids, pos, mask, feats))
-        start += B * T
+    inputs, row_of = _pack_inputs(pack_groups(sizes, contexts), seq_ids, input_ids, positions, tree_masks,
+                                  features, model.config.hidden_size)
     hidden = model.forward_packed(inputs, cache)                              # [N, hidden]
     device = hidden.device
     picks = torch.cat([row_of[b][0] + logit_positions[b].long() for b in range(len(seq_ids))]).to(device)
