@@ -108,6 +108,9 @@ class VerifierActor:
             self.local.attach(self.scheduler)
             self.scheduler.registry.local = LOCAL_DRAFTER
         self._mail: dict[int, asyncio.Event] = defaultdict(asyncio.Event)
+        self._polling: set[int] = set()    # drafters waiting in an exchange (a long-poll) now
+        self._replying: set[object] = set()   # exchanges answered here, not yet back on Ray's loop
+        self.loop.replies_due = self._replies_due
         self.scheduler.registry.on_mail = lambda drafter: self._mail[drafter].set()
         # the last health and KV reports, and when the engine's thread gave them (`_report`)
         self._reports = {"health": self.scheduler.health(), "kv_usage": self.scheduler.kv_usage()}
@@ -218,14 +221,26 @@ class VerifierActor:
 
     async def exchange(self, *args, **kwargs) -> bytes:
         """Drafter -> verifier: `_exchange`, run on the engine's loop."""
-        return await self.engine.run(self._exchange(*args, **kwargs))
+        call = object()              # filed in `_replying` once the engine's loop has answered it
+        try:
+            return await self.engine.run(self._exchange(*args, answer=call, **kwargs))
+        finally:                     # back on Ray's loop: the reply is on its way (or the call failed)
+            self._replying.discard(call)
+
+    def _replies_due(self) -> bool:
+        """Whether a drafter waiting in an exchange has signals it has not taken yet, or an
+        exchange answered on the engine's loop has not reached Ray's loop yet (the loop's
+        `replies_due`: it holds a prefill back until they are out)."""
+        reg = self.scheduler.registry
+        return bool(self._replying) or any(reg.has_mail(d) for d in list(self._polling))
 
     async def _exchange(self, drafter: int, incarnation: str, puts: list, wait_s: float,
                         draft_s: float = 0.0, draft_levels: int = 0, resync: list | tuple = (),
                         node: str = "", cpus: float = 0.0, gpus: list | None = None,
-                        idle: bool | None = None) -> bytes:
+                        idle: bool | None = None, *, answer: object | None = None) -> bytes:
         """Drafter -> verifier (`speculation.transport.Exchange`, positionally): file its trees
-        in the ring; return the signals queued for it, waiting up to `wait_s` for one."""
+        in the ring; return the signals queued for it, waiting up to `wait_s` for one. `answer`:
+        the call's token, kept in `_replying` from here until Ray's loop has the reply."""
         self.loop.ensure_running()
         try:
             trees = unpack_puts(puts)     # refuses the whole call on a bad frame
@@ -238,11 +253,17 @@ class VerifierActor:
         mail = self._mail[drafter]
         if not self.scheduler.registry.has_mail(drafter) and wait_s > 0:
             mail.clear()
+            self._polling.add(drafter)
             try:
                 await asyncio.wait_for(mail.wait(), wait_s)
             except asyncio.TimeoutError:
                 pass
-        return encode_signals(self.scheduler.signals_for(drafter))
+            finally:
+                self._polling.discard(drafter)
+        frame = encode_signals(self.scheduler.signals_for(drafter))
+        if answer is not None:
+            self._replying.add(answer)
+        return frame
 
     async def open_channel(self, drafter: int, req, drafter_handle, node: str):
         """A drafter's exchanges over channels from now on (cluster/channels.py): we read `req`

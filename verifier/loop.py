@@ -74,6 +74,7 @@ class _Raised:
 
 
 _END = object()     # `EngineThread.stream`'s source is exhausted
+HAND_OUT_S = 0.005  # the longest a prefill waits for the drafters' replies to leave (`EngineLoop.admit`)
 
 
 class EngineThread:
@@ -181,6 +182,9 @@ class EngineLoop:
         self.scheduler = scheduler
         self.pump = pump
         self.inline = inline
+        # a shell whose drafters' exchanges it answers (cluster/actors.py): whether replies to them
+        # are still on their way (`_hand_out`)
+        self.replies_due: Callable[[], bool] | None = None
         self._model_thread: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -309,8 +313,20 @@ class EngineLoop:
         to_free, joins, threads = sch.plan_admission()
         if not to_free and not joins:
             return
+        if joins and self.inline and self.replies_due is not None:
+            await self._hand_out(self.replies_due)
         features = await self.run_model(sch.prefill, to_free, joins, threads)
         sch.prefilled(joins, features)
+
+    async def _hand_out(self, due: Callable[[], bool]) -> None:
+        """Before a prefill, inline: let the signals just queued (a joining stream's "resync")
+        leave for drafters waiting in an exchange, so that they catch up on the prompt while the
+        target prefills it. A forward on this thread holds the loop, and the exchange's reply
+        also needs the caller's loop (Ray's, on another thread) to run: turns of this loop alone
+        left the reply waiting until the prefill had ended. At most `HAND_OUT_S`."""
+        deadline = time.monotonic() + HAND_OUT_S
+        while due() and time.monotonic() < deadline:
+            await asyncio.sleep(0.0002)          # a real wait: the other thread gets the GIL
 
     async def run_model(self, fn: Callable, *args):
         if self.inline:         # exchanges wait until it ends: their drafters are not silent meanwhile

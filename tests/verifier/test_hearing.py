@@ -63,3 +63,56 @@ def test_the_actor_answers_health_while_its_engine_is_in_a_long_forward(tiny_tar
         assert "engine_busy_s" not in asyncio.run(actor.health())    # the thread answers again
     finally:
         actor.shutdown()
+
+
+def test_a_waiting_drafter_hears_of_a_new_stream_before_its_prefill(tiny_target, monkeypatch):
+    """A stream's "resync" reaches a drafter waiting in an exchange before the target's prefill
+    of its prompt ends, so that the drafter catches up on the prompt meanwhile: the prefill,
+    inline on the engine's thread, is held back until the reply has left for the caller's loop
+    (`EngineLoop._hand_out`). The prefill here holds the GIL for 0.4 s, as a forward that does
+    not release it would; without the hand-out the reply waits for it to end."""
+    import ctypes
+    import threading
+
+    import cluster.actors as actors
+    from cluster.actors import VerifierActor, settings_dict
+    from speculation.wire import decode_signals
+
+    monkeypatch.setattr(actors, "node_id", lambda: "node-1")
+    actor = VerifierActor(str(tiny_target), settings_dict(EngineSettings(num_blocks=64, num_cpus=1, lookup=False)))
+    hold_gil = ctypes.PyDLL(None).usleep          # a C call that keeps the GIL
+    times: dict[str, float] = {}
+    prefill = actor.scheduler.prefill
+
+    def slow_prefill(*args):
+        times["prefill_start"] = time.monotonic()
+        hold_gil(400_000)
+        times["prefill_end"] = time.monotonic()
+        return prefill(*args)
+
+    actor.scheduler.prefill = slow_prefill
+    try:
+        # a drafter on another node (so that the stream is its, not the verifier's stand-in's)
+        asyncio.run(actor.exchange(0, "inc", [], 0.0, 0.0, 0, [], "node-2", 1.0, None, True))
+
+        def drafter():
+            while "resync" not in times:
+                frame = asyncio.run(actor.exchange(0, "inc", [], 3.0, 0.0, 0, [], "node-2", 1.0, None, True))
+                if any(sig.kind == "resync" for sig in decode_signals(frame)):
+                    times["resync"] = time.monotonic()
+
+        waiting = threading.Thread(target=drafter, daemon=True)
+        waiting.start()
+        time.sleep(0.3)                           # the drafter is in its long-poll
+
+        async def one_request():
+            params = {"temperature": 0.0, "max_tokens": 2, "ignore_eos": True}
+            async for _ in actor.generate("r", list(range(3, 40)), params, {"mode": "chain", "spec_len": 2}):
+                pass
+
+        asyncio.run(one_request())
+        waiting.join(10)
+        assert "resync" in times and "prefill_end" in times, times
+        assert times["resync"] < times["prefill_end"], times
+    finally:
+        actor.shutdown()
