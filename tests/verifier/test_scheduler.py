@@ -37,8 +37,10 @@ def test_a_sequence_held_off_is_signalled_only_when_its_drafter_is_needed(tiny_t
         assert signals[0].budget == (0, 0) and len(tokens) == 6
         # now the planner wants a tree: one signal carries every token committed meanwhile
         ad.plan = lambda streams, *_, **__: {s: (2, 1) for s in streams}
-        tokens += (await asyncio.wait_for(gen.__anext__(), 10)).token_ids
-        late = [s for s in await va.exchange(0, "d0", [], 0.0) if s.kind == "step"]
+        late = []
+        while not late and len(tokens) < params.max_tokens:   # chunks of steps planned before the
+            tokens += (await asyncio.wait_for(gen.__anext__(), 10)).token_ids   # switch may be queued
+            late = [s for s in await va.exchange(0, "d0", [], 0.0) if s.kind == "step"]
         assert len(late) == 1 and late[0].budget == (2, 1)
         stream = DraftStream("r", signals[0].token_ids, signals[0].epoch, SamplingParams(), 0)
         for sig in [s for s in signals if s.kind == "step"] + late:
