@@ -398,7 +398,7 @@ def parser() -> argparse.ArgumentParser:
                    help="the pipeline's bridge_depth (draft tokens a bridge step verifies; default: its own)")
     p.add_argument("--restart-depth", type=int, default=None,
                    help="the pipeline's restart_depth (restart tree after a contradicted outcome, 0 = "
-                        "bridge, -1 = a lone overlapped stream restarts at its depth; default: its own)")
+                        "bridge, -1 = a lone overlapped stream restarts with up to 3; default: its own)")
     p.add_argument("--out", type=Path, default=common.RESULTS, help="the folder for e2e-<time>.json")
     p.add_argument("--readme", action="store_true", help="write the table into bench/README.md")
     p.add_argument("--peer", type=Path, help="a bench/vllm_peer.py results file: its rows printed beside ours")

@@ -299,7 +299,7 @@ def parser() -> argparse.ArgumentParser:
                    help="EngineSettings.bridge_depth: draft tokens a bridge step verifies (default: its own)")
     p.add_argument("--restart-depth", type=int, default=None,
                    help="EngineSettings.restart_depth: depth of the restart tree after a contradicted "
-                        "outcome, 0 = bridge, -1 = a lone overlapped stream restarts at its depth "
+                        "outcome, 0 = bridge, -1 = a lone overlapped stream restarts with up to 3 "
                         "(default: its own)")
     p.add_argument("--exchange-channels", action="store_true",
                    help="EngineSettings.exchange_channels: the drafter exchanges over Ray shared-memory "

@@ -243,7 +243,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-depth", type=int, default=None,
                    help="EngineSettings.restart_depth: a restart chain this deep after a contradicted "
                         "outcome instead of a bridge step (0: bridge; -1: a lone overlapped stream "
-                        "restarts at its depth; default: its own)")
+                        "restarts with up to 3; default: its own)")
     p.add_argument("--ray-logs", action="store_true", help="the actors' log lines on stderr (log_to_driver)")
     p.add_argument("--replot", nargs=2, metavar=("JSON", "PNG"),
                    help="recompute a saved run's model columns in JSON and redraw PNG; runs nothing")

@@ -40,8 +40,8 @@ next tree after the restart tree's assumed outcome. The wait is one hop plus s +
 draft levels instead of a bridge step; the first token after a rejection is then
 verified beside the one the target fixed, and a contradicted restart tree is followed
 by another one. The verifier decides s (`speculation.policy.restart_tree_depth`: the setting,
-or by default a lone overlapped stream's budget) and the step's signal says it (`Signal.restart`,
-`DraftStream.restart`); 0 bridges as before.
+or by default up to 3 for a lone overlapped stream) and the step's signal says it
+(`Signal.restart`, `DraftStream.restart`); 0 bridges as before.
 """
 from __future__ import annotations
 

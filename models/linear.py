@@ -3,8 +3,8 @@ weights' low-precision copies (`use_draft_weights`).
 
 A few rows (plain decoding, tree verification, drafting) go to the C kernels of
 `kernels.cpu`, which read each weight once per call; more rows to oneDNN's prepacked
-matmul; any other device or dtype to `F.linear`. The module's switches (`FP32_PANELS`,
-`DRAFT_WEIGHTS`, `_SKINNY_ROWS`) are read at each call: benchmarks and tests set them here.
+matmul; any other device or dtype to `F.linear`. `FP32_PANELS` and `_SKINNY_ROWS` are read at
+each call (benchmarks and tests set them here); `DRAFT_WEIGHTS` is the drafts' default format.
 """
 from __future__ import annotations
 

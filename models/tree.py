@@ -136,14 +136,13 @@ def pack_groups(lengths: Sequence[int], contexts: Sequence[int] | None = None) -
     return groups
 
 
-def _pack_inputs(groups: list[list[int]], seq_ids, input_ids, positions, tree_masks, features,
-                 hidden_size: int):
+def _pack_inputs(groups: list[list[int]], sizes: list[int], seq_ids, input_ids, positions, tree_masks,
+                 features, hidden_size: int):
     """`ragged_tree_forward`'s groups as `PackedInput`s, each sequence padded to its group's
     longest (a padding token sees only itself and the prefix; its position repeats the last);
     returns them and, per sequence, (its first row in the packed forward, its group's T)."""
     from models.transformer import PackedInput
 
-    sizes = [int(x.shape[0]) for x in input_ids]
     inputs, row_of, start = [], {}, 0
     for members in groups:
         T = max(1, max(sizes[b] for b in members))
@@ -197,8 +196,8 @@ def ragged_tree_forward(
     # sequence's own length (and one group keeps a forward on its CUDA graph)
     on_cpu = model.embed_tokens.weight.device.type == "cpu"
     contexts = [p + n for p, n in zip(before, sizes)] if on_cpu else None
-    inputs, row_of = _pack_inputs(pack_groups(sizes, contexts), seq_ids, input_ids, positions, tree_masks,
-                                  features, model.config.hidden_size)
+    inputs, row_of = _pack_inputs(pack_groups(sizes, contexts), sizes, seq_ids, input_ids, positions,
+                                  tree_masks, features, model.config.hidden_size)
     hidden = model.forward_packed(inputs, cache)                              # [N, hidden]
     device = hidden.device
     picks = torch.cat([row_of[b][0] + logit_positions[b].long() for b in range(len(seq_ids))]).to(device)

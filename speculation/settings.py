@@ -66,8 +66,8 @@ class SpeculationSettings(BaseModel):
         "restart tree this deep (within the sequence's budget) after the committed prefix and "
         "the verifier waits for it, instead of decoding one token alone (a bridge) while the "
         "drafter drafts a full tree after its guess of that token. 0 = bridge; -1 = a lone "
-        "stream overlapped with its drafter restarts at its budget's depth, streams sharing a "
-        "drafter bridge (`speculation.policy.restart_tree_depth`). The verifier decides and "
+        "stream overlapped with its drafter restarts with a chain of up to 3 tokens, streams "
+        "sharing a drafter bridge (`speculation.policy.restart_tree_depth`). The verifier decides and "
         "tells the drafter with the step's signal (`Signal.restart`)."))
     lookup: bool = Field(
         True, description="In auto mode, where the draft model does not pay, the verifier speculates "

@@ -164,10 +164,10 @@ class Membership:
         """Streams `drafter` feeds."""
         return sum(1 for t in self.sch.streams.values() if t.drafter == drafter)
 
-    def feeds_one(self, drafter: int | None) -> bool:
-        """Whether `drafter` feeds exactly one stream (a lone stream's restart trees:
-        `speculation.policy.restart_tree_depth`)."""
-        return self._fed_by(drafter) == 1
+    def overlapped_alone(self, drafter: int | None) -> bool:
+        """Whether `drafter` feeds exactly one stream and runs overlapped with it (a lone stream's
+        restart trees: `speculation.policy.restart_tree_depth`)."""
+        return drafter is not None and self._fed_by(drafter) == 1 and not self.lockstep(drafter)
 
     def measured(self, drafter: int | None) -> bool:
         """Whether a lone stream's way of running with `drafter` is measured, not ruled: a drafter

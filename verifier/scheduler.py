@@ -353,12 +353,8 @@ class Scheduler:
             self.stats.observe_speculation(s.budget[0] > 0)
             if s.drafter is None:
                 continue
-            if s.drafter not in lockstep:
-                lockstep[s.drafter] = self.members.lockstep(s.drafter)
-            restart = 0
-            if s.bridge:
-                restart = restart_tree_depth(self.settings, s.budget[0],
-                                             not lockstep[s.drafter] and self.members.feeds_one(s.drafter))
+            restart = restart_tree_depth(self.settings, s.budget[0],
+                                         self.members.overlapped_alone(s.drafter)) if s.bridge else 0
             if restart:
                 # no bridge: the drafter drafts a short restart tree after the committed prefix
                 # (this step's signal tells it) and the sequence waits for it
@@ -370,6 +366,8 @@ class Scheduler:
                 s.unsent.extend(kept)
                 continue
             ring = self.ring.stream(s.request_id)
+            if s.drafter not in lockstep:
+                lockstep[s.drafter] = self.members.lockstep(s.drafter)
             self.registry.send(s.drafter, Signal("step", s.request_id, ring.epoch, tree_id, len(s.committed),
                                                  s.unsent + kept, s.budget,
                                                  features=s.unsent_features() if self.features else None,
@@ -380,8 +378,8 @@ class Scheduler:
         """The depth of the restart trees the plan prices after a contradicted outcome (within each
         stream's depth): `restart_tree_depth`'s, the one stream planned counted as overlapped
         alone with its drafter where it is; 0 = bridges."""
-        alone = len(live) == 1 and live[0].drafter is not None and self.members.feeds_one(live[0].drafter)
-        return restart_tree_depth(self.settings, MAX_SPEC_LEN, alone and not self.members.lockstep(live[0].drafter))
+        alone = len(live) == 1 and self.members.overlapped_alone(live[0].drafter)
+        return restart_tree_depth(self.settings, MAX_SPEC_LEN, alone)
 
     def plan_overlap(self) -> None:
         """Before a plan: the step-cost model of how the drafters run now (`StepCosts.choose`):
