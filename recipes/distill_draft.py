@@ -65,9 +65,28 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
+class FeatureRecorder:
+    """A forward hook on the target's final norm: the hidden state the LM head reads, per forward.
+
+    `generate`'s first forward covers the (left-padded) prompts, each later one the token just chosen.
+    """
+
+    def __init__(self, norm: torch.nn.Module):
+        self.outputs: list[torch.Tensor] = []   # per forward [B, T, H] float16
+        self.handle = norm.register_forward_hook(lambda _m, _i, out: self.outputs.append(out.detach().half().cpu()))
+
+    def rows(self, b: int, prompt_len: int, fed: int) -> torch.Tensor:
+        """[prompt_len + fed, H]: row b's features over its prompt and its first `fed` answer tokens."""
+        head = self.outputs[0][b, self.outputs[0].shape[1] - prompt_len:]
+        return torch.cat([head, *(o[b] for o in self.outputs[1:1 + fed])])
+
+
 @torch.no_grad()
-def answer_batch(model, tokenizer, rows: list[dict], max_new_tokens: int, k: int) -> list[dict]:
-    """Greedy answers of the target for one batch of prompts, with top-k log-probs per step."""
+def answer_batch(model, tokenizer, rows: list[dict], max_new_tokens: int, k: int,
+                 features: bool = False) -> list[dict]:
+    """Greedy answers of the target for one batch of prompts, with top-k log-probs per step; with
+    `features`, also what `eagle_features.py` records (the final-norm hidden state of every position
+    of prompt + answer, fp16, and the target's argmax after it), taken from the generating forwards."""
     from transformers import LogitsProcessorList
 
     prompts = [chat_ids(tokenizer, r["prompt"]) for r in rows]
@@ -77,10 +96,15 @@ def answer_batch(model, tokenizer, rows: list[dict], max_new_tokens: int, k: int
     input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # [B, P] left-padded
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     recorder = TopKRecorder(k)
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                         do_sample=False, max_new_tokens=max_new_tokens,
-                         logits_processor=LogitsProcessorList([recorder]),
-                         pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+    hook = FeatureRecorder(model.model.norm) if features else None
+    try:
+        out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                             do_sample=False, max_new_tokens=max_new_tokens,
+                             logits_processor=LogitsProcessorList([recorder]),
+                             pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+    finally:
+        if hook:
+            hook.handle.remove()
     answers = out[:, width:].cpu()  # [B, T]
     top_ids = torch.stack(recorder.ids, 1).cpu()        # [B, T, k]
     top_logp = torch.stack(recorder.logp, 1).cpu()
@@ -88,9 +112,25 @@ def answer_batch(model, tokenizer, rows: list[dict], max_new_tokens: int, k: int
     for b, row in enumerate(rows):
         ids = answers[b].tolist()
         n = ids.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in ids else len(ids)
-        records.append({**row, "prompt_ids": prompts[b], "answer_ids": ids[:n],
-                         "topk_ids": top_ids[b, :n].clone(), "topk_logp": top_logp[b, :n].clone()})
+        record = {**row, "prompt_ids": prompts[b], "answer_ids": ids[:n],
+                  "topk_ids": top_ids[b, :n].clone(), "topk_logp": top_logp[b, :n].clone()}
+        if hook:
+            record["eagle"] = eagle_row(model, record, hook.rows(b, len(prompts[b]), n - 1))
+        records.append(record)
     return records
+
+
+def eagle_row(model, record: dict, hidden: torch.Tensor) -> dict:
+    """`eagle_features.py`'s row for one answer from features recorded while generating, over the
+    prompt and the answer but its last token (whose next token was never chosen): after the prompt's
+    last position the argmax is the answer's next token, within the prompt the tied LM head's."""
+    prompt, answer = list(record["prompt_ids"]), list(record["answer_ids"])
+    weight = model.get_output_embeddings().weight.detach().float().cpu()           # [V, H]
+    within = (hidden[:len(prompt) - 1].float() @ weight.T).argmax(-1)            # [P - 1]
+    argmax = torch.cat([within, torch.tensor(answer, dtype=torch.long)]).to(torch.int32)   # [P - 1 + n]
+    return {"domain": record["domain"], "heldout": record["heldout"],
+            "ids": torch.tensor(prompt + answer[:-1], dtype=torch.int32), "answer_start": len(prompt),
+            "hidden": hidden, "argmax": argmax}
 
 
 def cmd_generate(args) -> None:
@@ -103,22 +143,30 @@ def cmd_generate(args) -> None:
     torch.set_num_threads(args.threads)
     target = embedded.target_dir()
     tokenizer = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval().to(args.device)
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval().to(args.device)
     if args.device != "cpu":      # fp32 weights, fp32 accumulation: TF32 would round the logits
         torch.backends.cuda.matmul.allow_tf32 = False
     rows = draft_prompts.build_prompts(args.prompts_per_domain, seed=args.seed)
+    if args.split != "all":       # the held-out answers in fp32, the training ones faster in bf16
+        rows = [r for r in rows if r["heldout"] == (args.split == "heldout")]
+    prefix = "" if args.split == "all" else f"{args.split}-"
     args.data.mkdir(parents=True, exist_ok=True)
     start, tokens = time.time(), 0
     batches = range(0, len(rows), args.batch_size)
     bar = tqdm(batches, desc="target greedy answers", unit="batch")
     for i in bar:
-        shard = args.data / f"shard_{i // args.batch_size:05d}.pt"
+        shard = args.data / f"shard_{prefix}{i // args.batch_size:05d}.pt"
         if shard.exists():
             continue
         if time.time() - start > args.gen_seconds:
             break
         t0 = time.time()
-        records = answer_batch(model, tokenizer, rows[i:i + args.batch_size], args.max_new_tokens, args.topk)
+        records = [{**r, "dtype": args.dtype} for r in answer_batch(
+            model, tokenizer, rows[i:i + args.batch_size], args.max_new_tokens, args.topk, bool(args.eagle_out))]
+        if args.eagle_out:        # the EAGLE rows beside, under the same name: eagle_features.py skips them
+            args.eagle_out.mkdir(parents=True, exist_ok=True)
+            torch.save([r.pop("eagle") for r in records], args.eagle_out / shard.name)
         torch.save(records, shard)
         n = sum(len(r["answer_ids"]) for r in records)
         tokens += n
@@ -139,6 +187,14 @@ def main(argv=None) -> None:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--threads", type=int, default=2)
     gen.add_argument("--device", default="cpu", help="where the target answers (cpu, cuda)")
+    gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                     help="the target's weights while answering: bfloat16 answers ~2.5x faster on a CPU with "
+                          "AVX512-BF16, near-greedy rather than the fp32 target's greedy")
+    gen.add_argument("--eagle-out", type=Path, default=None,
+                     help="also write eagle_features.py's rows, from the generating forwards' final-norm "
+                          "states (in --dtype), to this directory")
+    gen.add_argument("--split", default="all", choices=("all", "train", "heldout"),
+                     help="answer only the training or only the held-out prompts (shard_<split>-*.pt)")
     gen.set_defaults(func=cmd_generate)
     draft_train.add_parser(sub)
     args = parser.parse_args(argv)

@@ -324,7 +324,31 @@ def cmd_train(args) -> None:
     print(json.dumps(card["final"]), f"exported to {args.assets}")
 
 
+def cmd_evaluate(args) -> None:
+    """The exported draft's held-out agreement on the answers in `--data`, with its own committed
+    head rows: the figure to hold a head trained on the same answers against (`eagle_train.py`)."""
+    from transformers import AutoTokenizer
+
+    from models import embedded
+
+    torch.set_num_threads(args.threads)
+    target = embedded.target_dir()
+    meta = json.loads((Path(args.assets) / "specflash_draft.json").read_text())
+    layers = json.loads((Path(args.assets) / "draft_config.json").read_text())["num_hidden_layers"]
+    draft = build_draft(target, list(range(layers)))
+    warm_start(draft, args.assets)
+    heldout = [r for r in load_records(args.data) if r["heldout"]]
+    with torch.no_grad():
+        result = agreement(draft, heldout, torch.tensor(meta["logit_rows"]), pad_id_of(AutoTokenizer.from_pretrained(target)))
+    print(json.dumps({"assets": str(args.assets), "heldout_answers": len(heldout), **result}))
+
+
 def add_parser(sub) -> None:
+    e = sub.add_parser("evaluate", help="the exported draft's held-out agreement on the recorded answers")
+    e.add_argument("--data", type=Path, default=DEFAULT_DATA)
+    e.add_argument("--assets", type=Path, default=ASSETS)
+    e.add_argument("--threads", type=int, default=2)
+    e.set_defaults(func=cmd_evaluate)
     p = sub.add_parser("train", help="distil the draft from the recorded answers")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)
     p.add_argument("--assets", type=Path, default=ASSETS)
