@@ -74,7 +74,7 @@ class EagleProposer(ModelProposer):
         self._pred.pop(seq_id, None)
 
     # -- forwards -----------------------------------------------------------------------
-    def _catch_up(self, batch: Sequence[DraftRequest]) -> list[torch.Tensor]:   # n x [1, V]
+    def _catch_up(self, batch: Sequence[DraftRequest]) -> list[torch.Tensor]:   # n x [1, V] (V': a reduced head)
         width = self.model.config.hidden_size
         prev = []                                   # per sequence: f_{j-1} for j = 0..n-1
         for r in batch:                             # checked before any state changes
@@ -106,4 +106,4 @@ class EagleProposer(ModelProposer):
         logits, hidden = ragged_tree_forward(self.model, self.cache, seq_ids, ids, positions, masks, picks,
                                              lm_head=self.lm_head, head_pack=self.head_pack, features=feats,
                                              return_hidden=True)
-        return self._full_vocab(logits), [h.float().cpu() for h in hidden]
+        return [x.cpu() for x in logits], [h.float().cpu() for h in hidden]

@@ -47,6 +47,7 @@ class ModelProposer:
         self.logit_rows = None if logit_rows is None else torch.tensor(list(logit_rows), device=device)
         # the reduced LM head, selected once: [V', hidden]
         self.lm_head = None if logit_rows is None else model.lm_head_weight.index_select(0, self.logit_rows)
+        self._rows_cpu = None if logit_rows is None else self.logit_rows.cpu()   # what the builders index
         self.head_pack = PackedWeight(transposed_gemv=True, low=weights or None)   # built on first use
         if weights and self.lm_head is not None and self.lm_head.dtype == torch.float32 \
                 and self.lm_head.device.type == "cpu":
@@ -62,7 +63,7 @@ class ModelProposer:
         live = [b for b, r in enumerate(batch) if depth[b] > 0]
         builders = {b: self._builder(batch[b], depth[b]) for b in live}
         if live:
-            root_logits = self._catch_up([batch[b] for b in live])            # n x [1, V]
+            root_logits = self._catch_up([batch[b] for b in live])            # n x [1, V] (V': a reduced head)
             for b, logits in zip(live, root_logits):
                 builders[b].expand([ROOT], logits)
         for level in range(1, max(depth, default=0)):
@@ -86,7 +87,7 @@ class ModelProposer:
     def _builder(self, r: DraftRequest, depth: int) -> TreeBuilder:
         width = r.tree_width or self.tree_width
         max_nodes = self.max_nodes or depth * width
-        return TreeBuilder(r.params, r.generator, width, max_nodes, self.vocab_size, r.token_ids)
+        return TreeBuilder(r.params, r.generator, width, max_nodes, self.vocab_size, r.token_ids, self._rows_cpu)
 
     def on_verified(self, seq_id: Hashable, tree: TokenTree, accepted_nodes: Sequence[int]) -> None:
         """Compact the cached part of the accepted path behind the prefix; drop the rest."""
@@ -146,7 +147,7 @@ class ModelProposer:
                 pass
         self.cache.cache_prefix(seq_id, list(token_ids[:min(keep, len(token_ids) - 1)]))
 
-    def _catch_up(self, batch: Sequence[DraftRequest]) -> list[torch.Tensor]:   # n x [1, V]
+    def _catch_up(self, batch: Sequence[DraftRequest]) -> list[torch.Tensor]:   # n x [1, V] (V': a reduced head)
         """Feed the committed tokens the draft has not seen (root last); q after the root."""
         ids, positions, masks, last = self._catch_up_rows(batch)
         logits = self._forward([r.seq_id for r in batch], ids, positions, masks, last)
@@ -209,19 +210,8 @@ class ModelProposer:
         return seq_ids, ids, positions, masks, picks, news
 
     def _forward(self, seq_ids, ids, positions, masks, picks) -> list[torch.Tensor]:
-        """Draft logits at the picked positions, scattered into the full vocabulary."""
+        """Draft logits at the picked positions: B x [L, V'] over the reduced head's rows (the
+        builders know them), B x [L, V] without one."""
         logits = ragged_tree_forward(self.model, self.cache, seq_ids, ids, positions, masks, picks,
-                                     lm_head=self.lm_head, head_pack=self.head_pack)   # B x [L, V']
-        return self._full_vocab(logits)
-
-    def _full_vocab(self, logits: list[torch.Tensor]) -> list[torch.Tensor]:
-        """B x [L, V'] logits over the reduced head scattered into B x [L, V] (-inf elsewhere)."""
-        if self.logit_rows is None:
-            return [x.cpu() for x in logits]
-        rows = self.logit_rows.cpu()
-        out = []
-        for x in logits:
-            full = torch.full((x.shape[0], self.vocab_size), float("-inf"))
-            full[:, rows] = x.cpu()
-            out.append(full)
-        return out
+                                     lm_head=self.lm_head, head_pack=self.head_pack)
+        return [x.cpu() for x in logits]

@@ -37,10 +37,12 @@ ROOT = -1
 
 class TreeBuilder:
     def __init__(self, params: SamplingParams, generator: torch.Generator, width: int,
-                 max_nodes: int, vocab_size: int, committed: Sequence[int] = ()) -> None:
+                 max_nodes: int, vocab_size: int, committed: Sequence[int] = (),
+                 rows: torch.Tensor | None = None) -> None:
         self.params, self.generator = params, generator
         self.committed = committed                       # prompt + output, root last
         self.width, self.max_nodes, self.vocab_size = width, max_nodes, vocab_size
+        self.rows = rows                                 # [V'] token ids of a reduced head's logits, or None
         self.token_ids: list[int] = []
         self.parent_ids: list[int] = []
         self.depths: list[int] = []
@@ -65,17 +67,27 @@ class TreeBuilder:
             node = self.parent_ids[node]
         return out
 
-    def expand(self, nodes: list[int], draft_logits: torch.Tensor) -> None:   # [n, V] full vocabulary
-        """Give each node its children, drawn from the draft distribution after it."""
+    def expand(self, nodes: list[int], draft_logits: torch.Tensor) -> None:   # [n, V], or [n, V'] over `rows`
+        """Give each node its children, drawn from the draft distribution after it.
+
+        Over a reduced head's rows a greedy tree is grown on those logits alone (every other token's
+        q is 0, so its top tokens and log-probabilities are the same); sampling and the transforms
+        that read the history work on the whole vocabulary."""
+        rows = self.rows
+        if rows is not None and (self.params.reads_history or not self.params.greedy):
+            full = torch.full((draft_logits.shape[0], self.vocab_size), float("-inf"), dtype=draft_logits.dtype)
+            full[:, rows] = draft_logits
+            draft_logits, rows = full, None
         if self.params.reads_history:
             paths = row_paths(self.parent_ids, self.token_ids)
             history = TokenHistory(self.committed, [paths[node + 1] for node in nodes], draft=True)
             draft_logits = process_logits(draft_logits, self.params, history)
         for node, logits in zip(nodes, draft_logits):
             if self.params.greedy:
-                log_q = torch.log_softmax(logits.float(), -1)                     # [V]
-                children = log_q.topk(self.width).indices
-                children = children[log_q[children] > float("-inf")]             # a grammar's mask
+                top = torch.log_softmax(logits.float(), -1).topk(min(self.width, logits.shape[-1]))
+                kept = top.values > float("-inf")                                 # a grammar's mask
+                children, child_log_q = top.indices[kept], top.values[kept]
+                children = children if rows is None else rows[children]          # token ids
             else:
                 q = logits_to_probs(logits, self.params)                          # [V], as p will be
                 self.q_rows[node] = q
@@ -89,11 +101,12 @@ class TreeBuilder:
                 else:
                     perturbed = log_q - torch.empty_like(q).exponential_(generator=self.generator).log()
                 children = perturbed.topk(k).indices                              # draw order
-            for token in children.tolist():
+                child_log_q = log_q[children]
+            for token, token_log_q in zip(children.tolist(), child_log_q.tolist()):
                 self.token_ids.append(token)
                 self.parent_ids.append(node)
                 self.depths.append(self.depth_of(node) + 1)
-                self.scores.append(self.score_of(node) + float(log_q[token]))
+                self.scores.append(self.score_of(node) + token_log_q)
 
     def frontier(self, depth: int, max_depth: int) -> list[int]:
         """The nodes at `depth` to expand next, most confident first.

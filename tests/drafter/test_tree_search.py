@@ -63,3 +63,39 @@ def test_sampled_tree_respects_budget_and_support():
     tree, _ = b.finish(prefix_len=2, epoch=0)
     assert tree.draft_probs.shape == (6, V)
     assert tree.draft_probs[3:].sum() == 0                     # leaves: no children, no q
+
+
+def _grown(params: SamplingParams, rows: torch.Tensor | None, logits: list[torch.Tensor], seed: int = 3):
+    """A depth-3 tree grown from per-level logits (each [n, V] or [n, V'] over `rows`)."""
+    b = TreeBuilder(params, torch.Generator().manual_seed(seed), width=2, max_nodes=5, vocab_size=V,
+                    committed=[1, 2, 3], rows=rows)
+    b.expand([ROOT], logits[0][: 1])
+    for level, level_logits in enumerate(logits[1:], start=1):
+        frontier = b.frontier(level, max_depth=3)
+        b.expand(frontier, level_logits[: len(frontier)])
+    tree, _ = b.finish(prefix_len=3, epoch=0)
+    return tree, b.scores
+
+
+def test_a_reduced_head_grows_the_tree_its_full_vocabulary_scatter_grows():
+    """Logits over a reduced head's rows, expanded as they are, give the tree (tokens, parents,
+    scores up to rounding, q) of the same logits scattered into the whole vocabulary with -inf elsewhere: greedy
+    on the rows alone, sampling and history-reading transforms over the scatter."""
+    rows = torch.tensor([9, 2, 7, 4, 11])
+    g = torch.Generator().manual_seed(0)
+    reduced = [torch.randn(2, len(rows), generator=g) for _ in range(3)]
+    full = []
+    for x in reduced:
+        f = torch.full((x.shape[0], V), float("-inf"))
+        f[:, rows] = x
+        full.append(f)
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
+                   SamplingParams(temperature=0.0, repetition_penalty=1.3)):
+        got, got_scores = _grown(params, rows, reduced)
+        want, want_scores = _grown(params, None, full)
+        assert got.token_ids.tolist() == want.token_ids.tolist() and set(got.token_ids.tolist()) <= set(rows.tolist())
+        assert got.parent_ids.tolist() == want.parent_ids.tolist()
+        # log_softmax over 5 or 12 entries: the same values up to the sum's rounding
+        torch.testing.assert_close(torch.tensor(got_scores), torch.tensor(want_scores), rtol=1e-6, atol=1e-6)
+        if not params.greedy:
+            torch.testing.assert_close(got.draft_probs, want.draft_probs)
