@@ -338,6 +338,11 @@ def cmd_evaluate(args) -> None:
     draft = build_draft(target, list(range(layers)))
     warm_start(draft, args.assets)
     heldout = [r for r in load_records(args.data) if r["heldout"]]
+    if args.trained_at:           # prompts the draft trained on, held out of these answers at another count
+        import draft_prompts
+
+        seen = {r["prompt"] for r in draft_prompts.build_prompts(args.trained_at, seed=args.seed) if not r["heldout"]}
+        heldout = [r for r in heldout if r["prompt"] not in seen]
     with torch.no_grad():
         result = agreement(draft, heldout, torch.tensor(meta["logit_rows"]), pad_id_of(AutoTokenizer.from_pretrained(target)))
     print(json.dumps({"assets": str(args.assets), "heldout_answers": len(heldout), **result}))
@@ -348,6 +353,10 @@ def add_parser(sub) -> None:
     e.add_argument("--data", type=Path, default=DEFAULT_DATA)
     e.add_argument("--assets", type=Path, default=ASSETS)
     e.add_argument("--threads", type=int, default=2)
+    e.add_argument("--trained-at", type=int, default=0, metavar="PROMPTS_PER_DOMAIN",
+                   help="leave out answers to prompts the draft trained on: its own generate run's "
+                        "--prompts-per-domain (the split by prompt depends on it; the committed draft: 12000)")
+    e.add_argument("--seed", type=int, default=0, help="that run's --seed")
     e.set_defaults(func=cmd_evaluate)
     p = sub.add_parser("train", help="distil the draft from the recorded answers")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA)

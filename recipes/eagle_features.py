@@ -7,7 +7,8 @@ one target forward over the whole sequence gives, per position i, the final-norm
 hidden state f_i (the vector the LM head reads, stored in fp16) and the target's
 argmax next token. The feature-conditioned draft (`recipes/eagle_train.py`)
 learns to predict f_{i+1} from (f_i, embedding of token i+1). Shards are written
-as they finish; a rerun resumes.
+as they finish; a rerun resumes, and skips shards already in `--out`: those
+`distill_draft.py generate --eagle-out` wrote while answering.
 """
 
 from __future__ import annotations

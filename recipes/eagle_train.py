@@ -239,6 +239,8 @@ def main(argv=None) -> None:
     p.add_argument("--eval-every", type=int, default=150)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bf16", action="store_true", help="training matmuls under bf16 autocast (weights, "
+                                                      "evaluation and export stay fp32 / fp16)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -256,8 +258,12 @@ def main(argv=None) -> None:
     print(f"{len(train)} train / {len(heldout)} held-out answers, "
           f"{sum(len(r['ids']) for r in train)} train positions, "
           f"{sum(q.numel() for q in head.parameters() if q.requires_grad)} parameters")
+    def loss_of(records: list[dict]) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16):
+            return losses(head, make_batch(records), subset_t, position, args.noise, args.unroll)
+
     best_step, history = train_for(
-        head, train, lambda records: losses(head, make_batch(records), subset_t, position, args.noise, args.unroll),
+        head, train, loss_of,
         lambda: agreement(head, heldout, subset_t, max(args.unroll, 3)), seconds=args.train_seconds,
         eval_every=args.eval_every,
         lr=args.lr, batch_size=args.batch_size, seed=args.seed, score="score", desc="training EAGLE head")
