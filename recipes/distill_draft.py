@@ -13,8 +13,8 @@ along the target's own continuations.
    questions), wrapped in the target's chat template, answered greedily in
    left-padded batches with the KV cache; each step records the target's top-k
    log-probabilities. Shards are written as they finish; a rerun resumes. `--split` answers
-   only the training or the held-out prompts, `--dtype bfloat16` answers ~2.5x faster on a CPU
-   with AVX512-BF16 (near-greedy: the bf16 target's choices), and `--eagle-out DIR` also writes
+   only the training or the held-out prompts, `--dtype bfloat16` answers about twice as fast on a
+   CPU with AVX512-BF16 (near-greedy: the bf16 target's choices), and `--eagle-out DIR` also writes
    the EAGLE head's training rows (`eagle_features.py`'s format) from the generating forwards.
 2. `train` (recipes/draft_train.py): a 3-layer Llama of hidden 576 initialised from
    chosen target layers on the target's frozen tied embeddings, with its own final
@@ -191,8 +191,8 @@ def main(argv=None) -> None:
     gen.add_argument("--threads", type=int, default=2)
     gen.add_argument("--device", default="cpu", help="where the target answers (cpu, cuda)")
     gen.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                     help="the target's weights while answering: bfloat16 answers ~2.5x faster on a CPU with "
-                          "AVX512-BF16, near-greedy rather than the fp32 target's greedy")
+                     help="the target's weights while answering: bfloat16 answers about twice as fast on a CPU "
+                          "with AVX512-BF16, near-greedy rather than the fp32 target's greedy")
     gen.add_argument("--eagle-out", type=Path, default=None,
                      help="also write eagle_features.py's rows, from the generating forwards' final-norm "
                           "states (in --dtype), to this directory")
