@@ -111,6 +111,8 @@ def answer_batch(model, tokenizer, rows: list[dict], max_new_tokens: int, k: int
     answers = out[:, width:].cpu()  # [B, T]
     top_ids = torch.stack(recorder.ids, 1).cpu()        # [B, T, k]
     top_logp = torch.stack(recorder.logp, 1).cpu()
+    # the tied LM head, once a batch (a bf16 model's is converted here): the prompts' argmax
+    head = model.get_output_embeddings().weight.detach().float().cpu() if hook else None   # [V, H]
     records = []
     for b, row in enumerate(rows):
         ids = answers[b].tolist()
@@ -118,18 +120,18 @@ def answer_batch(model, tokenizer, rows: list[dict], max_new_tokens: int, k: int
         record = {**row, "prompt_ids": prompts[b], "answer_ids": ids[:n],
                   "topk_ids": top_ids[b, :n].clone(), "topk_logp": top_logp[b, :n].clone()}
         if hook:
-            record["eagle"] = eagle_row(model, record, hook.rows(b, len(prompts[b]), n - 1))
+            record["eagle"] = eagle_row(head, record, hook.rows(b, len(prompts[b]), n - 1))
         records.append(record)
     return records
 
 
-def eagle_row(model, record: dict, hidden: torch.Tensor) -> dict:
+def eagle_row(head: torch.Tensor, record: dict, hidden: torch.Tensor) -> dict:
     """`eagle_features.py`'s row for one answer from features recorded while generating, over the
     prompt and the answer but its last token (whose next token was never chosen): after the prompt's
-    last position the argmax is the answer's next token, within the prompt the tied LM head's."""
+    last position the argmax is the answer's next token, within the prompt the tied LM head's
+    (`head` [V, H] float32)."""
     prompt, answer = list(record["prompt_ids"]), list(record["answer_ids"])
-    weight = model.get_output_embeddings().weight.detach().float().cpu()           # [V, H]
-    within = (hidden[:len(prompt) - 1].float() @ weight.T).argmax(-1)            # [P - 1]
+    within = (hidden[:len(prompt) - 1].float() @ head.T).argmax(-1)              # [P - 1]
     argmax = torch.cat([within, torch.tensor(answer, dtype=torch.long)]).to(torch.int32)   # [P - 1 + n]
     return {"domain": record["domain"], "heldout": record["heldout"],
             "ids": torch.tensor(prompt + answer[:-1], dtype=torch.int32), "answer_start": len(prompt),
