@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import draft_prompts  # noqa: E402
 import draft_train  # noqa: E402
+import eagle_features  # noqa: E402
 
 DEFAULT_DATA = draft_train.DEFAULT_DATA
 
@@ -133,9 +134,7 @@ def eagle_row(head: torch.Tensor, record: dict, hidden: torch.Tensor) -> dict:
     prompt, answer = list(record["prompt_ids"]), list(record["answer_ids"])
     within = (hidden[:len(prompt) - 1].float() @ head.T).argmax(-1)              # [P - 1]
     argmax = torch.cat([within, torch.tensor(answer, dtype=torch.long)]).to(torch.int32)   # [P - 1 + n]
-    return {"domain": record["domain"], "heldout": record["heldout"],
-            "ids": torch.tensor(prompt + answer[:-1], dtype=torch.int32), "answer_start": len(prompt),
-            "hidden": hidden, "argmax": argmax}
+    return eagle_features.training_row(record, prompt + answer[:-1], hidden, argmax)
 
 
 def cmd_generate(args) -> None:

@@ -36,6 +36,13 @@ def features(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return hidden[0].to(torch.float16), logits[0].argmax(-1).to(torch.int32)
 
 
+def training_row(record: dict, ids: list[int], hidden: torch.Tensor, argmax: torch.Tensor) -> dict:
+    """One answer's row as `eagle_train.py` reads it: `ids` [T] (the prompt, then answer tokens),
+    `hidden` [T, H] fp16 and `argmax` [T] int32 at each of them, `answer_start` (the prompt's length)."""
+    return {"domain": record["domain"], "heldout": record["heldout"], "ids": torch.tensor(ids, dtype=torch.int32),
+            "answer_start": len(record["prompt_ids"]), "hidden": hidden, "argmax": argmax}
+
+
 def main(argv=None) -> None:
     from tqdm import tqdm
 
@@ -60,8 +67,7 @@ def main(argv=None) -> None:
         for r in torch.load(shard, weights_only=False):
             ids = list(r["prompt_ids"]) + list(r["answer_ids"])
             hidden, argmax = features(model, ids)
-            rows.append({"domain": r["domain"], "heldout": r["heldout"], "ids": torch.tensor(ids, dtype=torch.int32),
-                         "answer_start": len(r["prompt_ids"]), "hidden": hidden, "argmax": argmax})
+            rows.append(training_row(r, ids, hidden, argmax))
             tokens += len(ids)
         torch.save(rows, out)
     print(f"{tokens} positions in {time.time() - start:.0f} s into {args.out}")
