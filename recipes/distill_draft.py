@@ -137,6 +137,17 @@ def eagle_row(head: torch.Tensor, record: dict, hidden: torch.Tensor) -> dict:
     return eagle_features.training_row(record, prompt + answer[:-1], hidden, argmax)
 
 
+def excluded(args) -> set[str]:
+    """With `--beside N`, every prompt of the seed-0 set of N a domain (its training and held-out
+    prompts alike): a corpus drawn with another `--seed` then adds only new prompts, and its own
+    held-out ones are never answered by the other's training shards nor the other way round."""
+    if not args.beside:
+        return set()
+    if args.seed == 0:
+        raise SystemExit("--beside draws a second set: give it a --seed other than 0")
+    return {r["prompt"] for r in draft_prompts.build_prompts(args.beside, seed=0)}
+
+
 def cmd_generate(args) -> None:
     """Answer prompts batch by batch until the time budget is spent; one shard per batch."""
     from tqdm import tqdm
@@ -151,10 +162,10 @@ def cmd_generate(args) -> None:
     model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval().to(args.device)
     if args.device != "cpu":      # fp32 weights, fp32 accumulation: TF32 would round the logits
         torch.backends.cuda.matmul.allow_tf32 = False
-    rows = draft_prompts.build_prompts(args.prompts_per_domain, seed=args.seed)
+    rows = draft_prompts.build_prompts(args.prompts_per_domain, seed=args.seed, exclude=excluded(args))
     if args.split != "all":       # the held-out answers in fp32, the training ones faster in bf16
         rows = [r for r in rows if r["heldout"] == (args.split == "heldout")]
-    prefix = "" if args.split == "all" else f"{args.split}-"
+    prefix = ("" if args.split == "all" else f"{args.split}-") + (f"s{args.seed}-" if args.beside else "")
     args.data.mkdir(parents=True, exist_ok=True)
     start, tokens = time.time(), 0
     batches = range(0, len(rows), args.batch_size)
@@ -199,6 +210,9 @@ def main(argv=None) -> None:
                           "states (in --dtype), to this directory")
     gen.add_argument("--split", default="all", choices=("all", "train", "heldout"),
                      help="answer only the training or only the held-out prompts (shard_<split>-*.pt)")
+    gen.add_argument("--beside", type=int, default=0, metavar="N",
+                     help="draw a second corpus beside the seed-0 one of N prompts a domain: leave out all of "
+                          "its prompts (needs --seed other than 0; shards shard_<split>-s<seed>-*.pt)")
     gen.set_defaults(func=cmd_generate)
     draft_train.add_parser(sub)
     args = parser.parse_args(argv)

@@ -195,15 +195,16 @@ def chat_prompts(rng: random.Random, n: int) -> list[str]:
     return out
 
 
-def build_prompts(n_per_domain: int, seed: int = 0) -> list[dict]:
+def build_prompts(n_per_domain: int, seed: int = 0, exclude: set[str] = frozenset()) -> list[dict]:
     """Interleaved [{"domain", "prompt", "heldout"}]; every 8th prompt of a domain is held out.
 
-    Duplicates are dropped, so a held-out prompt never also appears in training.
+    Duplicates are dropped, so a held-out prompt never also appears in training; so is every
+    prompt in `exclude` (another set's prompts, for a corpus drawn beside it).
     """
     rng = random.Random(seed)
     by_domain = {"code": code_prompts(rng, n_per_domain), "math": math_prompts(rng, n_per_domain),
                  "chat": chat_prompts(rng, n_per_domain)}
-    seen, rows = set(), []
+    seen, rows = set(exclude), []
     for i in range(n_per_domain):
         for domain, prompts in by_domain.items():
             if prompts[i] in seen:

@@ -68,3 +68,25 @@ def test_prompts_are_distinct_and_held_out_ones_never_train():
         for suffix in draft_prompts.STYLE_SUFFIXES:
             if suffix and r["prompt"].endswith(suffix):
                 assert r["prompt"][: -len(suffix)][-1] in '.?!"'
+
+
+def test_a_corpus_drawn_beside_another_shares_none_of_its_prompts():
+    import argparse
+
+    import distill_draft
+
+    first = {r["prompt"] for r in draft_prompts.build_prompts(300, seed=0)}
+    args = argparse.Namespace(beside=300, seed=5)
+    second = draft_prompts.build_prompts(300, seed=5, exclude=distill_draft.excluded(args))
+    plain = draft_prompts.build_prompts(300, seed=5)
+    overlap = {r["prompt"] for r in plain} & first
+    assert overlap, "the templated sets overlap when drawn alone: the exclusion has work to do"
+    assert second and not {r["prompt"] for r in second} & first
+    assert [r for r in plain if r["prompt"] not in first] == second
+    assert distill_draft.excluded(argparse.Namespace(beside=0, seed=5)) == set()
+    try:
+        distill_draft.excluded(argparse.Namespace(beside=300, seed=0))
+    except SystemExit as e:
+        assert "--seed" in str(e)
+    else:
+        raise AssertionError("--beside with seed 0 drew the same set again")
