@@ -15,7 +15,8 @@ along the target's own continuations.
    log-probabilities. Shards are written as they finish; a rerun resumes. `--split` answers
    only the training or the held-out prompts, `--dtype bfloat16` answers about twice as fast on a
    CPU with AVX512-BF16 (near-greedy: the bf16 target's choices), and `--eagle-out DIR` also writes
-   the EAGLE head's training rows (`eagle_features.py`'s format) from the generating forwards.
+   the EAGLE head's training rows (`eagle_features.py`'s format) from the generating forwards;
+   `--seed S --beside N` draws a second corpus whose prompts are none of the seed-0 set's.
 2. `train` (recipes/draft_train.py): a 3-layer Llama of hidden 576 initialised from
    chosen target layers on the target's frozen tied embeddings, with its own final
    norm and a reduced LM head (the target's embedding rows of the N most frequent
