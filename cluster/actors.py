@@ -120,14 +120,15 @@ class VerifierActor:
     def _models(self, target_dir: str, draft_dir: str | None, chains: bool, eagle: bool):
         """(scheduler, stand-in drafter or None, warm-up seconds)."""
         from drafter.draft_side import BridgeDraft
-        from models.presets import eos_of
+        from models.presets import eagle_feature_layers, eos_of
         from verifier.scheduler import Scheduler
         from verifier.target import TargetSide
 
         st = self.settings
         torch.set_num_threads(threads_of(st.num_cpus))
         side = TargetSide(target_dir, st.num_blocks, st.block_size, st.device, st.dtype, features=eagle,
-                          prefix_caching=st.prefix_caching)
+                          prefix_caching=st.prefix_caching,
+                          feature_layers=eagle_feature_layers(draft_dir) if eagle else ())
         # a GPU compiles and captures; a CPU pays its first forwards' one-time costs (the first
         # request's TTFT on the embedded pair: 1.9-2.1 s cold, 0.3 s warmed up)
         warm_up_s = side.warm_up(st.spec_len, width=st.tree_width)

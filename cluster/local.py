@@ -61,7 +61,7 @@ class InProcessEngine:
         vocab = target.config.vocab_size
         self.max_context = target.config.max_position_embeddings
         self.side = TargetSide("", settings.num_blocks, settings.block_size, features=eagle, model=target,
-                               prefix_caching=settings.prefix_caching)
+                               prefix_caching=settings.prefix_caching, feature_layers=getattr(draft, "aux_layers", ()))
         model = None if draft is None else model_proposer(draft, vocab, settings, logit_rows=draft_logit_rows,
                                                           tree_width=tree_width, max_nodes=max_nodes)
         side = DraftSide.build(None, vocab, settings, model)

@@ -195,7 +195,8 @@ class DraftSide:
         from models.sampling import SamplingParams
 
         sid, params, gen = "__warm_up__", SamplingParams(temperature=0.0), torch.Generator().manual_seed(0)
-        zeros = torch.zeros(len(prefix) - 1, self.model.model.config.hidden_size)
+        model = self.model.model
+        zeros = torch.zeros(len(prefix) - 1, getattr(model, "target_feature_width", model.config.hidden_size))
         with self.cache.uncounted():       # the dummy's lookups are not the clients' hit rate
             try:
                 for k in range(1, spec_len + 1):

@@ -34,14 +34,17 @@ class EagleProposer(ModelProposer):
         self._pred: dict[Hashable, dict[int, torch.Tensor]] = {}   # builder node -> predicted feature
 
     def observe_features(self, seq_id: Hashable, start: int, features: torch.Tensor) -> None:
-        """The target's final-norm hidden states at positions start, start+1, ... [n, hidden]."""
+        """The target's final-norm hidden states at positions start, start+1, ... [n, hidden]
+        (a fused head's: [n, (k + 1) hidden], fused here as they arrive: `EagleDraft.fuse_features`)."""
+        with torch.inference_mode():
+            features = self.model.fuse_features(features.to(self.model.fc.weight.device)).float().cpu()
         known = self._features.get(seq_id)
         width = self.model.config.hidden_size
         known = torch.zeros(0, width) if known is None else known
         if start > known.shape[0]:
             raise MissingFeaturesError(f"features of {seq_id!r} from position {start}, but only "
                                        f"{known.shape[0]} are known")
-        self._features[seq_id] = torch.cat([known[:start], features.float().cpu()])
+        self._features[seq_id] = torch.cat([known[:start], features])
 
     def on_verified(self, seq_id: Hashable, tree: TokenTree, accepted_nodes: Sequence[int]) -> None:
         """Drop the tree's draft K/V (they read predicted features); the accepted tokens are

@@ -164,7 +164,7 @@ class GraphedLayers:
                 or (self.row_cap is not None and T > self.row_cap):
             self.eager += 1
             return None
-        key = (B, T, _bucket(table.shape[1]), cache.k.data_ptr())
+        key = (B, T, _bucket(table.shape[1]), cache.k.data_ptr(), self.model.feature_layers)
         if key[3] != self._cache:
             # another cache (one re-allocated larger): graphs of the old one would keep it alive
             self._entries.clear()

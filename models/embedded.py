@@ -169,7 +169,7 @@ def _write_on_target(out: Path, target: Path, weights: str) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    tensors = {k: v.to(torch.float32) for k, v in load_file(ASSETS / weights).items()}
+    tensors = {k: v.to(torch.float32) if v.is_floating_point() else v for k, v in load_file(ASSETS / weights).items()}
     with safe_open(target / "model.safetensors", framework="pt") as f:
         tensors["model.embed_tokens.weight"] = f.get_tensor("model.embed_tokens.weight")
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})

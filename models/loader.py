@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from models.config import ModelConfig, UnsupportedModelError, rope_inv_freq
-from models.eagle import FC_BIAS, FC_WEIGHT, EagleDraft, is_eagle_checkpoint
+from models.eagle import AUX_LAYERS, FC_BIAS, FC_WEIGHT, FUSE_WEIGHT, EagleDraft, eagle_aux_layers, is_eagle_checkpoint
 from models.transformer import Transformer
 
 SINGLE_FILE = "model.safetensors"
@@ -46,11 +46,16 @@ def load_model(
     hf_weights = _read_safetensors(Path(path), device)
     state = hf_to_state_dict(hf_weights, config)
     model_class = Transformer
+    extra = {}
     if is_eagle_checkpoint(hf_weights):
-        model_class = EagleDraft
+        model_class, extra = EagleDraft, {"aux_layers": eagle_aux_layers(hf_weights)}
         state |= {"fc.weight": hf_weights[FC_WEIGHT], "fc.bias": hf_weights[FC_BIAS]}
+        if (FUSE_WEIGHT in hf_weights) != bool(extra["aux_layers"]):
+            raise ModelLoadError(f"cannot load {path}: {FUSE_WEIGHT} and {AUX_LAYERS} come together")
+        if FUSE_WEIGHT in hf_weights:
+            state["fuse.weight"] = hf_weights[FUSE_WEIGHT]
     with torch.device("meta"):
-        model = model_class(config)
+        model = model_class(config, **extra)
     state = {k: v.to(dtype=dtype) for k, v in state.items()}
     try:
         model.load_state_dict(state, strict=True, assign=True)

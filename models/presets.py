@@ -56,6 +56,13 @@ def is_eagle_spec(spec) -> bool:
     return is_random_eagle(str(spec)) if is_random(str(spec)) else is_eagle_dir(spec)
 
 
+def eagle_feature_layers(spec) -> tuple[int, ...]:
+    """The target layers an EAGLE head named by a directory fuses beside the final state (`models.eagle`)."""
+    from models.eagle import eagle_dir_aux_layers
+
+    return () if spec is None or is_random(str(spec)) else eagle_dir_aux_layers(spec)
+
+
 def random_config(spec: str):
     from models.config import ModelConfig
 

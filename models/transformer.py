@@ -160,6 +160,9 @@ class PackedInput:
 
 class Transformer(nn.Module):
     graphs = None   # models.cuda_graphs.GraphedLayers once enabled (CUDA only)
+    # with `return_hidden`, the outputs of these layers (0-based, increasing) come before the
+    # final-norm state: hidden [..., feature_width] (an EAGLE-3 head fuses them; `set_feature_layers`)
+    feature_layers: tuple[int, ...] = ()
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -177,6 +180,19 @@ class Transformer(nn.Module):
         self._dynamic_rope = rope_type == "dynamic"
         inv_freq, self._rope_scale = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)   # [D/2] float32
+
+    def set_feature_layers(self, layers) -> None:
+        """Return the outputs of `layers` (0-based, increasing) beside the final-norm state from now on."""
+        layers = tuple(int(i) for i in layers)
+        if list(layers) != sorted(set(layers)) or any(not 0 <= i < self.config.num_layers for i in layers):
+            raise ValueError(f"feature layers {list(layers)} must be increasing layer indices of "
+                             f"a {self.config.num_layers}-layer model")
+        self.feature_layers = layers
+
+    @property
+    def feature_width(self) -> int:
+        """The width of the hidden states `return_hidden` gives: (len(feature_layers) + 1) * hidden."""
+        return (len(self.feature_layers) + 1) * self.config.hidden_size
 
     @property
     def lm_head_weight(self) -> torch.Tensor:   # [V, hidden]
@@ -215,8 +231,9 @@ class Transformer(nn.Module):
         """Append T tokens per sequence to the cache and return their logits.
 
         Returns logits `[B, T, V] float32` (`T'` for `logit_positions`, `V'` for
-        `logit_rows`), or `(logits, hidden [B, T, hidden])` with `return_hidden`;
-        hidden is the final-norm output that the LM head reads. Each sequence is
+        `logit_rows`), or `(logits, hidden [B, T, feature_width])` with `return_hidden`;
+        hidden is the final-norm output that the LM head reads (after the `feature_layers`'
+        outputs, where set). Each sequence is
         T longer afterwards; on any error the cache is left as it was.
         """
         B, T = input_ids.shape
@@ -263,7 +280,7 @@ class Transformer(nn.Module):
         group (`models.tree.ragged_tree_forward` groups a batch of very different sizes, such as
         a prompt's chunk beside small trees, this way). Every sequence grows by its group's T_g;
         on any error every cache is left as it was. Returns the final-norm hidden states of all
-        rows, [sum of B_g * T_g, hidden], group by group (`AttentionGroup` rows)."""
+        rows, [sum of B_g * T_g, feature_width], group by group (`AttentionGroup` rows)."""
         device = self.embed_tokens.weight.device
         seq_ids = [s for g in groups for s in g.seq_ids]
         prefix = [cache.seq_len(s) for s in seq_ids]
@@ -276,7 +293,7 @@ class Transformer(nn.Module):
                 g = groups[0]
                 feats = None if g.features is None else g.features.to(device)
                 return self._hidden(g.input_ids.to(device), g.positions.to(device), cache, g.seq_ids,
-                                    g.tree_mask.to(device), prefix, feats).reshape(-1, self.config.hidden_size)
+                                    g.tree_mask.to(device), prefix, feats).flatten(0, 1)
             attn, slots, start, at = [], [], 0, 0
             for g in groups:
                 B, T = g.input_ids.shape
@@ -312,15 +329,19 @@ class Transformer(nn.Module):
         return (block_tables.long().gather(1, pos // bs) * bs + pos % bs).reshape(-1)
 
     def _packed_layers(self, input_ids, positions, cache, slots, groups, features=None) -> torch.Tensor:
-        """input_ids, positions, slots: [N]; features: [N, hidden] or None → [N, hidden]."""
+        """input_ids, positions, slots: [N]; features: [N, hidden] or None → [N, feature_width]."""
         rope = self.rope(positions)
         h = self._inputs(input_ids, features)
         step = self._decoder_step(h, rope, slots, groups, cache)
         if step is not None:
             h = h.contiguous().clone()          # updated in place, layer by layer
+        taken = []
         for i, layer in enumerate(self.layers):
             h = layer(h, rope, cache.k[i], cache.v[i], slots, groups, step)
-        return rms_norm(h, self.norm, self.config.rms_norm_eps)
+            if i in self.feature_layers:
+                taken.append(h.clone())         # (the next layer may update h in place)
+        out = rms_norm(h, self.norm, self.config.rms_norm_eps)
+        return torch.cat(taken + [out], dim=-1) if taken else out
 
     def _decoder_step(self, h, rope, slots, groups, cache) -> "cpu_kernels.DecoderStep | None":
         """The whole-layer C call's per-forward half, where it applies: a CPU fp32 forward of 1 to
@@ -343,6 +364,9 @@ class Transformer(nn.Module):
         logit_rows: torch.Tensor | None = None,       # [V'] int64
         logit_positions: torch.Tensor | None = None,  # [T'] or [B, T'] int64
     ) -> torch.Tensor:                                # [B, T' or T, V' or V] float32 ([M, V'])
+        H = self.config.hidden_size
+        if hidden.shape[-1] != H:                     # [..., feature_width]: the final-norm state is last
+            hidden = hidden[..., -H:]
         if logit_positions is not None:
             if logit_positions.dim() == 1:
                 hidden = hidden[:, logit_positions]

@@ -95,9 +95,10 @@ def save_llama(path, config, seed: int, tokenizer=None, perturb_from=None, noise
     return model
 
 
-def save_eagle(path, target_dir, seed: int, tokenizer=None, fc_scale: float = 0.2):
+def save_eagle(path, target_dir, seed: int, tokenizer=None, fc_scale: float = 0.2, aux_layers: tuple = ()):
     """A random feature-conditioned (EAGLE) draft head for the target in `target_dir`: one
-    decoder layer, the target's embeddings and LM head, and the `eagle.fc.*` tensors."""
+    decoder layer, the target's embeddings and LM head, and the `eagle.fc.*` tensors (with
+    `aux_layers`, a fused head: `eagle.fuse.weight` over those target layers and the final state)."""
     from pathlib import Path
 
     from safetensors.torch import load_file, save_file
@@ -116,6 +117,9 @@ def save_eagle(path, target_dir, seed: int, tokenizer=None, fc_scale: float = 0.
     H = config.hidden_size
     state["eagle.fc.weight"] = fc_scale * torch.randn(H, 2 * H)
     state["eagle.fc.bias"] = torch.zeros(H)
+    if aux_layers:
+        state["eagle.fuse.weight"] = torch.randn(H, (len(aux_layers) + 1) * H) / (len(aux_layers) + 1) ** 0.5 / H ** 0.5
+        state["eagle.aux_layers"] = torch.tensor(aux_layers, dtype=torch.int64)
     Path(path).mkdir(parents=True, exist_ok=True)
     save_file(state, str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(path)
@@ -216,6 +220,15 @@ def eagle_draft(tmp_path_factory, tiny_target):
     """A random EAGLE draft head for the tiny target (acceptance low, every path exercised)."""
     path = tmp_path_factory.mktemp("eagle_draft")
     save_eagle(path, tiny_target, seed=6, tokenizer=byte_tokenizer())
+    return path
+
+
+@pytest.fixture(scope="session")
+def fused_eagle_draft(tmp_path_factory, tiny_target):
+    """A random fused EAGLE head (EAGLE-3's multi-layer features) reading both of the tiny
+    target's layers beside its final state."""
+    path = tmp_path_factory.mktemp("fused_eagle_draft")
+    save_eagle(path, tiny_target, seed=8, tokenizer=byte_tokenizer(), aux_layers=(0, 1))
     return path
 
 

@@ -18,12 +18,14 @@ class TargetSide:
     """Target model + paged KV cache + Verifier; one forward per verification step."""
 
     def __init__(self, target: str, num_blocks: int, block_size: int = 16, device: str = "cpu",
-                 dtype: str = "float32", features: bool = False, model=None, prefix_caching: bool = False) -> None:
+                 dtype: str = "float32", features: bool = False, model=None, prefix_caching: bool = False,
+                 feature_layers: tuple[int, ...] = ()) -> None:
         """`target`: a checkpoint directory or `random:<preset>`; `model`: an already loaded
         `models.Transformer` instead. `features`: return the target's hidden states with each
         verification and prefill (a feature-conditioned draft reads them; with prefix caching
-        the Verifier keeps those of cached blocks). `prefix_caching`: automatic prefix caching
-        in the target's KV cache."""
+        the Verifier keeps those of cached blocks); `feature_layers`: with them, the outputs of
+        these target layers (a fused EAGLE head's `aux_layers`, `models.eagle`).
+        `prefix_caching`: automatic prefix caching in the target's KV cache."""
         from models.presets import load
 
         model = model if model is not None else load(target, device, dtype)
@@ -31,7 +33,7 @@ class TargetSide:
         self.vocab_size = model.config.vocab_size
         self.max_context = model.config.max_position_embeddings
         cache = model.new_cache(num_blocks, block_size, prefix_caching=prefix_caching)
-        self.verifier = Verifier(model, cache, features=features)
+        self.verifier = Verifier(model, cache, features=features, feature_layers=feature_layers)
         self.partial: set[str] = set()        # sequences whose chunked prefill is under way
         self._pieces: dict[str, list] = {}    # their features so far
         self.fed = 0                          # prompt tokens the latest `prefill` fed (past cached ones)

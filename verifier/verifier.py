@@ -85,7 +85,7 @@ class PromptChunk:
     limit: int | None = None        # feed at most this many tokens now (None: the rest)
     at: int = 0                     # filled in: the sequence's length before this chunk
     ids: list[int] | None = None    # filled in: the tokens fed now
-    hidden: torch.Tensor | None = None   # filled in, with features: their hidden states [n, hidden]
+    hidden: torch.Tensor | None = None   # filled in, with features: their hidden states [n, feature_width]
 
 
 @dataclass
@@ -95,7 +95,7 @@ class VerifyResult:
     next_token_id: int              # bonus token (whole path accepted) or the correction
     num_drafted: int                # T
     # with `Verifier(features=True)`: the target's final-norm hidden states at the root and the
-    # accepted nodes [1 + num_accepted, hidden], the input a feature-conditioned draft reads
+    # accepted nodes [1 + num_accepted, feature_width], the input a feature-conditioned draft reads
     features: torch.Tensor | None = None
     # with `params.logprobs` set: one models.sampling.TokenLogprob per token of `token_ids`
     logprobs: list | None = None
@@ -106,10 +106,14 @@ class VerifyResult:
 
 
 class Verifier:
-    def __init__(self, model, cache, features: bool = False) -> None:
+    def __init__(self, model, cache, features: bool = False, feature_layers: tuple[int, ...] = ()) -> None:
         self.model = model      # models.Transformer (the target)
         self.cache = cache      # models.PagedKVCache sized for it
         self.features = features   # return the target's hidden states (for an EAGLE draft)
+        # with them, the outputs of these target layers (a fused EAGLE head's), set on the model
+        # before each of this verifier's forwards: engines in one process may share the target
+        self.feature_layers = tuple(feature_layers) if features else ()
+        model.set_feature_layers(self.feature_layers)
         # prompt tokens each sequence found in the prefix cache at its prefill (models.PagedKVCache
         # with prefix_caching), and the sequences that opted out of it
         self.cached_tokens: dict[Hashable, int] = {}
@@ -119,6 +123,10 @@ class Verifier:
         # starting on cached blocks gets their features too (an EAGLE head reads them)
         self._block_features: dict[bytes, torch.Tensor] = {}     # key -> [block_size, hidden]
         self._seq_features: dict[Hashable, list[torch.Tensor]] = {}
+
+    def _own_feature_layers(self) -> None:
+        if self.model.feature_layers != self.feature_layers:
+            self.model.set_feature_layers(self.feature_layers)
 
     def prefill(self, seq_id: Hashable, prompt_ids: Sequence[int]) -> None:
         """Cache every prompt token but the last: the last one is the first tree's root."""
@@ -150,6 +158,7 @@ class Verifier:
         todo.sort(key=lambda c: len(c.ids))                   # similar lengths pad less
         for i in range(0, len(todo), max_rows):
             part = todo[i:i + max_rows]
+            self._own_feature_layers()
             out = ragged_tree_forward(self.model, self.cache, [c.seq_id for c in part],
                                       *self._chunk_inputs(part), return_hidden=self.features)
             if self.features:
@@ -186,7 +195,7 @@ class Verifier:
     def _end_chunks(self, chunks: Sequence["PromptChunk"]) -> None:
         """After the forward: each chunk's features (with the cached blocks' before the first),
         its sequence's full blocks registered in the prefix cache."""
-        width = self.model.config.hidden_size
+        width = self.model.feature_width
         for c in chunks:
             if c.hidden is None and self.features:
                 c.hidden = torch.zeros(0, width)
@@ -270,6 +279,7 @@ class Verifier:
                                      f"has {cached + 1} committed tokens")
         feeding = self._start_chunks(chunks)
         extra = self._chunk_inputs(feeding)
+        self._own_feature_layers()
         target_logits = ragged_tree_forward(                                     # B x [T+1, V]
             self.model, self.cache, [r.seq_id for r in batch] + [c.seq_id for c in feeding],
             [torch.cat([torch.tensor([r.root_token_id]), r.tree.token_ids]) for r in batch] + extra[0],

@@ -24,6 +24,19 @@ def test_the_pipeline_with_an_eagle_head_is_the_target_alone(make_engine, tiny_t
     assert stats["num_drafted"] > 0 and stats["drafters"][0]["trees_drafted"] > 0, stats
 
 
+def test_the_pipeline_with_a_fused_head_is_the_target_alone(make_engine, tiny_target, fused_eagle_draft, hf_target):
+    """A fused head (EAGLE-3's multi-layer features): the verifier actor reads the layers it
+    fuses from the draft's checkpoint and sends their outputs beside the final state, [n, 3H]
+    on the wire; the drafter fuses them. Overlapped, so trees are also drafted ahead."""
+    from models.eagle import eagle_dir_aux_layers
+
+    assert eagle_dir_aux_layers(fused_eagle_draft) == (0, 1)
+    engine = make_engine(tiny_target, fused_eagle_draft, speculation={"lockstep_alone": False})
+    assert_greedy_exact_beside_sampled(engine, hf_target, prompts(3, seed=37))
+    stats = run(engine.stats())
+    assert stats["num_drafted"] > 0 and stats["drafters"][0]["trees_drafted"] > 0, stats
+
+
 def test_bridge_chains_with_an_eagle_head_are_refused_before_any_actor_starts(tiny_target, eagle_draft):
     from cluster.pipeline import build_pipeline_engine
     from tests.ray_cluster import pipeline_args

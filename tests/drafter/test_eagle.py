@@ -44,6 +44,13 @@ def test_greedy_output_is_the_targets(eagle_engine, references, K, W):
     assert isinstance(eagle_engine.proposer, EagleProposer)
 
 
+@pytest.mark.parametrize("K,W", [(3, 1), (4, 2)])
+def test_a_fused_head_drafts_exactly_too(tiny_target, fused_eagle_draft, references, K, W):
+    outs = greedy(build_engine(tiny_target, fused_eagle_draft).engine, PROMPTS, speculation_for("sync", K, W))
+    assert [o.token_ids for o in outs] == references
+    assert all(o.stats.num_drafted > 0 for o in outs)
+
+
 def test_auto_mode_and_mixed_batches_stay_exact(eagle_engine, references):
     """"auto" sequences decode alone at times: their features must keep flowing anyway."""
     specs = [SpeculationOptions(mode="auto", spec_len=3), speculation_for("off", 3, 1),
@@ -54,10 +61,13 @@ def test_auto_mode_and_mixed_batches_stay_exact(eagle_engine, references):
     assert [o.token_ids for o in eagle_engine.generate(requests)] == references
 
 
-def test_committed_tokens_read_the_targets_previous_feature(tiny_target, eagle_draft, monkeypatch):
-    """Every catch-up row j reads f_{j-1}, the target's final hidden state at position j-1."""
-    target, draft = load_model(tiny_target), load_model(eagle_draft)
+@pytest.mark.parametrize("head", ["eagle_draft", "fused_eagle_draft"])
+def test_committed_tokens_read_the_targets_previous_feature(tiny_target, head, request, monkeypatch):
+    """Every catch-up row j reads f_{j-1}, the target's final hidden state at position j-1 (a
+    fused head: its fusion of the target's layer outputs and final state there)."""
+    target, draft = load_model(tiny_target), load_model(request.getfixturevalue(head))
     engine = InProcessEngine(target, draft)
+    assert target.feature_layers == draft.aux_layers       # the engine asked the target for them
     seen = []            # (positions, ids, features) of every group of every draft forward
     real = EagleDraft.forward_packed
 
@@ -74,7 +84,7 @@ def test_committed_tokens_read_the_targets_previous_feature(tiny_target, eagle_d
     with torch.inference_mode():
         _, hidden = target(torch.tensor([full]), torch.arange(len(full))[None], cache, ["ref"],
                            causal_mask(1, len(full)), return_hidden=True)
-    hidden = hidden[0]
+    hidden = draft.fuse_features(hidden[0])
     fed = set()          # positions fed as (committed token, the target's feature before it)
     for positions, ids, feats in seen:
         for pos, tok, f in zip(positions.reshape(-1).tolist(), ids.reshape(-1).tolist(),
@@ -117,3 +127,16 @@ def test_sampled_tokens_follow_the_target(tmp_path, small_vocab_pair):
     p = chi_square_p_value(samples, exact_joint(target, params))
     assert p > P_VALUE_FLOOR, f"sampled pairs do not follow the target (p = {p:.2e})"
     assert 0.05 < acceptance < 0.95        # both acceptance and the residual are exercised
+
+
+def test_engines_sharing_a_target_each_get_the_features_their_head_reads(tiny_target, eagle_draft, fused_eagle_draft,
+                                                                         references):
+    """One target, a fused head's engine and a plain head's built on it in turn (bench/e2e.py's
+    way): each verifier sets the target's feature layers before its forwards, so neither engine
+    reads the other's width, and the plain one pays for no extra outputs."""
+    target = load_model(tiny_target)
+    fused = InProcessEngine(target, load_model(fused_eagle_draft))
+    plain = InProcessEngine(target, load_model(eagle_draft))
+    for engine, layers in ((fused, (0, 1)), (plain, ()), (fused, (0, 1))):
+        assert [o.token_ids for o in greedy(engine, PROMPTS, speculation_for("sync", 3, 1))] == references
+        assert target.feature_layers == layers
