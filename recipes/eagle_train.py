@@ -16,6 +16,10 @@ is trained on D drafted levels at once ("training-time test", EAGLE-3): level d 
 position j reads the head's own level-(d-1) prediction made at j-1 and attends as a
 drafter's level d does, to the verified prefix's keys (true features) and to its own
 chain of predictions (`EagleHead.unrolled`). Inputs get small Gaussian noise.
+With `--aux DIR` (`eagle_features.py --aux-layers`) the head is fused (EAGLE-3): level 1
+reads fuse([a_1, ..., a_k, f_{j-1}]), the outputs of k lower target layers beside the
+final state projected to H, where `fuse` starts as f alone (so a warm start from an
+unfused head begins where that head was); deeper levels read the head's own predictions.
 Held-out agreement is measured at levels 1..max(D, 3) every `--eval-every` steps and
 the best checkpoint (by `chain_tokens`, a chain's expected accepted tokens were the
 levels independent) is exported in fp16 (`eagle_head.safetensors`, `eagle_card.json`).
@@ -43,7 +47,7 @@ ASSETS = ROOT / "models" / "assets"
 class EagleHead(torch.nn.Module):
     """Training-time twin of `models.eagle.EagleDraft`: fc + one HF Llama layer + final norm."""
 
-    def __init__(self, target_dir: Path, init_layer: int, fc_init: str = "eye"):
+    def __init__(self, target_dir: Path, init_layer: int, fc_init: str = "eye", aux_layers: tuple[int, ...] = ()):
         super().__init__()
         from transformers import AutoConfig, AutoModelForCausalLM, LlamaModel
 
@@ -65,9 +69,17 @@ class EagleHead(torch.nn.Module):
                 self.fc.weight[:, :H] = torch.eye(H)
                 self.fc.weight[:, H:] = torch.eye(H)
                 self.fc.bias.zero_()
+        self.aux_layers = tuple(aux_layers)
+        self.fuse = None     # EAGLE-3's fusion: [aux features, f] -> H, starting as f alone
+        if aux_layers:
+            self.fuse = torch.nn.Linear((len(aux_layers) + 1) * H, H, bias=False)
+            with torch.no_grad():
+                self.fuse.weight.zero_()
+                self.fuse.weight[:, -H:] = torch.eye(H)
 
     def forward(self, ids: torch.Tensor, feats: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """ids [B, L], feats [B, L, H] (f_{j-1} at j) -> predicted f_j [B, L, H] (one level, causal)."""
+        feats = feats if self.fuse is None else self.fuse(feats)
         x = self.fc(torch.cat([self.model.embed_tokens(ids), feats], dim=-1))
         return self.model(inputs_embeds=x, attention_mask=attention_mask).last_hidden_state
 
@@ -89,7 +101,10 @@ class EagleHead(torch.nn.Module):
         i = torch.arange(L)[None, :]                     # key position
         keys, values, preds = [], [], []
         for d in range(1, depth + 1):
-            x = feats if d == 1 else torch.cat([torch.zeros_like(preds[-1][:, :1]), preds[-1][:, :-1]], dim=1)
+            if d == 1:        # the target's features (fused with its lower layers' where it has them)
+                x = feats if self.fuse is None else self.fuse(feats)
+            else:
+                x = torch.cat([torch.zeros_like(preds[-1][:, :1]), preds[-1][:, :-1]], dim=1)
             if noise:
                 x = x + noise * torch.randn_like(x)
             x = self.fc(torch.cat([emb, x], dim=-1))
@@ -116,26 +131,44 @@ def warm_start(head: EagleHead, weights: Path) -> None:
 
     tensors = {k: v.float() for k, v in load_file(str(weights)).items()}
     head.fc.load_state_dict({k.removeprefix("eagle.fc."): v for k, v in tensors.items() if k.startswith("eagle.fc.")})
+    if "eagle.fuse.weight" in tensors:
+        if head.fuse is None or head.fuse.weight.shape != tensors["eagle.fuse.weight"].shape:
+            raise ValueError(f"{weights} fuses {tensors['eagle.fuse.weight'].shape[1]} features: give the same --aux")
+        head.fuse.weight.data.copy_(tensors["eagle.fuse.weight"])
     own = {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
     missing, unexpected = head.model.load_state_dict(own, strict=False)
     if unexpected or [k for k in missing if not k.startswith("embed_tokens")]:
         raise ValueError(f"{weights} does not match the head: missing {missing}, unexpected {unexpected}")
 
 
-def load_rows(data: Path) -> list[dict]:
+def load_rows(data: Path, aux: Path | None = None) -> list[dict]:
+    """Every shard's rows; with `aux` (`eagle_features.py --aux-layers`), each row's `aux`
+    [T, k * H] from the shard of the same name there."""
     rows = []
     for shard in sorted(Path(data).glob("shard_*.pt")):
-        rows.extend(torch.load(shard, weights_only=False))
+        part = torch.load(shard, weights_only=False)
+        if aux is not None:
+            extra = torch.load(aux / shard.name, weights_only=False)
+            if len(extra) != len(part) or any(len(a) != len(r["ids"]) for a, r in zip(extra, part)):
+                raise ValueError(f"{aux / shard.name} does not match {shard}: rerun eagle_features.py --aux-layers")
+            for r, a in zip(part, extra):
+                r["aux"] = a
+        rows.extend(part)
     return rows
 
 
+def aux_layers_of(aux: Path | None) -> tuple[int, ...]:
+    return () if aux is None else tuple(json.loads((aux / "layers.json").read_text())["aux_layers"])
+
+
 def make_batch(rows: list[dict]):
-    """ids [B, L], prev_feats [B, L, H] (f_{j-1}, zero at j=0), next_feats [B, L, H] (f_j),
-    argmax [B, L] (the target's token after j), mask [B, L] (real positions), answer [B, L]."""
+    """ids [B, L], prev_feats [B, L, H'] (f_{j-1}, zero at j=0; H' = (k + 1) H with k aux features
+    before it), next_feats [B, L, H] (f_j), argmax [B, L] (the target's token after j), mask [B, L]
+    (real positions), answer [B, L]."""
     L, H = max(len(r["ids"]) for r in rows), rows[0]["hidden"].shape[-1]
-    B = len(rows)
+    B, W = len(rows), H + (rows[0]["aux"].shape[-1] if "aux" in rows[0] else 0)
     ids = torch.zeros(B, L, dtype=torch.long)
-    prev = torch.zeros(B, L, H)
+    prev = torch.zeros(B, L, W)
     nxt = torch.zeros(B, L, H)
     argmax = torch.zeros(B, L, dtype=torch.long)
     mask = torch.zeros(B, L, dtype=torch.long)
@@ -143,7 +176,7 @@ def make_batch(rows: list[dict]):
     for b, r in enumerate(rows):
         n, f = len(r["ids"]), r["hidden"].float()
         ids[b, :n] = r["ids"].long()
-        prev[b, 1:n] = f[:-1]
+        prev[b, 1:n] = (torch.cat([r["aux"].float(), f], dim=-1) if "aux" in r else f)[:-1]
         nxt[b, :n] = f
         argmax[b, :n] = r["argmax"].long()
         mask[b, :n] = 1
@@ -216,8 +249,12 @@ def export(head: EagleHead, subset: list[int], card: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tensors = {f"model.{k}": v for k, v in head.model.state_dict().items() if not k.startswith("embed_tokens")}
     tensors |= {f"eagle.fc.{k}": v for k, v in head.fc.state_dict().items()}
-    save_file({k: v.detach().to(torch.float16).contiguous() for k, v in tensors.items()},
-              out / "eagle_head.safetensors", metadata={"format": "pt"})
+    if head.fuse is not None:
+        tensors["eagle.fuse.weight"] = head.fuse.weight
+    tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in tensors.items()}
+    if head.fuse is not None:
+        tensors["eagle.aux_layers"] = torch.tensor(head.aux_layers, dtype=torch.int64)
+    save_file(tensors, out / "eagle_head.safetensors", metadata={"format": "pt"})
     (out / "eagle_card.json").write_text(json.dumps(card, indent=2) + "\n")
 
 
@@ -236,6 +273,8 @@ def main(argv=None) -> None:
     p.add_argument("--init-layer", type=int, default=29, help="target layer to start from (-1: random)")
     p.add_argument("--fc-init", choices=["eye", "random"], default="random")
     p.add_argument("--init-from", type=Path, help="continue from an exported eagle_head.safetensors")
+    p.add_argument("--aux", type=Path, help="the target's lower-layer features (eagle_features.py --aux-layers): "
+                                            "the head fuses them with f (EAGLE-3), starting from f alone")
     p.add_argument("--eval-every", type=int, default=150)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -247,10 +286,10 @@ def main(argv=None) -> None:
 
     subset = embedded.draft_logit_rows(embedded.draft_dir())
     subset_t = torch.tensor(subset)
-    rows = load_rows(args.data)
+    rows = load_rows(args.data, args.aux)
     train = [r for r in rows if not r["heldout"]]
     heldout = [r for r in rows if r["heldout"]]
-    head = EagleHead(embedded.target_dir(), args.init_layer, args.fc_init)
+    head = EagleHead(embedded.target_dir(), args.init_layer, args.fc_init, aux_layers_of(args.aux))
     if args.init_from:
         warm_start(head, args.init_from)
     position = torch.full((head.config.vocab_size,), -1, dtype=torch.long)
@@ -272,7 +311,7 @@ def main(argv=None) -> None:
                       "previous feature, depth d its own level-(d-1) prediction, attending as drafting does "
                       "(EagleHead.unrolled)",
             "recipe": "recipes/eagle_features.py + recipes/eagle_train.py", "args": {k: str(v) for k, v in vars(args).items()},
-            "init_layer": args.init_layer, "best_step": best_step, "final": next(h for h in history if h["step"] == best_step),
+            "init_layer": args.init_layer, "aux_layers": list(head.aux_layers), "best_step": best_step, "final": next(h for h in history if h["step"] == best_step),
             "history": history, "train_answers": len(train), "heldout_answers": len(heldout)}
     export(head, subset, card, args.out)
     print(json.dumps(card["final"]))

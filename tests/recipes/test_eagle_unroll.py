@@ -18,7 +18,7 @@ from eagle_train import EagleHead, chain_tokens  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory) -> EagleHead:
+def target_path(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -27,7 +27,12 @@ def head(tmp_path_factory) -> EagleHead:
                          tie_word_embeddings=True)
     path = tmp_path_factory.mktemp("target")
     LlamaForCausalLM(config).save_pretrained(path)
-    h = EagleHead(path, init_layer=1, fc_init="random").eval()
+    return path
+
+
+@pytest.fixture(scope="module")
+def head(target_path) -> EagleHead:
+    h = EagleHead(target_path, init_layer=1, fc_init="random").eval()
     with torch.no_grad():          # a layer far from identity, so a wrong mask shows
         for p in h.model.layers[0].parameters():
             p.add_(0.2 * torch.randn_like(p))
@@ -66,3 +71,34 @@ def test_chain_tokens_multiplies_the_levels_it_reaches():
     assert chain_tokens([0.5, 0.5]) == pytest.approx(0.5 + 0.25)
     assert chain_tokens([1.0, 1.0, 0.0]) == pytest.approx(2.0)
     assert chain_tokens([]) == 0.0
+
+
+@torch.no_grad()
+def test_a_fused_head_starts_where_its_unfused_warm_start_was(head, target_path, tmp_path):
+    """`--aux` on top of `--init-from`: the fusion starts as the final state alone, so every level
+    reads as the unfused head's did, whatever the lower layers' features; the export then
+    carries the fusion and the layers it reads, and a warm start from it restores both."""
+    from safetensors.torch import load_file
+
+    from eagle_train import export, warm_start
+
+    torch.manual_seed(2)
+    export(head, list(range(96)), {}, tmp_path / "plain")
+    plain = EagleHead(target_path, init_layer=1, fc_init="random").eval()
+    fused = EagleHead(target_path, init_layer=1, fc_init="random", aux_layers=(0, 1)).eval()
+    for h in (plain, fused):                                            # (the export is fp16)
+        warm_start(h, tmp_path / "plain" / "eagle_head.safetensors")
+    ids, feats = torch.randint(0, 96, (2, 10)), torch.randn(2, 10, 64)
+    wide = torch.cat([torch.randn(2, 10, 128), feats], dim=-1)          # two lower layers' outputs, then f
+    for a, b in zip(fused.unrolled(ids, wide, 3), plain.unrolled(ids, feats, 3)):
+        torch.testing.assert_close(a, b)
+    fused.fuse.weight.add_(0.1 * torch.randn_like(fused.fuse.weight))
+    export(fused, list(range(96)), {}, tmp_path / "fused")
+    tensors = load_file(str(tmp_path / "fused" / "eagle_head.safetensors"))
+    assert tensors["eagle.aux_layers"].tolist() == [0, 1] and tensors["eagle.fuse.weight"].shape == (64, 192)
+    again = EagleHead(target_path, init_layer=1, fc_init="random", aux_layers=(0, 1))
+    warm_start(again, tmp_path / "fused" / "eagle_head.safetensors")
+    torch.testing.assert_close(again.fuse.weight, fused.fuse.weight.half().float())
+    with pytest.raises(ValueError, match="give the same --aux"):
+        warm_start(EagleHead(target_path, init_layer=1, fc_init="random"),
+                   tmp_path / "fused" / "eagle_head.safetensors")
