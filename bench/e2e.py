@@ -20,6 +20,9 @@ machine hurts all of them alike:
   run, the drafter and the verifier each an actor given one core, mode `auto`
   (`bench/e2e_async.py`'s method; `--no-async` skips it). Its row adds the verifier's idle
   fraction (time it waited for a tree with a sequence active, over its wall time).
+- `async-eagle`: the same pipeline with the EAGLE head as its drafter (no bridge chains:
+  a head drafts on the target's features). With `async` beside it both pipelines stand on
+  one Ray given four logical CPUs; one runs at a time, the other's actors wait idle.
   `--one-core-each`: every model gets one core and lends none (the in-process methods,
   Hugging Face's included, on one thread; the pipeline overlapped, its verifier never on
   the drafter's core): the CPU stand-in for one device per model.
@@ -253,7 +256,7 @@ def summarize(runs: list[Run], methods: list[str], costs: dict, K: int) -> list[
             "mean_accepted_len": mean_len if drafted else None,
             "gamma": gamma if m.startswith(("sync", "eagle", "async")) or m == "ngram" else None,
             "verifier_idle_fraction": (sum(r.idle_s for r in mine) / max(sum(r.wall_s for r in mine), 1e-9)
-                                       if m == "async" else None),
+                                       if m.startswith("async") else None),
             "predicted_speedup": pred,
             "predicted_speedup_inrun": pred_inrun,
             "exact_vs_off": sum(base.get((r.category, r.prompt)) == r.token_ids for r in mine) / len(mine),
@@ -325,13 +328,27 @@ def build_methods(args, pair, hf_target, hf_draft, eagle_engine=None) -> dict:
         if hf_draft is not None:
             methods["hf-assisted"] = hf(hf_target, hf_draft, args.spec_len, eos_token_ids=eos)
     wanted = lambda m: not args.methods or m in args.methods   # noqa: E731
-    if engine.draft is not None and not args.no_async and wanted("async"):
-        from bench import e2e_async     # starts a local Ray, two CPUs
+    pipelines = {"async": args.draft if engine.draft is not None else None,
+                 "async-eagle": args.eagle if eagle_engine is not None else None}
+    pipelines = {m: d for m, d in pipelines.items() if d and wanted(m) and not args.no_async}
+    if pipelines:
+        from bench import e2e_async     # starts a local Ray: two CPUs a pipeline
 
         settings = e2e_async.pipeline_settings(args.one_core_each, args.bridge_depth,
                                                   getattr(args, 'restart_depth', None))
-        methods["async"] = e2e_async.measure_async(args.target, args.draft, args.spec_len, 1, "auto", **settings)
+        own = e2e_async.start_local_ray(num_cpus=2 * len(pipelines))
+        for m, draft in pipelines.items():
+            methods[m] = e2e_async.measure_async(args.target, draft, args.spec_len, 1, "auto", start_ray=False,
+                                                 **(settings | ({"bridge_depth": 0} if m == "async-eagle" else {})))
+        methods[m].owns_ray = own            # the last one closed stops the Ray started here
     return {m: fn for m, fn in methods.items() if wanted(m)}
+
+
+def close_pipelines(methods: dict) -> None:
+    """Kill the pipelines' actors (the last one the local Ray `build_methods` started for them)."""
+    for m in ("async", "async-eagle"):
+        if m in methods:
+            methods[m].close()
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:
@@ -454,8 +471,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"async: verifier forwards on the drafter's core too: {pipeline['borrowed_steps']} "
                   f"of {pipeline['target_forwards']}")
     finally:
-        if "async" in methods:
-            methods["async"].close()        # its actors and the Ray it started
+        close_pipelines(methods)
     report(args, runs, peer, list(methods), pair, eagle_engine, pipeline)
     return 0
 

@@ -54,20 +54,32 @@ import torch  # noqa: E402
 RESULTS = common.RESULTS
 
 
+def start_local_ray(num_cpus: int = 2) -> bool:
+    """A local Ray for a run's pipelines, two logical CPUs a pipeline; False where one is up already."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    return True
+
+
+def stop_local_ray() -> None:
+    import ray
+
+    ray.shutdown()
+
+
 class AsyncMethod:
     """`method(prompt_ids, max_tokens) -> dict` in bench/e2e.py's `Run` fields, over a local pipeline."""
 
     def __init__(self, target_dir: str, draft_dir: str | None, spec_len: int = 4, tree_width: int = 1,
                  mode: str = "auto", proposer: str = "model", start_ray: bool = True, **settings) -> None:
-        import ray
-
         from cluster.pipeline import build_pipeline_engine
         from speculation.requests import SpeculationOptions
 
-        self._own_ray = start_ray and not ray.is_initialized()
-        if self._own_ray:
-            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+        self.owns_ray = start_ray and start_local_ray()     # closing it stops that Ray
         self.engine = build_pipeline_engine(None, target_dir=target_dir, draft_dir=draft_dir,
                                             spec_len=spec_len, tree_width=tree_width, mode=mode,
                                             proposer=proposer, **settings)
@@ -98,11 +110,9 @@ class AsyncMethod:
         return asyncio.run(self.engine.stats())
 
     def close(self) -> None:
-        import ray
-
         self.engine.kill_pipeline_actors()
-        if self._own_ray:
-            ray.shutdown()
+        if self.owns_ray:
+            stop_local_ray()
 
 
 # the pipeline with each actor kept to its own core (`--one-core-each`, module doc)

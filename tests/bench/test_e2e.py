@@ -30,6 +30,30 @@ def test_the_e2e_bench_measures_the_pipeline_beside_the_baselines(ray_cluster, t
     assert ray.is_initialized()                                   # the shared cluster is left running
 
 
+def test_the_e2e_bench_runs_the_eagle_pipeline_beside_the_layered_one(ray_cluster, tiny_target, close_draft,
+                                                                      fused_eagle_draft, tmp_path, bench_script):
+    """`async-eagle`: a second pipeline, its drafter the EAGLE head (here a fused one), alternated
+    with `async` prompt by prompt on the same Ray; both token for token the target alone."""
+    import ray
+
+    threads = torch.get_num_threads()
+    methods = ["off", "async", "async-eagle"]
+    try:
+        assert bench_script("e2e").main(["--target", str(tiny_target), "--draft", str(close_draft), "--prompts", "1",
+                                         "--max-tokens", "6", "--spec-len", "2", "--threads", "1", "--no-hf",
+                                         "--eagle", str(fused_eagle_draft), "--methods", *methods,
+                                         "--out", str(tmp_path)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    (out,) = tmp_path.glob("e2e-*.json")
+    rows = {r["method"]: r for r in json.loads(out.read_text())["summary"]}
+    assert sorted(rows) == sorted(methods)
+    for m in ("async", "async-eagle"):
+        assert rows[m]["exact_vs_off"] == 1.0 and rows[m]["tokens"] == rows["off"]["tokens"] > 0
+        assert rows[m]["acceptance_rate"] is not None and 0.0 <= rows[m]["verifier_idle_fraction"] <= 1.0
+    assert ray.is_initialized()                                   # the shared cluster is left running
+
+
 def test_one_core_each_keeps_every_model_to_one_core(ray_cluster, tiny_target, close_draft, tmp_path, bench_script):
     """`--one-core-each`: the in-process methods on one thread, and no verifier forward of the
     pipeline on its drafter's core (the CPU stand-in for one device per model)."""
