@@ -8,8 +8,9 @@ read the target's true features (the verifier returns them); tree nodes read the
 draft's own prediction at their parent. `drafter.EagleProposer` drives it.
 
 A fused head (EAGLE-3's multi-layer features) reads, instead of f_{j-1} alone,
-fuse([a_1, ..., a_k, f_{j-1}]): the outputs of k lower target layers beside the final
-state, projected back to H. The target returns them side by side
+fuse([rms(a_1), ..., rms(a_k), f_{j-1}]): the outputs of k lower target layers, each
+RMS-normalised without a weight (a middle layer's residual stream runs to 10^4 in a few
+dimensions, the final state to 50), beside the final state, projected back to H. The target returns them side by side
 (`Transformer.set_feature_layers(aux_layers)`, features [n, (k + 1) H]) and the head
 fuses them as they arrive (`fuse_features`); its own predicted features stay H wide.
 
@@ -55,7 +56,8 @@ class EagleDraft(Transformer):
                              f"and the final state)")
         if self.fuse is None:
             return features
-        return self.fuse(features.to(self.fuse.weight.dtype))
+        x = fused_input(features, self.config.hidden_size, self.config.rms_norm_eps)
+        return self.fuse(x.to(self.fuse.weight.dtype))
 
     def _inputs(self, input_ids: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
         if features is None:
@@ -63,6 +65,15 @@ class EagleDraft(Transformer):
         if features.shape[:-1] != input_ids.shape:
             raise ValueError(f"features {tuple(features.shape)} do not match input ids {tuple(input_ids.shape)}")
         return self.fc(torch.cat([self.embed_tokens(input_ids), features.to(self.fc.weight.dtype)], dim=-1))
+
+
+def fused_input(features: torch.Tensor, hidden_size: int, eps: float) -> torch.Tensor:
+    """[..., (k + 1) H] target features → what a fused head's `fuse` reads, float32: each of the
+    k layer outputs RMS-normalised (no weight), the final state as it is."""
+    x = features.float()
+    aux = x[..., :-hidden_size].unflatten(-1, (-1, hidden_size))
+    aux = aux * torch.rsqrt(aux.pow(2).mean(-1, keepdim=True) + eps)
+    return torch.cat([aux.flatten(-2), x[..., -hidden_size:]], dim=-1)
 
 
 def is_eagle_checkpoint(hf_weights: dict) -> bool:

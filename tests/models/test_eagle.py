@@ -73,7 +73,10 @@ def test_a_fused_head_loads_with_its_layers_and_fuses_the_targets_features(tiny_
     assert plain.fuse is None and plain.target_feature_width == H
     weights = load_file(str(fused_eagle_draft / "model.safetensors"))
     wide = torch.randn(4, 3 * H)
-    torch.testing.assert_close(draft.fuse_features(wide), wide @ weights["eagle.fuse.weight"].T)
+    normed = torch.cat([wide[:, :H] / wide[:, :H].pow(2).mean(-1, keepdim=True).add(1e-6).sqrt(),   # each layer's
+                        wide[:, H:2 * H] / wide[:, H:2 * H].pow(2).mean(-1, keepdim=True).add(1e-6).sqrt(),  # RMS-normed
+                        wide[:, 2 * H:]], dim=-1)                                                       # f as it is
+    torch.testing.assert_close(draft.fuse_features(wide), normed @ weights["eagle.fuse.weight"].T)
     torch.testing.assert_close(plain.fuse_features(wide[:, :H]), wide[:, :H])
     with pytest.raises(ValueError, match=r"reads 192 a position \(target layers \[0, 1\]"):
         draft.fuse_features(wide[:, :H])
