@@ -336,19 +336,8 @@ def build_methods(args, pair, hf_target, hf_draft, eagle_engine=None) -> dict:
 
         settings = e2e_async.pipeline_settings(args.one_core_each, args.bridge_depth,
                                                   getattr(args, 'restart_depth', None))
-        own = e2e_async.start_local_ray(num_cpus=2 * len(pipelines))
-        for m, draft in pipelines.items():
-            methods[m] = e2e_async.measure_async(args.target, draft, args.spec_len, 1, "auto", start_ray=False,
-                                                 **(settings | ({"bridge_depth": 0} if m == "async-eagle" else {})))
-        methods[m].owns_ray = own            # the last one closed stops the Ray started here
+        methods |= e2e_async.pipeline_methods(args.target, pipelines, args.spec_len, settings)
     return {m: fn for m, fn in methods.items() if wanted(m)}
-
-
-def close_pipelines(methods: dict) -> None:
-    """Kill the pipelines' actors (the last one the local Ray `build_methods` started for them)."""
-    for m in ("async", "async-eagle"):
-        if m in methods:
-            methods[m].close()
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:
@@ -471,7 +460,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"async: verifier forwards on the drafter's core too: {pipeline['borrowed_steps']} "
                   f"of {pipeline['target_forwards']}")
     finally:
-        close_pipelines(methods)
+        for m in ("async", "async-eagle"):
+            if m in methods:
+                methods[m].close()      # its actors (the last one the Ray started for them)
     report(args, runs, peer, list(methods), pair, eagle_engine, pipeline)
     return 0
 

@@ -132,6 +132,18 @@ def pipeline_settings(one_core_each: bool = False, bridge_depth: int | None = No
     return settings
 
 
+def pipeline_methods(target_dir: str, drafts: dict, spec_len: int, settings: dict) -> dict:
+    """bench/e2e.py's pipelines, name -> `AsyncMethod` over each draft directory (`async-eagle`: an
+    EAGLE head, no bridge chains), on one local Ray (two logical CPUs each: one runs at a time);
+    closing the last one stops that Ray, if it was started here."""
+    own = start_local_ray(num_cpus=2 * len(drafts))
+    methods = {m: measure_async(target_dir, draft, spec_len, 1, "auto", start_ray=False,
+                                **(settings | ({"bridge_depth": 0} if m == "async-eagle" else {})))
+               for m, draft in drafts.items()}
+    methods[list(methods)[-1]].owns_ray = own       # (bench/e2e.py closes them in this order)
+    return methods
+
+
 def measure_async(target_dir: str, draft_dir: str | None, spec_len: int = 4, tree_width: int = 1,
                   mode: str = "auto", **kw) -> AsyncMethod:
     """The `async` column of bench/e2e.py: call it per prompt, `.close()` at the end."""
