@@ -50,7 +50,10 @@ def test_the_e2e_bench_runs_the_eagle_pipeline_beside_the_layered_one(ray_cluste
     assert sorted(rows) == sorted(methods)
     for m in ("async", "async-eagle"):
         assert rows[m]["exact_vs_off"] == 1.0 and rows[m]["tokens"] == rows["off"]["tokens"] > 0
-        assert rows[m]["acceptance_rate"] is not None and 0.0 <= rows[m]["verifier_idle_fraction"] <= 1.0
+        assert 0.0 <= rows[m]["verifier_idle_fraction"] <= 1.0
+    # the close draft always speculates; `auto` may stop drafting with the random head in six tokens
+    # (its drafting through the pipeline: tests/cluster/test_eagle.py)
+    assert rows["async"]["acceptance_rate"] is not None
     assert ray.is_initialized()                                   # the shared cluster is left running
 
 
