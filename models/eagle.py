@@ -10,9 +10,10 @@ draft's own prediction at their parent. `drafter.EagleProposer` drives it.
 A fused head (EAGLE-3's multi-layer features) reads, instead of f_{j-1} alone,
 fuse([rms(a_1), ..., rms(a_k), f_{j-1}]): the outputs of k lower target layers, each
 RMS-normalised without a weight (a middle layer's residual stream runs to 10^4 in a few
-dimensions, the final state to 50), beside the final state, projected back to H. The target returns them side by side
-(`Transformer.set_feature_layers(aux_layers)`, features [n, (k + 1) H]) and the head
-fuses them as they arrive (`fuse_features`); its own predicted features stay H wide.
+dimensions, the final state to 50), beside the final state, projected back to H. The
+target returns them side by side (`Transformer.set_feature_layers(aux_layers)`, features
+[n, (k + 1) H]) and the head fuses them as they arrive (`fuse_features`); its own
+predicted features stay H wide.
 
 Checkpoint: an HF Llama directory of the head's layers (the target's embeddings
 included) plus two extra tensors, `eagle.fc.weight` [H, 2H] and `eagle.fc.bias` [H]

@@ -44,17 +44,12 @@ def features(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return hidden[0].to(torch.float16), logits[0].argmax(-1).to(torch.int32)
 
 
-@torch.inference_mode()
 def aux_features(model, ids: list[int], layers: tuple[int, ...]) -> torch.Tensor:
-    """[T, len(layers) * H] fp16: the residual stream after each of `layers` (0-based) over `ids`."""
-    from models.transformer import causal_mask
-
+    """[T, len(layers) * H] fp16: the residual stream after each of `layers` (0-based) over `ids`
+    (`features` with the target returning those layers before its final state)."""
     model.set_feature_layers(layers)
-    T = len(ids)
-    cache = model.new_cache(-(-T // 16) + 1, 16)
-    cache.add_sequence(0)
-    _, hidden = model(torch.tensor([ids]), torch.arange(T)[None], cache, [0], causal_mask(1, T), return_hidden=True)
-    return hidden[0, :, :-model.config.hidden_size].to(torch.float16)
+    hidden, _ = features(model, ids)
+    return hidden[:, :-model.config.hidden_size]
 
 
 def add_aux(model, rows_dir: Path, out: Path, layers: tuple[int, ...], splits: tuple[str, ...]) -> None:

@@ -18,8 +18,9 @@ drafter's level d does, to the verified prefix's keys (true features) and to its
 chain of predictions (`EagleHead.unrolled`). Inputs get small Gaussian noise.
 With `--aux DIR` (`eagle_features.py --aux-layers`) the head is fused (EAGLE-3): level 1
 reads fuse([rms(a_1), ..., rms(a_k), f_{j-1}]), the outputs of k lower target layers
-(each RMS-normalised, `models.eagle.fused_input`) beside the final state, projected to H, where `fuse` starts as f alone (so a warm start from an
-unfused head begins where that head was); deeper levels read the head's own predictions.
+(each RMS-normalised, `models.eagle.fused_input`) beside the final state, projected to H,
+where `fuse` starts as f alone (so a warm start from an unfused head begins where that
+head was); deeper levels read the head's own predictions.
 Held-out agreement is measured at levels 1..max(D, 3) every `--eval-every` steps and
 the best checkpoint (by `chain_tokens`, a chain's expected accepted tokens were the
 levels independent) is exported in fp16 (`eagle_head.safetensors`, `eagle_card.json`).
@@ -79,14 +80,16 @@ class EagleHead(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor, feats: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """ids [B, L], feats [B, L, H] (f_{j-1} at j) -> predicted f_j [B, L, H] (one level, causal)."""
-        feats = feats if self.fuse is None else self._fused(feats)
-        x = self.fc(torch.cat([self.model.embed_tokens(ids), feats], dim=-1))
+        x = self.fc(torch.cat([self.model.embed_tokens(ids), self._fused(feats)], dim=-1))
         return self.model(inputs_embeds=x, attention_mask=attention_mask).last_hidden_state
 
     def _fused(self, feats: torch.Tensor) -> torch.Tensor:
-        """[B, L, (k + 1) H] → [B, L, H]: `models.eagle.fused_input`, then the fusion (as drafting does)."""
+        """The target's features → level 1's input [B, L, H]: as they are for a plain head, else
+        [B, L, (k + 1) H] through `models.eagle.fused_input` and the fusion (as drafting does)."""
         from models.eagle import fused_input
 
+        if self.fuse is None:
+            return feats
         return self.fuse(fused_input(feats, self.config.hidden_size, self.config.rms_norm_eps))
 
     def unrolled(self, ids: torch.Tensor, feats: torch.Tensor, depth: int, noise: float = 0.0) -> list[torch.Tensor]:
@@ -108,7 +111,7 @@ class EagleHead(torch.nn.Module):
         keys, values, preds = [], [], []
         for d in range(1, depth + 1):
             if d == 1:        # the target's features (fused with its lower layers' where it has them)
-                x = feats if self.fuse is None else self._fused(feats)
+                x = self._fused(feats)
             else:
                 x = torch.cat([torch.zeros_like(preds[-1][:, :1]), preds[-1][:, :-1]], dim=1)
             if noise:
