@@ -23,7 +23,8 @@ from bench import common  # noqa: E402  (bench/ off sys.path, the repository on 
 
 
 def run(seqs: int, tokens: int, steps: int, vocab: int, indexed: bool) -> tuple[float, list]:
-    from speculation.planner import AdaptiveSpeculation, CostModel, VerifyCosts
+    from speculation.cost_model import CostModel, VerifyCosts
+    from speculation.planner import AdaptiveSpeculation
     from speculation.proposal import NgramIndex
     from verifier.lookup import plan_lookups
 

@@ -24,7 +24,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from speculation.planner import AdaptiveSpeculation, CostModel, one_off_costs
+from speculation.cost_model import CostModel, one_off_costs
+from speculation.planner import AdaptiveSpeculation
 
 # how long a batch's recent size is remembered when planning (`StepCosts.refilling`)
 REFILL_MEMORY_S = 1.0

@@ -14,7 +14,8 @@ signal as before.
 from __future__ import annotations
 
 from models.tree import TokenTree
-from speculation.planner import AdaptiveSpeculation, VerifyCosts
+from speculation.cost_model import VerifyCosts
+from speculation.planner import AdaptiveSpeculation
 from speculation.proposal import NgramIndex, lookup, point_mass_rows
 from speculation.settings import MAX_SPEC_LEN
 
@@ -47,7 +48,7 @@ class VerifierLookup:
     def chains(self, candidates: list[tuple[str, list[int], int, bool]], alone: int, vocab_size: int,
                costs) -> dict[str, TokenTree]:
         """Chains worth verifying this step; `costs`: the step-cost model whose verify half
-        prices them (`speculation.planner.CostModel`). See `plan_lookups`."""
+        prices them (`speculation.cost_model.CostModel`). See `plan_lookups`."""
         self.planner.costs = VerifyCosts(costs)
         return plan_lookups(self.planner, candidates, alone, vocab_size, self.indexes)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from speculation.planner import CostModel
+from speculation.cost_model import CostModel
 from cluster.local import InProcessEngine
 from speculation.requests import GenerationRequest, SpeculationOptions
 from models import SamplingParams, load_model

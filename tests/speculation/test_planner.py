@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from speculation.planner import AdaptiveSpeculation, CostModel, expected_tokens
+from speculation.cost_model import CostModel
+from speculation.planner import AdaptiveSpeculation, expected_tokens
 
 
 def feed(costs: CostModel, a: float, b: float) -> None:
@@ -247,7 +248,7 @@ def test_sequences_decoding_alone_beside_the_plan_count_their_tokens():
     """`alone` sequences share the forward: their rows raise its cost and their tokens its
     yield, so a weak chain that lifts one sequence alone by 8 % is not worth 1 % more time
     for a batch of 31 (counting the rows but not the tokens would say it is)."""
-    from speculation.planner import VerifyCosts
+    from speculation.cost_model import VerifyCosts
 
     ad = AdaptiveSpeculation(max_spec_len=1, overlap=False)
     ad.costs = VerifyCosts(CostModel(a=0.05, b=0.001))     # no drafting: the verifier's own chains

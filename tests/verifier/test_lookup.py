@@ -9,7 +9,7 @@ import asyncio
 import torch
 
 from models.sampling import SamplingParams
-from speculation.planner import CostModel
+from speculation.cost_model import CostModel
 from tests.cluster.pipeline_helpers import hf_greedy
 from tests.cluster.test_pipeline_sampling import chi2, chi2_critical
 
