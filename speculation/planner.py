@@ -31,9 +31,13 @@ busy drafter also slows the target (memory bandwidth), so gains of a percent
 or two are noise that speculation's overheads eat. A sequence held at 0 is
 probed with a short tree after `probe_every` steps so its γ can recover; each
 probe that leaves it at 0 doubles its wait for the next one (up to 8×), so a
-draft that keeps missing costs ever fewer wasted trees. A probe is only sent
+draft that keeps missing costs ever fewer wasted trees. A probe is judged on its
+own tree's outcome, which the pipeline verifies a step or two after the plan that
+asked for it (the plans between wait for it, `PROBE_PATIENCE` at most); a probe
+accepted whole that has not yet won the sequence back is followed by another at
+once, since one tree moves the γ prior only part way. A probe is only sent
 when it could win: if the plan would keep the sequence at 0 even were its γ
-`probe_gamma` (0.8), as in a batch so large that extra rows cost more than any
+`probe_gamma` (0.9), as in a batch so large that extra rows cost more than any
 draft could return, the probe is skipped (no tree drafted, no rows verified)
 and the sequence waits for the next one. The cost model learns its slope from
 the batch shapes it sees (bridge and fallback steps are plain ones); while it
@@ -69,7 +73,11 @@ prompt lookup's acceptances have nothing to say of each other), or 0.6 before
 there are any. A draft far from the target
 thus does not pay a round of rejected trees at the start of every request, and
 the probe back-off is pooled the same way: a new sequence waits as long as the
-latest failed probe's (until any sequence speculates again).
+latest failed probe's (until any sequence speculates again), counted from where
+the last finished sequence's clock stood, not from 0: with requests shorter than
+the wait, a clock that restarted with each one never reached a probe, the pooled γ
+never moved, and the pipeline stopped speculating for good after a few requests
+whose draft missed (bench/e2e.py: 6 of its runs in 22 on this CPU, 2026-12-06).
 """
 from __future__ import annotations
 
@@ -125,9 +133,11 @@ class SeqState:
     width: int           # tree width W (1 = chain)
     attempts: float = 2.0   # EMA counts of per-level attempts / accepts (the prior γ, see `add`)
     accepts: float = 1.2
-    off_steps: int = 0
+    off_steps: int = 0      # steps decoded alone since its last tree (a new sequence: its proposer's)
     probe_gap: int = 0      # steps at 0 before the next probe (0 = the controller's probe_every)
-    probed: bool = False    # the last plan was a probe
+    probed: bool = False    # a probe was planned and awaits its verdict
+    probe_waits: int = 0    # plans since, its tree not yet verified (the pipeline verifies it a step or two on)
+    probe_full: bool | None = None   # the probe's tree was accepted whole (None: not verified yet)
     proposer: str = "model"  # whose pool its γ and probe back-off go to (`AdaptiveSpeculation.add`)
 
     @property
@@ -135,17 +145,22 @@ class SeqState:
         return self.accepts / self.attempts if self.attempts > 0 else 0.0
 
 
+# plans a probe's verdict waits for its tree to be verified (`AdaptiveSpeculation._judge_probe`)
+PROBE_PATIENCE = 2
+
+
 class AdaptiveSpeculation:
     """Per-sequence budgets for the next tree, from running acceptance and costs."""
 
     def __init__(self, max_spec_len: int = 8, probe_every: int = 16, decay: float = 0.9,
-                 overlap: bool = True, margin: float = 1.05, probe_gamma: float = 0.8,
+                 overlap: bool = True, margin: float = 1.05, probe_gamma: float = 0.9,
                  prior_weight: float = 2.0, pool_decay: float = 0.98) -> None:
         self.max_spec_len = max_spec_len
         self.prior_weight = prior_weight
         self.pool_decay = pool_decay
         self._pool: dict[str, list[float]] = {}   # proposer -> EMA of per-level attempts / accepts
         self._pool_gap: dict[str, int] = {}       # proposer -> probe wait a new sequence starts with
+        self._pool_off: dict[str, int] = {}       # proposer -> steps alone a new sequence starts with
         self.probe_every = probe_every
         self.probe_gamma = probe_gamma
         self.margin = margin
@@ -171,6 +186,7 @@ class AdaptiveSpeculation:
         w = self.prior_weight
         self.seqs[stream] = SeqState(mode, min(spec_len, self.max_spec_len), width,
                                      attempts=w, accepts=w * self.prior_gamma(proposer),
+                                     off_steps=self._pool_off.get(proposer, 0),
                                      probe_gap=self._pool_gap.get(proposer, 0), proposer=proposer)
 
     def prior_gamma(self, proposer: str = "model") -> float:
@@ -180,13 +196,23 @@ class AdaptiveSpeculation:
         return accepts / attempts if attempts >= 4.0 else 0.6
 
     def remove(self, stream: str) -> None:
-        self.seqs.pop(stream, None)
+        st = self.seqs.pop(stream, None)
+        if st is not None and st.mode == "auto":     # the proposer's probe clock runs on
+            self._pool_off[st.proposer] = st.off_steps
+
+    def report(self) -> dict:
+        """What new sequences start from, per proposer: the pooled γ and probe back-off."""
+        return {"pool_gamma": {p: self.prior_gamma(p) for p in self._pool},
+                "pool_probe_gap": dict(self._pool_gap), "bridges": self.bridges,
+                "restart_depth": self.restart_depth}
 
     def observe(self, stream: str, max_depth: int, accepted_depth: int) -> None:
         """A tree of depth `max_depth` was verified; the accepted path reached `accepted_depth`."""
         st = self.seqs.get(stream)
         if st is None or max_depth == 0:
             return
+        if st.probed and st.probe_full is None:
+            st.probe_full = accepted_depth >= max_depth
         tries = min(accepted_depth + 1, max_depth)
         st.attempts = st.attempts * self.decay + tries
         st.accepts = st.accepts * self.decay + accepted_depth
@@ -198,7 +224,10 @@ class AdaptiveSpeculation:
              alone: int = 0, caps: dict[str, int] | None = None) -> dict[str, tuple[int, int]]:
         """(spec_len, tree_width) for each stream's next tree; (0, 0) = decode alone.
         `plain_step_s`: what a step of this batch costs when every sequence decodes
-        alone, where that is cheaper than the cost model's (borrowed cores); None = the model's.
+        alone, measured where such steps run apart (borrowed cores, a GPU's one-row kernel); None =
+        the model's price. It is the baseline then, not the model's: a model fitted from tree steps
+        alone only extrapolates one row (from 3- and 4-row lockstep steps, 5.7 ms against 10.8 ms
+        measured on borrowed cores, and nothing speculated again: bench/e2e.py, 2026-12-06).
         `alone`: sequences outside `streams` in the same forward, each decoding alone (one row,
         one token a step). `caps`: this step's depth ceiling of some streams, below their own."""
         out, auto = self._fixed_budgets(streams, drafter_ok)
@@ -210,21 +239,37 @@ class AdaptiveSpeculation:
             for i, (s, k) in enumerate(zip(auto, ks)):
                 st = self.seqs[s]
                 if k == 0:
-                    if st.probed:        # the probe did not win it back: wait twice as long
-                        st.probe_gap = min(2 * (st.probe_gap or self.probe_every), 8 * self.probe_every)
-                        self._pool_gap[st.proposer] = max(self._pool_gap.get(st.proposer, 0), st.probe_gap)
-                    st.probed = False
                     st.off_steps += 1
-                    if st.off_steps >= (st.probe_gap or self.probe_every):   # refresh a stale γ
-                        st.off_steps = 0
+                    if st.probed:
+                        self._judge_probe(st)
+                    if not st.probed and st.off_steps >= (st.probe_gap or self.probe_every):
+                        st.off_steps = 0      # refresh a stale γ
                         if self._optimise(auto, fixed_rows, fixed_levels, {i: self.probe_gamma},
                                           plain_step_s, alone, caps)[i]:
                             k, st.probed = min(2, st.max_len, (caps or {}).get(s, st.max_len)), True
+                            st.probe_waits, st.probe_full = 0, None
                 else:
                     st.off_steps, st.probe_gap, st.probed = 0, 0, False
                     self._pool_gap[st.proposer] = 0   # speculation pays again somewhere: probe as usual
                 out[s] = (k, st.width) if k else (0, 0)
         return out
+
+    def _judge_probe(self, st: SeqState) -> None:
+        """A probe left its sequence at 0 (called by `plan`). Its verdict waits for its tree's
+        outcome, `PROBE_PATIENCE` plans at most (the pipeline verifies a tree a step or two after
+        the plan that asked for it). A tree accepted whole calls for the next probe at once (one
+        tree of 2 moves a γ prior of `prior_weight` levels only part way); any other outcome, or
+        none in time, doubles the wait (up to 8 × `probe_every`), for new sequences of the same
+        proposer too."""
+        if st.probe_full is None and st.probe_waits < PROBE_PATIENCE:
+            st.probe_waits += 1
+            return
+        st.probed = False
+        if st.probe_full:
+            st.off_steps = st.probe_gap or self.probe_every
+            return
+        st.probe_gap = min(2 * (st.probe_gap or self.probe_every), 8 * self.probe_every)
+        self._pool_gap[st.proposer] = max(self._pool_gap.get(st.proposer, 0), st.probe_gap)
 
     def _fixed_budgets(self, streams: list[str], drafter_ok: bool = True
                        ) -> tuple[dict[str, tuple[int, int]], list[str]]:
@@ -299,8 +344,9 @@ class AdaptiveSpeculation:
         peak = rows                                  # rows of the step itself (no bridge averaging)
         limit = max(self.row_limit, peak) if self.row_limit else None
         rate = base = total / (self.costs.step_time(rows, levels) + self.chunk_s)
-        if plain_step_s and fixed_levels == 0:      # no fixed-mode stream drafts either
-            base = max(base, total / (plain_step_s + self.chunk_s))
+        if plain_step_s and fixed_levels == 0:      # no fixed-mode stream drafts either: decoding alone
+            base = total / (plain_step_s + self.chunk_s)   # runs as measured there, whatever the model says,
+            rate = min(rate, base)                  # and the ascent starts from the lower of the two
         while True:
             best, best_rate, best_step = -1, rate, None
             for i, st in enumerate(states):

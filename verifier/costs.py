@@ -162,6 +162,8 @@ class StepCosts:
                 "forward_ms_by_rows": {r: 1e3 * t / n for r, (n, t) in sorted(self.forward_by_rows.items())},
                 "borrowed_forward_ms_by_rows": {r: 1e3 * t / n for r, (n, t)
                                                 in sorted(self.borrowed_by_rows.items())},
+                # what the planner's model prices a verification of 1-8 rows at now (ms)
+                "planner_verify_ms_by_rows": {r: 1e3 * self.planner.costs.verify_time(r) for r in range(1, 9)},
                 # the planner's step models: seconds predicted for a step of 1 and 16 rows
                 **{f"{name}_step_{rows}_rows_s": model.step_time(rows, 0)
                    for name, model in (("overlap", self.overlap), ("lockstep", self.lockstep),

@@ -412,6 +412,7 @@ class Scheduler:
     def report(self) -> dict:
         cache = self.target.cache
         return {**self.stats.as_dict(), **self.costs.report(), **self.chunks.report(), **self.regime.report(),
+                **self.adaptive.report(),
                 "drafters_live": self.registry.live_ids(),
                 "prefix_cached_blocks": cache.num_cached_blocks, "prefix_evictions": cache.evictions,
                 # CUDA graphs of the target's small forwards (None off a GPU): captures, replays, eager

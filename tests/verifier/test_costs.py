@@ -128,3 +128,19 @@ def test_waits_while_a_regime_switch_settles_price_neither_way():
     c.idle_carry = 0.050
     c.observe_step(4, 0.050, None, False, True, StepKind(planned=True))
     assert c.overlap.wait == pytest.approx(0.010)
+
+
+def test_the_report_shows_how_the_planner_prices_each_row_count_and_what_new_sequences_start_from():
+    """What `bench/e2e.py`'s pipeline runs were read from when its planner stopped speculating:
+    the price of 1-8 rows in the model the planner uses now, and the proposers' pools."""
+    c = step_costs()
+    for _ in range(10):
+        c.observe_step(4, 0.050, None, False, True, StepKind(planned=True))
+        c.observe_step(1, 0.035, None, False, True, StepKind(planned=True))
+    priced = c.report()["planner_verify_ms_by_rows"]
+    assert list(priced) == list(range(1, 9)) and priced[4] == pytest.approx(50.0)
+    c.planner.add("s", "auto", 4, 1)
+    for _ in range(5):
+        c.planner.observe("s", 4, 4)
+    pool = c.planner.report()
+    assert pool["pool_gamma"]["model"] > 0.9 and pool["pool_probe_gap"] == {}
