@@ -160,3 +160,28 @@ def test_warm_up_captures_the_planner_shapes_before_serving():
             assert torch.isfinite(out).all()
     after = model.graphs.stats()
     assert after["captures"] == before["captures"] and after["eager"] == before["eager"], (before, after)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+def test_a_fused_heads_target_features_through_captured_graphs_equal_eager(dtype, tol):
+    """The target of a fused EAGLE head returns layers' outputs beside its final state
+    (`Transformer.set_feature_layers`): through real graphs, keyed on those layers, the
+    features and logits are eager's, also when the layers change between forwards."""
+    def run(model):
+        cache = model.new_cache(16, 16)
+        cache.add_sequence(0)
+        out = []
+        with torch.inference_mode():
+            for n, layers in enumerate([(1, 2), (1, 2), (1, 2), ()] * 5):
+                model.set_feature_layers(layers)
+                logits, hidden = model(torch.tensor([[n + 1]], device="cuda"), torch.tensor([[n]], device="cuda"),
+                                       cache, [0], causal_mask(1, 1, "cuda"), return_hidden=True)
+                out.append(torch.cat([logits.float().flatten(), hidden.float().flatten()]).cpu())
+        model.set_feature_layers(())
+        return out
+
+    eager = make_model(dtype)
+    graphed = copy.deepcopy(eager)
+    assert cuda_graphs.enable(graphed)
+    assert_near(run(graphed), run(eager), tol)
+    assert graphed.graphs.stats()["replays"] >= 10

@@ -216,3 +216,29 @@ def test_warm_up_captures_every_planner_shape_at_every_width(eager, features):
             assert m.graphs.stats()["captures"] == after["captures"] and m.graphs.stats()["eager"] == after["eager"] + 3
         else:
             assert after["eager"] > 0
+
+
+def test_a_fused_heads_target_features_come_through_graphs_keyed_on_its_layers(eager, graphed):
+    """A fused EAGLE head reads layers' outputs beside the final state (`set_feature_layers`):
+    graphed forwards give eager's [.., 3H] features, and a target whose layers change between
+    forwards (engines sharing it, `verifier.Verifier`) replays each set's own graphs."""
+    def run(model, layers_by_step):
+        cache = model.new_cache(16, 4)
+        cache.add_sequence(0)
+        mask, out = causal_mask(1, 1), []
+        with torch.inference_mode():
+            for n, layers in enumerate(layers_by_step):
+                model.set_feature_layers(layers)
+                out.append(model(torch.tensor([[n + 1]]), torch.tensor([[n]]), cache, [0], mask,
+                                 return_hidden=True))
+        model.set_feature_layers(())
+        return out
+
+    steps = [(0, 1), (0, 1), ()] * 4
+    want, got = run(copy.deepcopy(eager), steps), run(graphed, steps)
+    for i, ((lx, hx), (ly, hy)) in enumerate(zip(got, want)):
+        assert hx.shape[-1] == 32 * (len(steps[i]) + 1), i
+        torch.testing.assert_close(hx, hy, atol=1e-5, rtol=1e-5, msg=f"features {i}")
+        torch.testing.assert_close(lx, ly, atol=1e-5, rtol=1e-5, msg=f"logits {i}")
+    assert {k[4] for k in graphed.graphs._entries} == {(0, 1), ()}
+    assert graphed.graphs.stats()["replays"] >= 6
