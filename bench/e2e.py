@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         if "async" in methods:          # how its forwards ran: on its own core or on the drafter's too
             final = methods["async"].stats()
             pipeline = {"borrowed_steps": final.get("borrowed_steps", 0),
-                        "target_forwards": final.get("num_batches", 0)}
+                        "target_forwards": final.get("num_batches", 0), "costs": final.get("costs")}
             print(f"async: verifier forwards on the drafter's core too: {pipeline['borrowed_steps']} "
                   f"of {pipeline['target_forwards']}")
     finally:

@@ -220,7 +220,8 @@ class PipelineEngine:
                                                   "lockstep_draft_level_s", "lockstep_draft_fixed_s",
                                                   "overlap_wait_s", "forward_ms_by_rows",
                                                   "borrowed_forward_ms_by_rows", "cuda_graphs", "warm_up_s",
-                                                  "regime", "ms_per_token_by_regime")})
+                                                  "regime", "ms_per_token_by_regime", "planner_verify_ms_by_rows",
+                                                  "pool_gamma", "pool_probe_gap")})
             live = raw.get("drafters_live", [])
             alive += len(live)
             ids = getattr(p, "drafter_indices", None) or list(range(len(p.drafters)))

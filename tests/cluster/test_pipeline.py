@@ -195,6 +195,9 @@ def test_a_lone_stream_the_rules_would_overlap_runs_both_ways_as_measured_and_st
         assert costs["regime"] in ("overlap", "lockstep")
         assert set(costs["ms_per_token_by_regime"]) == {"overlap", "lockstep"}     # both ways measured
         assert all(ms > 0 for ms in costs["ms_per_token_by_regime"].values())
+        # what the planner priced and what a new sequence starts from (how its stalls were read)
+        assert list(costs["planner_verify_ms_by_rows"]) == list(range(1, 9))
+        assert 0 < costs["pool_gamma"]["model"] <= 1 and costs["pool_probe_gap"] == {}   # chains: no probes
     finally:
         engine.kill_pipeline_actors()
 
