@@ -203,8 +203,7 @@ class AdaptiveSpeculation:
     def report(self) -> dict:
         """What new sequences start from, per proposer: the pooled γ and probe back-off."""
         return {"pool_gamma": {p: self.prior_gamma(p) for p in self._pool},
-                "pool_probe_gap": dict(self._pool_gap), "bridges": self.bridges,
-                "restart_depth": self.restart_depth}
+                "pool_probe_gap": dict(self._pool_gap)}
 
     def observe(self, stream: str, max_depth: int, accepted_depth: int) -> None:
         """A tree of depth `max_depth` was verified; the accepted path reached `accepted_depth`."""
