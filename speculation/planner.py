@@ -241,7 +241,7 @@ class AdaptiveSpeculation:
                     st.off_steps += 1
                     if st.probed:
                         self._judge_probe(st)
-                    if not st.probed and st.off_steps >= (st.probe_gap or self.probe_every):
+                    if not st.probed and st.off_steps >= self._probe_wait(st):
                         st.off_steps = 0      # refresh a stale γ
                         if self._optimise(auto, fixed_rows, fixed_levels, {i: self.probe_gamma},
                                           plain_step_s, alone, caps)[i]:
@@ -265,10 +265,14 @@ class AdaptiveSpeculation:
             return
         st.probed = False
         if st.probe_full:
-            st.off_steps = st.probe_gap or self.probe_every
+            st.off_steps = self._probe_wait(st)
             return
-        st.probe_gap = min(2 * (st.probe_gap or self.probe_every), 8 * self.probe_every)
+        st.probe_gap = min(2 * self._probe_wait(st), 8 * self.probe_every)
         self._pool_gap[st.proposer] = max(self._pool_gap.get(st.proposer, 0), st.probe_gap)
+
+    def _probe_wait(self, st: SeqState) -> int:
+        """Steps at 0 before the sequence's next probe: its back-off, else `probe_every`."""
+        return st.probe_gap or self.probe_every
 
     def _fixed_budgets(self, streams: list[str], drafter_ok: bool = True
                        ) -> tuple[dict[str, tuple[int, int]], list[str]]:
