@@ -10,8 +10,8 @@ count through torch alone (C-: the few-row C kernels instead): with
 `kernels.cpu.skinny_linear` on the weights in place and the C layer operators
 (kernels/cpu/layer_ops.c) called from Python (C-layer); the same with each whole
 layer in one C call (kernels/cpu/decoder_layer.c; C-decoder); and that with the
-weights repacked into panels (`kernels.cpu.panel_linear`; C-panels, the
-default), interleaved, so drift of
+weights repacked into panels (`kernels.cpu.panel_linear`; C-panels on AVX2,
+C-panels-512 on AVX-512 where the CPU has it: the default there), interleaved, so drift of
 the machine hits all alike. A row count T is a verification of a chain of
 T - 1 draft tokens after a 120-token prefix (T = 1: plain decoding). Reports
 the median milliseconds and the ratio to torch's one-row step.
@@ -35,16 +35,18 @@ def time_paths(paths: list[tuple], verify_once, rows: list[int], reps: int, laye
                ) -> dict[tuple[str, int], list[float]]:
     """Seconds of `verify_once(n)` for each path and row count, the paths interleaved round by
     round (the first round warms them up, untimed). A path: (name, few-row limit, library, C
-    layer operators, a layer in one call, float32 panels), set on `models.linear` and
-    `kernels.cpu` for its turn (the caller puts them back)."""
+    layer operators, a layer in one call, float32 panels, the panels' instruction set or None),
+    set on `models.linear` and `kernels.cpu` for its turn (the caller puts them back)."""
     import models.linear as mt
     from kernels import cpu
 
     never = lambda *a: False     # noqa: E731
     times: dict[tuple[str, int], list[float]] = {}
     for rep in range(reps + 1):
-        for name, limit, library, fused, in_one_call, panels in paths:
+        for name, limit, library, fused, in_one_call, panels, isa in paths:
             mt._SKINNY_ROWS, cpu._lib, mt.FP32_PANELS = limit, library, panels
+            if isa is not None:
+                cpu.panel_isa(isa)
             cpu.layer_ops_apply = layer_ops if fused else never
             cpu.decoder_layer_available = whole if in_one_call else never
             verify_once(1)                               # a switch of path may repack the weights
@@ -98,16 +100,21 @@ def main(argv: list[str] | None = None) -> int:
         return seconds
 
     saved, lib, layer_ops, whole = mt._SKINNY_ROWS, cpu._load(), cpu.layer_ops_apply, cpu.decoder_layer_available
-    # name, few-row limit, library, C layer operators, a layer in one call, float32 panels
-    paths = [("torch", 0, lib, False, False, False), ("C-layer", saved, lib, True, False, False),
-             ("C-decoder", saved, lib, True, True, False), ("C-panels", saved, lib, True, True, True)]
+    isa = cpu.panel_isa()
+    # name, few-row limit, library, C layer operators, a layer in one call, float32 panels, their ISA
+    paths = [("torch", 0, lib, False, False, False, None), ("C-layer", saved, lib, True, False, False, None),
+             ("C-decoder", saved, lib, True, True, False, None), ("C-panels", saved, lib, True, True, True, "avx2")]
+    if isa == "avx512":
+        paths.append(("C-panels-512", saved, lib, True, True, True, "avx512"))
     if args.baseline:
-        paths.append(("baseline", saved, cpu.open_library(cpu.build(source=Path(args.baseline))), True, True, False))
+        paths.append(("baseline", saved, cpu.open_library(cpu.build(source=Path(args.baseline))), True, True, False,
+                      None))
     try:
         times = time_paths(paths, verify_once, args.rows, args.reps, layer_ops, whole)
     finally:
         mt._SKINNY_ROWS, cpu._lib, cpu.layer_ops_apply, cpu.decoder_layer_available = saved, lib, layer_ops, whole
         mt.FP32_PANELS = True
+        cpu.panel_isa(isa)
     base = statistics.median(times[("torch", args.rows[0])])
     print(f"threads {args.threads}, {args.reps} interleaved repetitions, median ms (ratio to torch's "
           f"{args.rows[0]}-row step)")

@@ -13,7 +13,9 @@ whose weights need not be exact.
 repacked once (`panel_pack`) into panels of 16 output columns
 (kernels/cpu/panel_gemm.c): each row's outputs accumulate along k in
 registers, so 5 to 8 rows cost ~20-30 % less than reading the nn.Linear layout,
-with the same property (a row's result never depends on the others).
+with the same property (a row's result never depends on the others); on a CPU
+with AVX-512 all 1 to 16 rows share one pass over the weights, with the same
+bits as AVX2 (`panel_isa`).
 `models.linear.PackedWeight` takes it for float32 weights.
 
 `rms_norm`, `silu_mul`, `rope_store` and `tree_attention` are a decoder
@@ -132,6 +134,7 @@ def _open() -> tuple[ctypes.CDLL | None, str | None]:
     except (CpuKernelError, OSError) as e:
         log.warning("CPU kernels unavailable, using torch's matmul: %s", e)
         return None, str(e)
+    lib.sf_panel_isa(0 if os.environ.get("SPECFLASH_CPU_AVX512", "1") == "0" else 1)
     return lib, None
 
 
@@ -159,6 +162,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     if hasattr(lib, "sf_panel_linear"):
         lib.sf_panel_linear.restype = ctypes.c_int
         lib.sf_panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    if hasattr(lib, "sf_panel_isa"):
+        lib.sf_panel_isa.restype = ctypes.c_int
+        lib.sf_panel_isa.argtypes = [ctypes.c_int]
     if hasattr(lib, "sf_decoder_layer"):
         lib.sf_decoder_layer.restype = ctypes.c_int
         lib.sf_decoder_layer.argtypes = [ctypes.c_void_p] * 3
@@ -254,6 +260,19 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tens
     lib.sf_panel_linear(xc.data_ptr(), panels.data_ptr(), 0 if bc is None else bc.data_ptr(), y.data_ptr(), M, K, n,
                         threads or torch.get_num_threads())
     return y
+
+
+def panel_isa(want: str | None = None) -> str:
+    """The instruction set `panel_linear` (and the decoder layer's panels) runs on: "avx512" where
+    the CPU has it, else "avx2"; `want` ("avx2" / "avx512") switches it for the calls that follow
+    (AVX-512 only where the CPU has it; `SPECFLASH_CPU_AVX512=0` starts on AVX2). Both give the
+    same bits (kernels/cpu/panel_gemm.c)."""
+    lib = _load()
+    if lib is None:
+        raise CpuKernelError(f"CPU kernels unavailable: {_error}")
+    if want not in (None, "avx2", "avx512"):
+        raise ValueError(f"panel_isa takes 'avx2' or 'avx512', not {want!r}")
+    return "avx512" if lib.sf_panel_isa(-1 if want is None else int(want == "avx512")) else "avx2"
 
 
 # The layer operators below take CPU float32 tensors (callers check `layer_ops_apply` once per

@@ -8,9 +8,15 @@
  * loads the panel's 2 vectors and broadcasts one x value per row, 2 + G loads for 2 G FMAs (G up
  * to 6 rows a pass), and a pass reads the panel once for all its rows.
  *
- * Every output element y[m, n] is the same sequence of operations whatever M is and whichever
- * rows share the call: s = 0, then s = fma(x[m, k], W[n, k], s) for k = 0 .. K-1 in order, then
- * + bias[n]. A row's results do not depend on the other rows (nor on the thread count).
+ * Where the CPU has AVX-512 (checked at run time; `sf_panel_isa`), every row of the call shares one
+ * pass: a panel's 16 columns are one 512-bit register a row, so 7 to 16 rows need no second pass
+ * (AVX2's 16 registers hold 6 rows' accumulators), and few rows take several panels at once so
+ * that at least 8 accumulators hide the FMA's latency (`avx512_rows`).
+ *
+ * Every output element y[m, n] is the same sequence of operations whatever M is, whichever rows
+ * share the call and whichever instruction set runs it: s = 0, then s = fma(x[m, k], W[n, k], s)
+ * for k = 0 .. K-1 in order, then + bias[n] (+ 0 without one). A row's results do not depend on
+ * the other rows, the thread count or the path: AVX2 and AVX-512 give the same bits.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -84,11 +90,109 @@ static void panel_rows(const float *x, const float *wp, const float *bias, float
         for (int64_t c = 0; c < cols; c++) y[m * N + n0 + c] = acc[m * PANEL + c] + (bias ? bias[n0 + c] : 0.0f);
 }
 
+/* ---- AVX-512: all rows in one pass, P panels at once ---------------------------------------- */
+
+/* Rows x[0..G) against panels p .. p+P-1 (wp: panel p's first float, consecutive panels `stride`
+ * floats apart) over every k; their sums, + bias (+ 0 without one), into y. */
+#define DEFINE_PASS512(G, P)                                                                     \
+__attribute__((target("avx512f")))                                                               \
+static void pass512_##G##_##P(const float *x, const float *wp, int64_t stride, const float *bias, \
+                              float *y, int64_t K, int64_t N, int64_t n0, int64_t cols) {        \
+    __m512 a[(G) * (P)];                                                                         \
+    _Pragma("GCC unroll 32") for (int i = 0; i < (G) * (P); i++) a[i] = _mm512_setzero_ps();     \
+    for (int64_t k = 0; k < K; k++) {                                                            \
+        __m512 w[P];                                                                             \
+        _Pragma("GCC unroll 8") for (int j = 0; j < (P); j++) {                                  \
+            const float *wk = wp + j * stride + k * PANEL;                                       \
+            _mm_prefetch((const char *)(wk + PANEL_PREFETCH * PANEL), _MM_HINT_T0);              \
+            w[j] = _mm512_loadu_ps(wk);                                                          \
+        }                                                                                        \
+        _Pragma("GCC unroll 16") for (int m = 0; m < (G); m++) {                                 \
+            const __m512 xb = _mm512_set1_ps(x[m * K + k]);                                      \
+            _Pragma("GCC unroll 8") for (int j = 0; j < (P); j++)                                \
+                a[m * (P) + j] = _mm512_fmadd_ps(xb, w[j], a[m * (P) + j]);                      \
+        }                                                                                        \
+    }                                                                                            \
+    _Pragma("GCC unroll 8") for (int j = 0; j < (P); j++) {                                      \
+        const int64_t c0 = n0 + j * PANEL, left = cols - j * PANEL;                              \
+        const int64_t n = left < PANEL ? left : PANEL;                                           \
+        const __mmask16 mask = (__mmask16)((1u << n) - 1u);                                      \
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c0) : _mm512_setzero_ps();    \
+        _Pragma("GCC unroll 16") for (int m = 0; m < (G); m++)                                   \
+            _mm512_mask_storeu_ps(y + m * N + c0, mask, _mm512_add_ps(a[m * (P) + j], b));       \
+    }                                                                                            \
+}
+
+/* (G, P): at least 8 accumulators for few rows, P panels' weights beside them in 32 registers */
+DEFINE_PASS512(1, 4)
+DEFINE_PASS512(2, 4)
+DEFINE_PASS512(3, 3)
+DEFINE_PASS512(4, 2)
+DEFINE_PASS512(5, 2)
+DEFINE_PASS512(6, 2)
+DEFINE_PASS512(7, 2)
+DEFINE_PASS512(8, 1)
+DEFINE_PASS512(9, 1)
+DEFINE_PASS512(10, 1)
+DEFINE_PASS512(11, 1)
+DEFINE_PASS512(12, 1)
+DEFINE_PASS512(13, 1)
+DEFINE_PASS512(14, 1)
+DEFINE_PASS512(15, 1)
+DEFINE_PASS512(16, 1)
+/* one panel at a time, for the panels left over after the groups of P */
+DEFINE_PASS512(1, 1)
+DEFINE_PASS512(2, 1)
+DEFINE_PASS512(3, 1)
+DEFINE_PASS512(4, 1)
+DEFINE_PASS512(5, 1)
+DEFINE_PASS512(6, 1)
+DEFINE_PASS512(7, 1)
+
+typedef void (*pass512_fn)(const float *, const float *, int64_t, const float *, float *, int64_t, int64_t,
+                           int64_t, int64_t);
+static const pass512_fn GROUP512[17] = {0, pass512_1_4, pass512_2_4, pass512_3_3, pass512_4_2, pass512_5_2,
+    pass512_6_2, pass512_7_2, pass512_8_1, pass512_9_1, pass512_10_1, pass512_11_1, pass512_12_1, pass512_13_1,
+    pass512_14_1, pass512_15_1, pass512_16_1};
+static const pass512_fn SINGLE512[17] = {0, pass512_1_1, pass512_2_1, pass512_3_1, pass512_4_1, pass512_5_1,
+    pass512_6_1, pass512_7_1, pass512_8_1, pass512_9_1, pass512_10_1, pass512_11_1, pass512_12_1, pass512_13_1,
+    pass512_14_1, pass512_15_1, pass512_16_1};
+static const int GROUP_PANELS[17] = {0, 4, 4, 3, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+
+/* Panels [p, p + P) of the M rows (P the group's size, or 1 for a leftover panel). */
+static void avx512_rows(const float *x, const float *wp, const float *bias, float *y, int64_t M, int64_t K,
+                        int64_t N, int64_t p, int64_t P) {
+    const int64_t n0 = p * PANEL, cols = N - n0 < P * PANEL ? N - n0 : P * PANEL;
+    (P > 1 ? GROUP512 : SINGLE512)[M](x, wp + p * K * PANEL, K * PANEL, bias, y, K, N, n0, cols);
+}
+
+/* -1: not yet decided; 0: AVX2; 1: AVX-512 */
+static int isa512 = -1;
+
+/* The path of the calls that follow: `want` 0 AVX2, 1 AVX-512 where the CPU has it, -1 leave it
+ * (first use: AVX-512 where the CPU has it). Returns the path now taken (0 or 1). */
+int sf_panel_isa(int want) {
+    if (want >= 0 || isa512 < 0) {
+        __builtin_cpu_init();
+        const int has = __builtin_cpu_supports("avx512f");
+        isa512 = (want < 0 ? 1 : want) && has;
+    }
+    return isa512;
+}
+
 /* Returns 0, or -1 when M is outside 1..16. wp: ceil(N / 16) panels of [K, 16]. */
 int sf_panel_linear(const float *x, const float *wp, const float *bias, float *y, int64_t M, int64_t K,
                     int64_t N, int threads) {
     if (M < 1 || M > 16) return -1;
     const int64_t panels = (N + PANEL - 1) / PANEL;
+    if (sf_panel_isa(-1)) {
+        /* work units: the groups of P panels, then the panels left over, one each */
+        const int64_t P = GROUP_PANELS[M], groups = panels / P, units = groups + panels % P;
+        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && units > 1)
+        for (int64_t u = 0; u < units; u++)
+            avx512_rows(x, wp, bias, y, M, K, N, u < groups ? u * P : groups * P + (u - groups), u < groups ? P : 1);
+        return 0;
+    }
     if (threads <= 1 || panels < 2) {
         for (int64_t p = 0; p < panels; p++) panel_rows(x, wp, bias, y, M, K, N, p);
         return 0;

@@ -1,5 +1,6 @@
 """kernels.cpu.skinny_linear and panel_linear: the C few-row matmuls every CPU decoding /
-verification step takes (the weight in place, or repacked into panels of 16 columns)."""
+verification step takes (the weight in place, or repacked into panels of 16 columns, on AVX2 or,
+where the CPU has it, AVX-512)."""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,7 @@ from kernels import cpu
 ROOT = Path(__file__).resolve().parents[2]
 CAN_BUILD = cpu._cpu_has_avx2() and (shutil.which("cc") or shutil.which("gcc")) is not None
 pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="needs an AVX2/FMA CPU and a C compiler")
+HAS_AVX512 = " avx512f" in (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else "")
 
 
 def test_builds_and_loads_here():
@@ -24,17 +26,27 @@ def test_builds_and_loads_here():
 
 
 def _fp32_product(layout: str, w: torch.Tensor):
-    """x, bias, threads -> x @ w.T + bias through the kernel of `layout`."""
+    """x, bias, threads -> x @ w.T + bias through the kernel of `layout` ("panels-avx2": the
+    panels on AVX2 where the CPU would take AVX-512)."""
     if layout == "rows":
         return lambda x, b=None, threads=None: cpu.skinny_linear(x, w, b, threads=threads)
     panels = cpu.panel_pack(w)
-    return lambda x, b=None, threads=None: cpu.panel_linear(x, panels, w.shape[0], b, threads=threads)
+
+    def product(x, b=None, threads=None):
+        isa = cpu.panel_isa()
+        if layout == "panels-avx2":
+            cpu.panel_isa("avx2")
+        try:
+            return cpu.panel_linear(x, panels, w.shape[0], b, threads=threads)
+        finally:
+            cpu.panel_isa(isa)
+    return product
 
 
 @pytest.mark.parametrize("K", [8, 24, 37, 576, 1536])
 @pytest.mark.parametrize("N", [1, 5, 64, 131])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("layout", ["rows", "panels"])
+@pytest.mark.parametrize("layout", ["rows", "panels", "panels-avx2"])
 def test_matches_float64_reference(K, N, threads, layout):
     g = torch.Generator().manual_seed(K * 1000 + N)
     w = torch.randn(N, K, generator=g)
@@ -105,7 +117,7 @@ def test_drafts_round_their_layers_and_read_low_precision_copies(fmt):
         low_precision(before[0], "int4")
 
 
-@pytest.mark.parametrize("layout", ["rows", "panels"])
+@pytest.mark.parametrize("layout", ["rows", "panels", "panels-avx2"])
 def test_a_row_does_not_depend_on_its_neighbours_or_threads(layout):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(300, 576, generator=g)
@@ -117,6 +129,28 @@ def test_a_row_does_not_depend_on_its_neighbours_or_threads(layout):
         assert torch.equal(product(x[:m], b, 1), full[:m])
         assert torch.equal(product(x[m - 1:m], b, 2), full[m - 1:m])
     assert torch.equal(product(x[5:8], b, 2), full[5:8])
+
+
+@pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no AVX-512: the panels run on AVX2 only")
+def test_avx512_panels_give_avx2s_bits():
+    # one pass for every row and several panels at once (panel_gemm.c), the same sequence of
+    # operations per output: a verification's bits do not depend on which CPU path ran it
+    assert cpu.panel_isa() == "avx512"
+    g = torch.Generator().manual_seed(3)
+    for N, K in [(5, 24), (131, 37), (300, 576), (49 * 16 + 3, 64)]:  # partial last panels, leftovers
+        w = torch.randn(N, K, generator=g)
+        b = torch.randn(N, generator=g)
+        on = {layout: _fp32_product(layout, w) for layout in ("panels", "panels-avx2")}
+        for M in range(1, cpu.MAX_ROWS + 1):
+            x = torch.randn(M, K, generator=g)
+            for bias in (None, b):
+                for threads in (1, 2):
+                    got = {layout: f(x, bias, threads) for layout, f in on.items()}
+                    assert torch.equal(got["panels"], got["panels-avx2"]), (N, K, M, threads)
+                    assert torch.equal(got["panels"].view(torch.int32), got["panels-avx2"].view(torch.int32))
+    assert cpu.panel_isa() == "avx512"          # the products put the default back
+    with pytest.raises(ValueError, match="'avx2' or 'avx512'"):
+        cpu.panel_isa("sse")
 
 
 def test_leading_dimensions_and_strided_input():
@@ -190,4 +224,10 @@ def test_disabled_or_unbuildable_falls_back_with_a_reason(tmp_path):
     assert not list((tmp_path / "cache").rglob("*.so"))        # a failed build leaves nothing behind
     ok = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert ok.stdout.strip() == "True | None | (2, 4)"
+    isa = "from kernels import cpu; print(cpu.panel_isa())"
+    avx2 = subprocess.run([sys.executable, "-c", isa], env={**env, "SPECFLASH_CPU_AVX512": "0"},
+                          capture_output=True, text=True, check=True).stdout.strip()
+    assert avx2 == "avx2"
+    default = subprocess.run([sys.executable, "-c", isa], env=env, capture_output=True, text=True, check=True)
+    assert default.stdout.strip() == ("avx512" if HAS_AVX512 else "avx2")
     assert len(list((tmp_path / "cache").rglob("libspecflash_cpu.so"))) == 1
