@@ -19,6 +19,7 @@
  * the other rows, the thread count or the path: AVX2 and AVX-512 give the same bits.
  */
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 
 #define PANEL 16
@@ -186,11 +187,16 @@ int sf_panel_linear(const float *x, const float *wp, const float *bias, float *y
     if (M < 1 || M > 16) return -1;
     const int64_t panels = (N + PANEL - 1) / PANEL;
     if (sf_panel_isa(-1)) {
-        /* work units: the groups of P panels, then the panels left over, one each */
-        const int64_t P = GROUP_PANELS[M], groups = panels / P, units = groups + panels % P;
-        #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && units > 1)
-        for (int64_t u = 0; u < units; u++)
-            avx512_rows(x, wp, bias, y, M, K, N, u < groups ? u * P : groups * P + (u - groups), u < groups ? P : 1);
+        /* each thread an even share of the panels, in groups of P and then one at a time */
+        const int64_t P = GROUP_PANELS[M];
+        #pragma omp parallel num_threads(threads) if (threads > 1 && panels > 1)
+        {
+            const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+            const int64_t end = panels * (t + 1) / nt;
+            int64_t p = panels * t / nt;
+            for (; p + P <= end; p += P) avx512_rows(x, wp, bias, y, M, K, N, p, P);
+            for (; p < end; p++) avx512_rows(x, wp, bias, y, M, K, N, p, 1);
+        }
         return 0;
     }
     if (threads <= 1 || panels < 2) {
