@@ -464,9 +464,15 @@ def _placement(config) -> tuple[object, dict, list[dict]]:
 
 def actor_env(role: str) -> dict:
     """Ray options giving a `role` actor ("verifier", "drafter") its OpenMP wait policy
-    (ACTOR_WAIT_POLICY and the variables that override it); {} for libgomp's default."""
+    (ACTOR_WAIT_POLICY and the variables that override it) and the step log of the process that
+    creates it (`speculation.step_log`, where set); {} for libgomp's default and no log."""
     import os
+
+    from speculation.step_log import ENV as STEP_LOG
 
     policy = os.environ.get(f"SPECFLASH_{role.upper()}_OMP_WAIT_POLICY",
                             os.environ.get("OMP_WAIT_POLICY", ACTOR_WAIT_POLICY[role]))
-    return {"runtime_env": {"env_vars": {"OMP_WAIT_POLICY": policy}}} if policy else {}
+    env = {"OMP_WAIT_POLICY": policy} if policy else {}
+    if os.environ.get(STEP_LOG):
+        env[STEP_LOG] = os.environ[STEP_LOG]
+    return {"runtime_env": {"env_vars": env}} if env else {}

@@ -34,6 +34,7 @@ from models.sampling import SamplingParams
 from speculation.policy import in_lockstep, next_tree_shape
 from speculation.settings import EngineSettings
 from speculation.stats import SpecStats
+from speculation.step_log import DrafterExchange, StepLog
 from speculation.transport import (Exchange, ExchangeLost, FramesRefused, TreePut, VerifierInfo,
                                    VerifierLink, VerifierUnavailable)
 from speculation.wire import Signal, TreeHeader, WireError
@@ -75,6 +76,7 @@ class Drafter:
         self._pause = 0.05                          # between calls to an unreachable verifier
         self._learnt = False
         self.told_lockstep: bool | None = None      # the verifier's last word on lockstep (Signal.lockstep)
+        self.step_log = StepLog()                   # SPECFLASH_STEP_LOG: a line per exchange
 
     # -- the loop ------------------------------------------------------------------------
     def run(self, link: VerifierLink, stopped: threading.Event) -> None:
@@ -122,7 +124,8 @@ class Drafter:
             time.sleep(0.1)
             return
         self.attached.set()
-        self.stats.observe_exchange(time.perf_counter() - called)
+        exchange_s = time.perf_counter() - called
+        self.stats.observe_exchange(exchange_s)
         if not self._learnt:
             self.verifier, self._learnt = link.verifier_info(), True
         self._pause = 0.05
@@ -131,10 +134,21 @@ class Drafter:
             self.apply(signals)
             self._next = self.draft(link.put_tree)
             self.stats.observe_work(time.perf_counter() - work_start)
+            if self.step_log.on:
+                self._log_exchange(call, exchange_s, signals)
         except Exception as e:      # a bug: drop our state, ask to be resynced
             log.exception("drafter %d: step failed; resynchronising its streams", self.index)
             self.error = f"{type(e).__name__}: {e}"
             self._next, self._resync = DraftPass(), self.drop_streams(list(self.streams))
+
+    def _log_exchange(self, call: Exchange, exchange_s: float, signals: list[Signal]) -> None:
+        kinds: dict[str, int] = {}
+        for sig in signals:
+            kinds[sig.kind] = kinds.get(sig.kind, 0) + 1
+        done = self._next
+        self.step_log.write(DrafterExchange(time.time(), self.index, exchange_s, call.wait_s, len(call.puts), kinds,
+                                            sum(1 for sig in signals if sig.kind == "step" and sig.restart),
+                                            done.seconds, done.levels, len(done.puts)))
 
     def resync_requests(self) -> list[str]:
         """The streams to ask the verifier to resync (asked once)."""

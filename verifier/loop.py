@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from speculation.requests import GenerationChunk, SpeculationOptions, merge_chunks
 from speculation.step import speculative_step
+from speculation.step_log import SequenceStep, StepLog, VerifierStep
 from verifier.admission import settle_riders
 from verifier.scheduler import Scheduler
 
@@ -188,6 +189,8 @@ class EngineLoop:
         self._model_thread: ThreadPoolExecutor | None = None
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
+        self.step_log = StepLog()         # SPECFLASH_STEP_LOG: a line per step (speculation/step_log.py)
+        self._idle_s = 0.0                # waited for trees since the last verification step
         scheduler.on_work = self._poke
         gc_report()
 
@@ -289,6 +292,7 @@ class EngineLoop:
             sch.stats.observe_idle(waited)
             sch.stats.observe_wall(waited)
             sch.costs.idle_carry += waited
+            self._idle_s += waited
             return False
         turn = getattr(self.pump, "turn", None)      # the threads the pump's passes ran on, if it chose
         threads = sch.step_threads(batch, turn)
@@ -305,7 +309,18 @@ class EngineLoop:
         sch.stats.observe_wall(end - start)
         # the planner pays what a step really costs: its wall time plus the idle waits before it
         sch.observe_step(batch, seconds, threads, end - admitted, chunks)
+        if self.step_log.on:
+            self._log_step(outcomes, draft_s, seconds, end - start, threads)
+        self._idle_s = 0.0
         return True
+
+    def _log_step(self, outcomes, draft_s: float, forward_s: float, wall_s: float, threads: int) -> None:
+        seqs = [SequenceStep(o.item.seq.request_id, o.item.tree.num_nodes, len(o.kept),
+                             *((None, None, None) if (h := o.item.header) is None
+                               else (h.tree_id, h.epoch, h.outcome is not None)))
+                for o in outcomes]
+        self.step_log.write(VerifierStep(time.time(), self._idle_s, draft_s, forward_s, wall_s, threads,
+                                         self.scheduler.regime.current, seqs))
 
     async def admit(self) -> None:
         """Free finished sequences' KV and prefill new ones (between forwards, never during)."""

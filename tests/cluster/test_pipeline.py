@@ -263,7 +263,8 @@ def test_each_actor_role_gets_its_openmp_wait_policy(monkeypatch):
     def policy(role):
         return actor_env(role).get("runtime_env", {}).get("env_vars", {}).get("OMP_WAIT_POLICY")
 
-    for name in ("OMP_WAIT_POLICY", "SPECFLASH_VERIFIER_OMP_WAIT_POLICY", "SPECFLASH_DRAFTER_OMP_WAIT_POLICY"):
+    for name in ("OMP_WAIT_POLICY", "SPECFLASH_VERIFIER_OMP_WAIT_POLICY", "SPECFLASH_DRAFTER_OMP_WAIT_POLICY",
+                 "SPECFLASH_STEP_LOG"):
         monkeypatch.delenv(name, raising=False)
     assert ACTOR_WAIT_POLICY == {"verifier": "", "drafter": "PASSIVE"}
     assert actor_env("verifier") == {} and policy("drafter") == "PASSIVE", "the verifier keeps libgomp's default"
@@ -272,3 +273,7 @@ def test_each_actor_role_gets_its_openmp_wait_policy(monkeypatch):
     monkeypatch.setenv("SPECFLASH_VERIFIER_OMP_WAIT_POLICY", "")
     monkeypatch.setenv("SPECFLASH_DRAFTER_OMP_WAIT_POLICY", "PASSIVE")
     assert actor_env("verifier") == {} and policy("drafter") == "PASSIVE"
+    monkeypatch.setenv("SPECFLASH_STEP_LOG", "/tmp/steps.jsonl")     # the step log reaches both roles
+    assert actor_env("verifier") == {"runtime_env": {"env_vars": {"SPECFLASH_STEP_LOG": "/tmp/steps.jsonl"}}}
+    assert actor_env("drafter")["runtime_env"]["env_vars"] == {"OMP_WAIT_POLICY": "PASSIVE",
+                                                               "SPECFLASH_STEP_LOG": "/tmp/steps.jsonl"}
