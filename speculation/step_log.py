@@ -37,7 +37,8 @@ class VerifierStep:
     """A verification step, as the verifier ran it."""
 
     t: float                  # wall clock (s) when the step ended
-    idle_s: float             # waited for trees since the previous verification step
+    idle_s: float             # since the previous verification step without one: waits for trees (and the
+    #                           prefills of passes that then found none), as the verifier's idle stats count
     draft_s: float            # in-process drafting before it (0 in a pipeline)
     forward_s: float          # the target's forward
     wall_s: float             # the whole step, admission to publishing

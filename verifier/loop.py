@@ -190,7 +190,6 @@ class EngineLoop:
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self.step_log = StepLog()         # SPECFLASH_STEP_LOG: a line per step (speculation/step_log.py)
-        self._idle_s = 0.0                # waited for trees since the last verification step
         scheduler.on_work = self._poke
         gc_report()
 
@@ -292,7 +291,6 @@ class EngineLoop:
             sch.stats.observe_idle(waited)
             sch.stats.observe_wall(waited)
             sch.costs.idle_carry += waited
-            self._idle_s += waited
             return False
         turn = getattr(self.pump, "turn", None)      # the threads the pump's passes ran on, if it chose
         threads = sch.step_threads(batch, turn)
@@ -307,19 +305,20 @@ class EngineLoop:
             settle_riders(sch, chunks, seconds)
         end = time.monotonic()
         sch.stats.observe_wall(end - start)
+        waited = sch.costs.idle_carry - draft_s       # the waits for trees since the last step
         # the planner pays what a step really costs: its wall time plus the idle waits before it
         sch.observe_step(batch, seconds, threads, end - admitted, chunks)
         if self.step_log.on:
-            self._log_step(outcomes, draft_s, seconds, end - start, threads)
-        self._idle_s = 0.0
+            self._log_step(outcomes, waited, draft_s, seconds, end - start, threads)
         return True
 
-    def _log_step(self, outcomes, draft_s: float, forward_s: float, wall_s: float, threads: int) -> None:
+    def _log_step(self, outcomes, idle_s: float, draft_s: float, forward_s: float, wall_s: float,
+                  threads: int) -> None:
         seqs = [SequenceStep(o.item.seq.request_id, o.item.tree.num_nodes, len(o.kept),
                              *((None, None, None) if (h := o.item.header) is None
                                else (h.tree_id, h.epoch, h.outcome is not None)))
                 for o in outcomes]
-        self.step_log.write(VerifierStep(time.time(), self._idle_s, draft_s, forward_s, wall_s, threads,
+        self.step_log.write(VerifierStep(time.time(), max(0.0, idle_s), draft_s, forward_s, wall_s, threads,
                                          self.scheduler.regime.current, seqs))
 
     async def admit(self) -> None:

@@ -30,7 +30,8 @@ def test_the_engine_logs_each_step_with_what_it_kept(tiny_target, close_draft, t
                                 speculation_for("sync", 3, 1))
     out = engine.generate([request])[0]
     steps = _lines(log)
-    assert steps and all(s["role"] == "verifier" and s["forward_s"] > 0 for s in steps)
+    assert steps and all(s["role"] == "verifier" and s["forward_s"] > 0 and s["idle_s"] >= 0 for s in steps)
+    assert all(s["wall_s"] >= s["forward_s"] + s["draft_s"] for s in steps)
     kept = [q for s in steps for q in s["sequences"]]
     assert {q["seq"] for q in kept} == {"r0"}
     assert sum(q["kept"] for q in kept) == len(out.token_ids) == 20      # every committed token, once
