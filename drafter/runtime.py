@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -142,10 +143,8 @@ class Drafter:
             self._next, self._resync = DraftPass(), self.drop_streams(list(self.streams))
 
     def _log_exchange(self, call: Exchange, exchange_s: float, signals: list[Signal]) -> None:
-        kinds: dict[str, int] = {}
-        for sig in signals:
-            kinds[sig.kind] = kinds.get(sig.kind, 0) + 1
         done = self._next
+        kinds = dict(Counter(sig.kind for sig in signals))
         self.step_log.write(DrafterExchange(time.time(), self.index, exchange_s, call.wait_s, len(call.puts), kinds,
                                             sum(1 for sig in signals if sig.kind == "step" and sig.restart),
                                             done.seconds, done.levels, len(done.puts)))

@@ -68,10 +68,10 @@ class DrafterExchange:
 
 
 class StepLog:
-    """Appends records to the file named by `SPECFLASH_STEP_LOG` (or `path`); off without one."""
+    """Appends records to the file named by `SPECFLASH_STEP_LOG`; off without one."""
 
-    def __init__(self, path: str | None = None) -> None:
-        self.path = os.environ.get(ENV, "") if path is None else path
+    def __init__(self) -> None:
+        self.path = os.environ.get(ENV, "")
         self._lock = threading.Lock()
         self._file = None
 

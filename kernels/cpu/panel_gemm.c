@@ -10,8 +10,9 @@
  *
  * Where the CPU has AVX-512 (checked at run time; `sf_panel_isa`), every row of the call shares one
  * pass: a panel's 16 columns are one 512-bit register a row, so 7 to 16 rows need no second pass
- * (AVX2's 16 registers hold 6 rows' accumulators), and few rows take several panels at once so
- * that at least 8 accumulators hide the FMA's latency (`avx512_rows`).
+ * (AVX2's 16 registers hold 6 rows' accumulators), and 1 to 7 rows take 2 to 4 panels at once so
+ * that more accumulators hide the FMA's latency (`GROUP_PANELS`; one row reads 4 panels, not 8:
+ * measured faster on one thread).
  *
  * Every output element y[m, n] is the same sequence of operations whatever M is, whichever rows
  * share the call and whichever instruction set runs it: s = 0, then s = fma(x[m, k], W[n, k], s)
@@ -124,7 +125,7 @@ static void pass512_##G##_##P(const float *x, const float *wp, int64_t stride, c
     }                                                                                            \
 }
 
-/* (G, P): at least 8 accumulators for few rows, P panels' weights beside them in 32 registers */
+/* (G, P): G rows against P panels, G x P accumulators and P panels' weights within 32 registers */
 DEFINE_PASS512(1, 4)
 DEFINE_PASS512(2, 4)
 DEFINE_PASS512(3, 3)
@@ -155,16 +156,17 @@ typedef void (*pass512_fn)(const float *, const float *, int64_t, const float *,
 static const pass512_fn GROUP512[17] = {0, pass512_1_4, pass512_2_4, pass512_3_3, pass512_4_2, pass512_5_2,
     pass512_6_2, pass512_7_2, pass512_8_1, pass512_9_1, pass512_10_1, pass512_11_1, pass512_12_1, pass512_13_1,
     pass512_14_1, pass512_15_1, pass512_16_1};
-static const pass512_fn SINGLE512[17] = {0, pass512_1_1, pass512_2_1, pass512_3_1, pass512_4_1, pass512_5_1,
-    pass512_6_1, pass512_7_1, pass512_8_1, pass512_9_1, pass512_10_1, pass512_11_1, pass512_12_1, pass512_13_1,
-    pass512_14_1, pass512_15_1, pass512_16_1};
 static const int GROUP_PANELS[17] = {0, 4, 4, 3, 2, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1};
+/* a leftover panel of 1 to 7 rows (8 and more take one panel a group already) */
+static const pass512_fn SINGLE512[8] = {0, pass512_1_1, pass512_2_1, pass512_3_1, pass512_4_1, pass512_5_1,
+    pass512_6_1, pass512_7_1};
 
 /* Panels [p, p + P) of the M rows (P the group's size, or 1 for a leftover panel). */
 static void avx512_rows(const float *x, const float *wp, const float *bias, float *y, int64_t M, int64_t K,
                         int64_t N, int64_t p, int64_t P) {
     const int64_t n0 = p * PANEL, cols = N - n0 < P * PANEL ? N - n0 : P * PANEL;
-    (P > 1 ? GROUP512 : SINGLE512)[M](x, wp + p * K * PANEL, K * PANEL, bias, y, K, N, n0, cols);
+    const pass512_fn pass = P == GROUP_PANELS[M] ? GROUP512[M] : SINGLE512[M];
+    pass(x, wp + p * K * PANEL, K * PANEL, bias, y, K, N, n0, cols);
 }
 
 /* -1: not yet decided; 0: AVX2; 1: AVX-512 */
