@@ -329,7 +329,9 @@ def build_methods(args, pair, hf_target, hf_draft, eagle_engine=None) -> dict:
             methods["hf-assisted"] = hf(hf_target, hf_draft, args.spec_len, eos_token_ids=eos)
     wanted = lambda m: not args.methods or m in args.methods   # noqa: E731
     pipelines = {"async": args.draft if engine.draft is not None else None,
-                 "async-eagle": args.eagle if eagle_engine is not None else None}
+                 "async-eagle": args.eagle if eagle_engine is not None else None,
+                 # the layered pipeline exchanging by actor call instead of its socket: only when named
+                 "async-actor": args.draft if engine.draft is not None and "async-actor" in (args.methods or ()) else None}
     pipelines = {m: d for m, d in pipelines.items() if d and wanted(m) and not args.no_async}
     if pipelines:
         from bench import e2e_async     # starts a local Ray: two CPUs a pipeline
@@ -460,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"async: verifier forwards on the drafter's core too: {pipeline['borrowed_steps']} "
                   f"of {pipeline['target_forwards']}")
     finally:
-        for m in ("async", "async-eagle"):
+        for m in ("async", "async-eagle", "async-actor"):
             if m in methods:
                 methods[m].close()      # its actors (the last one the Ray started for them)
     report(args, runs, peer, list(methods), pair, eagle_engine, pipeline)

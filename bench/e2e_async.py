@@ -134,11 +134,12 @@ def pipeline_settings(one_core_each: bool = False, bridge_depth: int | None = No
 
 def pipeline_methods(target_dir: str, drafts: dict, spec_len: int, settings: dict) -> dict:
     """bench/e2e.py's pipelines, name -> `AsyncMethod` over each draft directory (`async-eagle`: an
-    EAGLE head, no bridge chains), on one local Ray (two logical CPUs each: one runs at a time);
+    EAGLE head, no bridge chains; `async-actor`: exchanges by actor call), on one local Ray (two logical CPUs each: one runs at a time);
     closing the last one stops that Ray, if it was started here."""
     own = start_local_ray(num_cpus=2 * len(drafts))
+    own_settings = {"async-eagle": {"bridge_depth": 0}, "async-actor": {"exchange": "actor"}}
     methods = {m: measure_async(target_dir, draft, spec_len, 1, "auto", start_ray=False,
-                                **(settings | ({"bridge_depth": 0} if m == "async-eagle" else {})))
+                                **(settings | own_settings.get(m, {})))
                for m, draft in drafts.items()}
     methods[list(methods)[-1]].owns_ray = own       # (bench/e2e.py closes them in this order)
     return methods
@@ -323,9 +324,8 @@ def parser() -> argparse.ArgumentParser:
                    help="EngineSettings.restart_depth: depth of the restart tree after a contradicted "
                         "outcome, 0 = bridge, -1 = a lone overlapped stream restarts with up to 3 "
                         "(default: its own)")
-    p.add_argument("--exchange-channels", action="store_true",
-                   help="EngineSettings.exchange_channels: the drafter exchanges over Ray shared-memory "
-                        "channels instead of an actor call each")
+    p.add_argument("--exchange", choices=("socket", "actor"), default=None,
+                   help="EngineSettings.exchange: how the drafter exchanges with its verifier")
     p.add_argument("--one-core-each", action="store_true",
                    help="every model on one core, none lent: the in-process methods on one thread, the "
                         "pipeline overlapped with no verifier step on the drafter's core (module doc)")
@@ -360,8 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = {} if args.ring_slots is None else {"ring_slots": args.ring_slots}
     if args.no_lockstep_alone:
         settings["lockstep_alone"] = False
-    if args.exchange_channels:
-        settings["exchange_channels"] = True
+    if args.exchange:
+        settings["exchange"] = args.exchange
     settings = pipeline_settings(args.one_core_each, args.bridge_depth, args.restart_depth, **settings)
     methods["async"] = measure_async(target_dir, draft_dir, args.spec_len, 1, args.async_mode, **settings)
     try:
@@ -391,7 +391,8 @@ def report(args, runs: list, final: dict, costs: dict) -> dict:
     borrowed = {"borrowed_steps": final.get("borrowed_steps", 0), "target_forwards": final.get("num_batches", 0)}
     print(f"verifier forwards on borrowed cores: {borrowed['borrowed_steps']} of {borrowed['target_forwards']}")
     # the drafter's own time: what a step in lockstep waits for besides the forward
-    drafters = [{k: d.get(k) for k in ("trees_drafted", "nodes_drafted", "draft_s", "exchanges")}
+    drafters = [{k: d.get(k) for k in ("trees_drafted", "nodes_drafted", "draft_s", "exchanges", "socket_exchanges",
+                                       "exchanges_by_call")}
                 for d in final.get("drafters", [])]
     trees = sum(d["trees_drafted"] or 0 for d in drafters)
     if trees:

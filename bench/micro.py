@@ -103,7 +103,7 @@ def pipeline(args):
         engine = build_pipeline_engine(None, target_dir=TARGET, draft_dir=DRAFT, spec_len=args.spec_len,
                                        lookup=False, num_blocks=256, lockstep_in_verifier=not args.remote_turns,
                                        plain_threads=args.plain_threads, stream_interval=args.stream_interval,
-                                       output_socket=not args.ray_streams)
+                                       output_socket=not args.ray_streams, exchange=args.exchange)
         drafter = engine.pipelines[0].drafters[0]
 
         async def one(rid, p) -> int:
@@ -193,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                         "to the verifier's lockstep turns, 1 keeps them on one thread")
     p.add_argument("--ray-streams", action="store_true",
                    help="the pipeline's chunks through Ray streams instead of its output socket (output_socket off)")
+    p.add_argument("--exchange", choices=("socket", "actor"), default="socket",
+                   help="the pipeline's `exchange` setting: the drafter's exchanges over a socket or by actor call "
+                        "(on a lockstep step's path with --remote-turns)")
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = p.parse_args(argv)
     import torch

@@ -27,7 +27,7 @@ from collections import defaultdict
 import ray
 import torch
 
-from cluster.channels import ChannelLink, ChannelServer
+from cluster.exchange_socket import ExchangeAddress, ExchangeServer, SocketLink
 from cluster.outputs import OutputAddress, OutputServer
 from cluster.transport import RayLink, fetch_tree, unpack_puts
 from speculation.policy import threads_of
@@ -93,7 +93,7 @@ class VerifierActor:
         self.incarnation = uuid.uuid4().hex
         self.engine = EngineThread("verifier-engine")
         self.engine.build(self._build(target_dir, draft_dir, chains, eagle))
-        self.channels = ChannelServer(self._channel_exchange)
+        self.exchanges = ExchangeServer(self.incarnation, node_id(), ray.util.get_node_ip_address(), self._exchange)
         self.outputs: OutputServer | None = None      # chunks over a socket (`output_address`)
         self._relays: dict[str, dict[str, asyncio.Task]] = defaultdict(dict)   # consumer token -> rid -> relay
 
@@ -266,26 +266,16 @@ class VerifierActor:
             self._replying.add(answer)
         return frame
 
-    async def open_channel(self, drafter: int, req, drafter_handle, node: str):
-        """A drafter's exchanges over channels from now on (cluster/channels.py): we read `req`
-        on a thread; the reply channel is returned."""
-        await self.engine.call(self.loop.ensure_running)
-        return self.channels.connect(drafter, req, drafter_handle, node, self.engine.loop)
-
-    async def _channel_exchange(self, msg: tuple) -> tuple[str, object]:
-        """One channel message as the `exchange` call it stands for, on the engine's loop:
-        ("ok", signals), ("refused", why) for a bad frame, ("error", why) otherwise."""
-        try:
-            return "ok", await self._exchange(*msg)
-        except WireError as e:
-            return "refused", str(e)
-        except Exception as e:
-            log.exception("verifier: a channel exchange of drafter %s failed", msg[0] if msg else "?")
-            return "error", f"{type(e).__name__}: {e}"
+    async def exchange_address(self) -> ExchangeAddress:
+        """Where a drafter connects for its exchanges (cluster/exchange_socket.py), served on the
+        engine's loop (listening from the first call)."""
+        return await self.engine.run(self.exchanges.start())
 
     async def health(self) -> dict:
         return {**await self._report("health", self.scheduler.health), "incarnation": self.incarnation,
-                "node_id": node_id(), "channel_exchanges": self.channels.served,
+                "node_id": node_id(),
+                # drafters' exchanges answered over sockets (cluster/exchange_socket.py), connections open
+                "socket_exchanges": self.exchanges.served, "exchange_connections": self.exchanges.connections,
                 # chunks written to consumers' output connections (cluster/outputs.py), and those open
                 "output_chunks": 0 if self.outputs is None else self.outputs.sent,
                 "output_connections": 0 if self.outputs is None else len(self.outputs.consumers)}
@@ -316,7 +306,9 @@ class VerifierActor:
                 "incarnation": self.incarnation}
 
     def shutdown(self) -> None:
-        """The engine's loop task ended, then its thread (tests; Ray ends an actor's process)."""
+        """The exchange socket closed, the engine's loop task ended, then its thread (tests; Ray
+        ends an actor's process)."""
+        self.engine.loop.call_soon_threadsafe(self.exchanges.close)
         self.engine.close(self.loop)
 
     # -- trees from the object store -------------------------------------------------------
@@ -343,7 +335,7 @@ class DrafterActor:
         around the draft model's proposer (bench/replay.py). The draft is built and warmed up
         on the loop's thread, which then runs it (one OpenMP team: verifier/loop.py)."""
         settings = EngineSettings(**settings)
-        self.link = ChannelLink(verifier) if settings.exchange_channels else RayLink(verifier)
+        self.link = SocketLink(verifier, node_id()) if settings.exchange == "socket" else RayLink(verifier)
         self._stopped, built = threading.Event(), concurrent.futures.Future()
         self._thread = threading.Thread(target=self._main, args=(built, index, draft_dir, target_dir, settings,
                                                                   wrap_proposer), name="drafter-loop", daemon=True)
@@ -378,8 +370,11 @@ class DrafterActor:
         return {"index": d.index, "incarnation": d.incarnation, "streams": len(d.streams),
                 "running": self._thread.is_alive(), "error": d.error, **d.stats.as_dict(),
                 "attached": d.attached.is_set(),      # an exchange with the verifier went through
-                "channel_exchanges": getattr(self.link, "exchanges", 0),
-                "channel_exchanges_lost": getattr(self.link, "lost", 0),
+                # exchanges over the socket (cluster/exchange_socket.py), those lost, and whether it
+                # exchanges by actor call now (the setting's choice, or a socket that would not connect)
+                "socket_exchanges": getattr(self.link, "exchanges", 0),
+                "socket_exchanges_lost": getattr(self.link, "lost", 0),
+                "exchanges_by_call": getattr(self.link, "by_call", True),
                 "node_id": node_id(), "rss_bytes": rss_bytes(),
                 "kv_free": None if cache is None else cache.num_free_blocks,
                 "kv_total": None if cache is None else cache.num_blocks,

@@ -86,6 +86,40 @@ def decode_chunk(body: bytes) -> GenerationChunk:
                            None if f[9] is None else [_unlogprob(x) for x in f[9]])
 
 
+def socket_path(name: str) -> str:
+    """Where a server named `name` listens on its node: on Linux an abstract socket, gone with
+    its process (Ray ends an actor with SIGKILL, which would leave a file behind); elsewhere a
+    file in the temp directory."""
+    return "\0" + name if sys.platform == "linux" else os.path.join(tempfile.gettempdir(), name + ".sock")
+
+
+async def listen(serve, path: str, host: str) -> tuple[list[asyncio.AbstractServer], int]:
+    """`serve` (an asyncio connection handler) on the Unix socket `path` and on TCP at `host`,
+    a free port; returns the servers and that port. They run on the calling loop."""
+    if not path.startswith("\0") and os.path.exists(path):
+        os.unlink(path)
+    unix = await asyncio.start_unix_server(serve, path=path)
+    tcp = await asyncio.start_server(serve, host=host, port=0)
+    return [unix, tcp], tcp.sockets[0].getsockname()[1]
+
+
+def stop_listening(servers: list[asyncio.AbstractServer], path: str) -> None:
+    for s in servers:
+        s.close()
+    if not path.startswith("\0") and os.path.exists(path):
+        os.unlink(path)
+
+
+def open_socket(node: str, server_node: str, path: str, host: str, port: int):
+    """A new socket to a server (`listen`) and its address: its Unix socket from a process on
+    its node, TCP (no Nagle delay) from elsewhere."""
+    if node == server_node:
+        return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), path
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock, (host, port)
+
+
 async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> bytes:
     (size,) = FRAME.unpack(await reader.readexactly(FRAME.size))
     if size > limit:
@@ -99,22 +133,14 @@ class OutputServer:
     def __init__(self, incarnation: str, node: str, host: str, on_gone: Callable[[str], None]) -> None:
         self.incarnation, self.node, self.host, self.on_gone = incarnation, node, host, on_gone
         self.consumers: dict[str, asyncio.StreamWriter] = {}
-        name = f"specflash-out-{incarnation[:16]}"
-        # Linux: an abstract socket, gone with its process (Ray ends an actor with SIGKILL, which
-        # would leave a file behind); elsewhere a file in the temp directory
-        self.path = "\0" + name if sys.platform == "linux" else os.path.join(tempfile.gettempdir(), name + ".sock")
+        self.path = socket_path(f"specflash-out-{incarnation[:16]}")
         self._servers: list[asyncio.AbstractServer] = []
         self.port = 0
         self.sent = 0                       # chunks written
 
     async def start(self) -> OutputAddress:
         if not self._servers:
-            if not self.path.startswith("\0") and os.path.exists(self.path):
-                os.unlink(self.path)
-            self._servers.append(await asyncio.start_unix_server(self._serve, path=self.path))
-            tcp = await asyncio.start_server(self._serve, host=self.host, port=0)
-            self.port = tcp.sockets[0].getsockname()[1]
-            self._servers.append(tcp)
+            self._servers, self.port = await listen(self._serve, self.path, self.host)
         return OutputAddress(self.incarnation, self.node, self.path, self.host, self.port)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -154,12 +180,9 @@ class OutputServer:
         return True
 
     def close(self) -> None:
-        for s in self._servers:
-            s.close()
+        stop_listening(self._servers, self.path)
         for w in list(self.consumers.values()):
             w.close()
-        if not self.path.startswith("\0") and os.path.exists(self.path):
-            os.unlink(self.path)
 
 
 class OutputClient:
@@ -181,11 +204,7 @@ class OutputClient:
         asyncio.TimeoutError when it cannot."""
         a = self.address
         self.loop = asyncio.get_running_loop()
-        if node == a.node:
-            sock, target = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), a.path
-        else:
-            sock, target = socket.socket(socket.AF_INET, socket.SOCK_STREAM), (a.host, a.port)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock, target = open_socket(node, a.node, a.path, a.host, a.port)
         sock.setblocking(False)
         self._sock = sock
         await asyncio.wait_for(self.loop.sock_connect(sock, target), CONNECT_TIMEOUT_S)

@@ -13,18 +13,12 @@ changes (one bad header or frame refuses the whole call with `WireError`). A put
 carry the ObjectRef of a frame in the object store (the form before frames travelled
 inline; `fetch_tree` pulls it while the target runs).
 
-A Ray compiled graph carried a round trip between two actors here in 0.5 ms against 1.5 ms
-for an actor call (`bench/cgraph_probe.py`), but in Ray 2.60 an actor whose graph's
-compiling process died joins no new graph (the next one wedged it), and a drafter or
-verifier restart is routine for this pipeline. Ray's channels used without a graph
-(`ray.experimental.channel`, a channel each way, the verifier reading on a thread) carried it
-in 0.2 ms, kept the verifier answering after the drafter's death and let a second drafter
-connect the same way (same probe): the carrier to build next behind `VerifierLink`, with the
-channel buffer sized for sampled trees' draft distributions. Two facts for it, seen here: a
-read that timed out leaves the channel unreadable (the next messages never arrive), so the
-verifier's reader must block without a timeout, and `close()` from another thread ends such a
-read (RayChannelError), which is how a drafter's restart would retire its old channel. The
-exchange stays on actor calls until then.
+Carriers tried for a cheaper exchange (`bench/cgraph_probe.py`, bench/README.md): a Ray
+compiled graph (0.5 ms a round trip against 1.5 ms for an actor call here) wedges an actor
+whose graph's compiling process died, and a drafter or verifier restart is routine for this
+pipeline; Ray's channels without a graph (0.2 ms) left a channel unreadable after a read timed
+out, and closing a live one to reconnect took the local raylet down. The default carrier is a
+socket per drafter (`cluster.exchange_socket`), with `RayLink` the fallback.
 """
 from __future__ import annotations
 

@@ -128,10 +128,10 @@ class EngineSettings(SpeculationSettings, KVCacheSettings):
         "Torch threads of a CPU verifier's step while its drafters have nothing to draft: -1 = its "
         "own plus the CPUs of the live drafters on its node (theirs sit idle then); 0 = its own "
         "only; n > 0 = n (`speculation.policy.plain_step_threads`)."))
-    exchange_channels: bool = Field(False, description=(
-        "Drafters of a pipeline exchange with their verifier over a pair of Ray shared-memory "
-        "channels (~0.2 ms a round trip) instead of an actor call each (~1.5 ms); membership, "
-        "restarts and scaling still use actor calls (cluster/channels.py)."))
+    exchange: Literal["socket", "actor"] = Field("socket", description=(
+        "How a pipeline's drafters exchange with their verifier: over a socket each, answered on the "
+        "verifier's engine loop (cluster/exchange_socket.py), or by an actor call each; membership, "
+        "restarts and scaling use actor calls either way."))
     output_socket: bool = Field(True, description=(
         "A pipeline's chunks reach the process that asked for them over a socket to its verifier "
         "(Unix on one node, else TCP; ~0.1 ms of CPU a chunk) instead of a Ray stream (~1.2 ms a "

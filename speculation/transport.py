@@ -3,9 +3,10 @@
 A drafter's loop makes one `exchange` per iteration: it delivers the trees it drafted and
 takes back the signals queued for it. The scheduler (verifier/scheduler.py) never knows how
 the call travelled: in process it is a method call (`verifier.link.InProcessLink`), between
-Ray actors an actor call (`cluster.transport.RayLink`) or a pair of shared-memory channels
-(`cluster.channels.ChannelLink`, `EngineSettings.exchange_channels`). Trees and signals cross it as `speculation.wire` objects; a carrier that leaves the
-process encodes them in their versioned wire format.
+Ray actors a message over a socket (`cluster.exchange_socket.SocketLink`, the default) or an
+actor call (`cluster.transport.RayLink`; `EngineSettings.exchange`). Trees and signals cross it
+as `speculation.wire` objects; a carrier that leaves the process encodes them in their
+versioned wire format.
 """
 from __future__ import annotations
 

@@ -124,6 +124,35 @@ def decode_tree(obj: Any) -> TreeFrame:
     return frame
 
 
+def tree_to_bytes(frame: tuple) -> list:
+    """An `encode_tree` frame as plain msgpack data, for a carrier without Ray's serialisation
+    (cluster/exchange_socket.py): [header bytes, token_ids, parent_ids, depths, draft_probs],
+    each array its raw bytes (None for no draft_probs); the header gives their shapes."""
+    header, *arrays, probs = frame
+    return [header, *(a.tobytes() for a in arrays), None if probs is None else probs.tobytes()]
+
+
+def tree_from_bytes(obj: Any) -> tuple:
+    """Inverse of `tree_to_bytes`: an `encode_tree` frame (its arrays read-only views of the
+    bytes), for `decode_tree` to check; WireError where a size disagrees with the header."""
+    if not (isinstance(obj, list) and len(obj) == 5 and all(isinstance(x, bytes) for x in obj[:4])
+            and (obj[4] is None or isinstance(obj[4], bytes))):
+        raise WireError("a tree frame in bytes is [header, token_ids, parent_ids, depths, draft_probs or None]")
+    header = unpack_header(obj[0])
+    t, v = header.num_nodes, header.vocab_size
+    for raw in obj[1:4]:
+        if len(raw) != 8 * t:
+            raise WireError(f"tree frame: an int64 array of {t} nodes is {8 * t} bytes, got {len(raw)}")
+    arrays = [np.frombuffer(raw, dtype=np.int64) for raw in obj[1:4]]
+    probs = obj[4]
+    if probs is not None:
+        if len(probs) != 4 * (t + 1) * v:
+            raise WireError(f"tree frame: draft_probs [{t + 1}, {v}] float32 is {4 * (t + 1) * v} bytes, "
+                            f"got {len(probs)}")
+        probs = np.frombuffer(probs, dtype=np.float32).reshape(t + 1, v)
+    return (obj[0], *arrays, probs)
+
+
 def _check_frame(f: TreeFrame) -> None:
     t = f.header.num_nodes
     for name in ("token_ids", "parent_ids", "depths"):
