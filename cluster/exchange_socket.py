@@ -21,8 +21,9 @@ Ray is not on the exchange's path at all.
   call, where a dead verifier shows as `VerifierUnavailable`. A drafter that dies closes its
   end; the verifier's handler ends with it. Nothing is shared between connections, so closing
   one never touches another (the hazard that kept Ray's channels opt-in, docs/bench-history.md).
-- A drafter that cannot connect (a network that refuses the port between nodes) makes its
-  exchanges by actor call until the verifier is next unreachable, then tries again.
+- A drafter that cannot connect (a network that refuses the port between nodes, a verifier
+  that gives no address) makes its exchanges by actor call until the verifier is next
+  unreachable, then tries again.
 Drafters joining, leaving and restarting, and scaling, go through actor calls as before.
 """
 from __future__ import annotations
@@ -88,9 +89,9 @@ class ExchangeServer:
             writer.write(frame(["ok"]))
             while True:
                 reply = await self.answer(msgpack.unpackb(await read_frame(reader)))
+                self.served += 1                   # counted before the drafter can have the reply
                 writer.write(frame(reply))
                 await writer.drain()
-                self.served += 1
         except asyncio.IncompleteReadError:
             pass                                   # the drafter closed its end (a reconnect, its death)
         except (OSError, ValueError, asyncio.TimeoutError, msgpack.UnpackException) as e:
@@ -175,7 +176,13 @@ class SocketLink(RayLink):
             raise VerifierUnavailable(first_line(e)) from e
 
     def _connect(self) -> None:
-        a = self.address()
+        try:
+            a = self.address()
+        except VerifierUnavailable:
+            raise
+        except Exception as e:          # it answers, but not with an address (an older verifier, a proxy)
+            self._by_call(first_line(e))
+            return
         sock, target = open_socket(self.node, a.node, a.path, a.host, a.port)
         try:
             sock.settimeout(CONNECT_TIMEOUT_S)
@@ -186,9 +193,11 @@ class SocketLink(RayLink):
                 raise ValueError("the verifier did not acknowledge the connection")
         except (OSError, ValueError, msgpack.UnpackException) as e:
             self.close()
-            self.by_call = True
-            log.warning("drafter: no exchange socket to verifier %s (%s); exchanging by actor call",
-                        a.incarnation[:8], first_line(e) or type(e).__name__)
+            self._by_call(f"verifier {a.incarnation[:8]}: {first_line(e) or type(e).__name__}")
+
+    def _by_call(self, why: str) -> None:
+        self.by_call = True
+        log.warning("drafter: no exchange socket (%s); exchanging by actor call", why)
 
     def _read_frame(self) -> bytes:
         (size,) = FRAME.unpack(self._recv(FRAME.size))

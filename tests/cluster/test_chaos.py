@@ -271,7 +271,9 @@ def test_actors_reject_bad_frames_log_and_keep_serving_exactly(ray_cluster, tiny
     from cluster.pipeline import Pipeline, PipelineEngine
     from speculation.wire import WIRE_VERSION, TreeHeader, pack_header
 
-    settings = EngineSettings(num_blocks=256, drafter_timeout_s=1.0)
+    # the proxy spoils actor calls; a malformed tree over the exchange socket is refused the same
+    # way (tests/cluster/test_exchange_socket.py)
+    settings = EngineSettings(num_blocks=256, drafter_timeout_s=1.0, exchange="actor")
     drafter_cls, verifier_cls = remote_classes()
     verifier = verifier_cls.options(num_cpus=1, resources={VERIFIER_RESOURCE: 1}).remote(
         str(tiny_target), settings.model_dump())

@@ -199,3 +199,14 @@ def test_tree_bytes_refuse_sizes_that_disagree_with_the_header():
         tree_from_bytes([*wire[:4], wire[4][:-4]])
     with pytest.raises(WireError, match="bytes"):
         tree_from_bytes(wire[:4])
+
+
+def test_a_verifier_without_an_address_is_reached_by_actor_call(verifier, monkeypatch):
+    monkeypatch.setattr(RayLink, "exchange", lambda self, call: [])
+
+    class NoAddress(Link):
+        def address(self):
+            raise AttributeError("'Proxy' object has no attribute 'exchange_address'")
+
+    link = NoAddress(verifier)
+    assert link.exchange(_call()) == [] and link.by_call and verifier.calls == []
