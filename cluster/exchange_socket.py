@@ -14,13 +14,16 @@ Ray is not on the exchange's path at all.
   actor call's arguments (`speculation.transport.Exchange`, positionally), each tree as
   `speculation.wire.tree_to_bytes`; the reply is ["ok", the signals' frame], ["refused", why]
   (a malformed tree: the whole exchange refused before anything is filed) or ["error", why].
-- Faults: a verifier that dies closes its sockets with its process, and a reply later than the
-  exchange's long-poll by `REPLY_SLACK_S` counts as lost: either way the drafter drops the
-  connection and reports the exchange lost (`ExchangeLost`: its trees may have been filed and
-  its signals taken, so it resyncs its streams); its next exchange reconnects through the actor
-  call, where a dead verifier shows as `VerifierUnavailable`. A drafter that dies closes its
-  end; the verifier's handler ends with it. Nothing is shared between connections, so closing
-  one never touches another (the hazard that kept Ray's channels opt-in, docs/bench-history.md).
+- Faults: a verifier that dies closes its sockets with its process. A reply later than the
+  exchange's long-poll by `REPLY_SLACK_S` makes the drafter ask, by actor call, whether the
+  verifier still lives as the incarnation it connected to (a long forward holds the engine's
+  loop, not Ray's): it then waits on; a verifier gone (a node lost without closing its
+  connections) or restarted loses the exchange. A lost exchange drops the connection
+  (`ExchangeLost`: its trees may have been filed and its signals taken, so the drafter resyncs
+  its streams); the next exchange reconnects through the actor call, where a dead verifier shows
+  as `VerifierUnavailable`. A drafter that dies closes its end; the verifier's handler ends with
+  it. Nothing is shared between connections, so closing one never touches another (the hazard
+  that kept Ray's channels opt-in, docs/bench-history.md).
 - A drafter that cannot connect (a network that refuses the port between nodes, a verifier
   that gives no address) makes its exchanges by actor call until the verifier is next
   unreachable, then tries again.
@@ -31,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import select
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -135,6 +139,7 @@ class SocketLink(RayLink):
         super().__init__(verifier)
         self.node = node
         self._sock = None
+        self._incarnation: str | None = None     # the verifier's, once connected
         self.by_call = False        # the socket could not connect: actor calls until the verifier is next gone
         self.exchanges = 0          # exchanges that went through the socket
         self.lost = 0               # exchanges whose reply never came (a timeout, a closed connection)
@@ -153,10 +158,8 @@ class SocketLink(RayLink):
                      call.wait_s, call.draft_s, call.draft_levels, list(call.resync), call.node, call.cpus,
                      call.gpus, call.idle])
         try:
-            self._sock.settimeout(REPLY_SLACK_S)
-            self._sock.sendall(msg)
-            self._sock.settimeout(call.wait_s + REPLY_SLACK_S)
-            kind, body = msgpack.unpackb(self._read_frame())
+            self._send(msg)
+            kind, body = msgpack.unpackb(self._read_frame(call.wait_s + REPLY_SLACK_S))
         except (OSError, ValueError, msgpack.UnpackException) as e:     # a timeout is an OSError
             self.close()
             self.lost += 1
@@ -167,6 +170,15 @@ class SocketLink(RayLink):
         if kind == "refused":
             raise FramesRefused(body)
         raise RuntimeError(f"verifier: {body}")     # transient, as a failed actor call: retried
+
+    def verifier_alive(self) -> bool:
+        """Whether the verifier we connected to still answers (by actor call: its health, from
+        Ray's loop, so a long forward does not hold it up) as the same incarnation."""
+        try:
+            health = ray.get(self.verifier.health.remote(), timeout=2 * REPLY_SLACK_S)
+        except Exception:
+            return False
+        return health.get("incarnation") == self._incarnation
 
     def address(self) -> ExchangeAddress:
         """Where the verifier listens, by actor call; `VerifierUnavailable` where it is gone."""
@@ -187,10 +199,12 @@ class SocketLink(RayLink):
         try:
             sock.settimeout(CONNECT_TIMEOUT_S)
             sock.connect(target)
-            self._sock = sock
-            sock.sendall(frame([a.secret]))
-            if msgpack.unpackb(self._read_frame()) != ["ok"]:
+            sock.settimeout(None)              # blocking; `_wait` bounds every wait
+            self._sock, self._incarnation = sock, None
+            self._send(frame([a.secret]))
+            if msgpack.unpackb(self._read_frame(CONNECT_TIMEOUT_S)) != ["ok"]:
                 raise ValueError("the verifier did not acknowledge the connection")
+            self._incarnation = a.incarnation
         except (OSError, ValueError, msgpack.UnpackException) as e:
             self.close()
             self._by_call(f"verifier {a.incarnation[:8]}: {first_line(e) or type(e).__name__}")
@@ -199,16 +213,36 @@ class SocketLink(RayLink):
         self.by_call = True
         log.warning("drafter: no exchange socket (%s); exchanging by actor call", why)
 
-    def _read_frame(self) -> bytes:
-        (size,) = FRAME.unpack(self._recv(FRAME.size))
+    def _wait(self, write: bool, patience: float) -> None:
+        """Until the socket can be read (written). Past `patience`, and every `REPLY_SLACK_S` after,
+        a connected link asks whether its verifier lives: a busy one (a long forward, a long
+        prefill) is waited for, a gone or restarted one is a TimeoutError (the exchange lost)."""
+        while True:
+            r, w, _ = select.select([] if write else [self._sock], [self._sock] if write else [], [], patience)
+            if r or w:
+                return
+            if self._incarnation is None or not self.verifier_alive():
+                raise TimeoutError(f"no {'room' if write else 'reply'} from the verifier in {patience:.1f} s")
+            patience = REPLY_SLACK_S
+
+    def _send(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            self._wait(True, REPLY_SLACK_S)
+            view = view[self._sock.send(view):]
+
+    def _read_frame(self, patience: float) -> bytes:
+        """The next frame; its first byte within `patience` (as `_wait` extends it), the rest as it comes."""
+        (size,) = FRAME.unpack(self._recv(FRAME.size, patience))
         if size > MAX_FRAME:
             raise ValueError(f"a frame of {size} bytes is over the limit ({MAX_FRAME})")
-        return self._recv(size)
+        return self._recv(size, REPLY_SLACK_S)
 
-    def _recv(self, n: int) -> bytes:
+    def _recv(self, n: int, patience: float) -> bytes:
         buf = bytearray(n)
         view, got = memoryview(buf), 0
         while got < n:
+            self._wait(False, patience if got == 0 else REPLY_SLACK_S)
             k = self._sock.recv_into(view[got:])
             if k == 0:
                 raise ConnectionError("the verifier closed the exchange connection")

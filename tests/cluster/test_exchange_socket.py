@@ -1,8 +1,9 @@
 """The exchange over a socket (cluster/exchange_socket.py) without Ray: a verifier's
 `ExchangeServer` on an event loop of its own, a drafter's `SocketLink` that finds it by
-`address()` instead of an actor call. Round trips over Unix and TCP, refused frames, a
-verifier error, a reply that comes too late with both sides alive (the link reconnects), a
-verifier gone, a stranger's connection, and the fallback to actor calls."""
+`address()` and asks `verifier_alive()` instead of by actor call. Round trips over Unix and
+TCP, refused frames, a verifier error, a late reply from a verifier that is alive (waited for)
+and from one that is not (lost, then the link reconnects with both processes up), a verifier
+gone, a stranger's connection, and the fallback to actor calls."""
 from __future__ import annotations
 
 import asyncio
@@ -68,6 +69,12 @@ class Link(xs.SocketLink):
         super().__init__(None, node)
         self.verifier_side = verifier
         self.gone = False
+        self.alive = False              # what `verifier_alive` answers (by actor call in the real link)
+        self.asked = 0
+
+    def verifier_alive(self) -> bool:
+        self.asked += 1
+        return self.alive
 
     def address(self):
         if self.gone:
@@ -133,15 +140,24 @@ def test_a_verifier_error_is_transient(verifier):
     assert link.exchange(_call()) == verifier.answer and link.lost == 0
 
 
+def test_a_late_reply_from_a_live_verifier_is_waited_for(verifier, monkeypatch):
+    monkeypatch.setattr(xs, "REPLY_SLACK_S", 0.2)
+    link = Link(verifier)
+    link.alive = True                                    # a long forward: it answers its health
+    verifier.delay = 0.9
+    assert link.exchange(_call(wait_s=0.1)) == verifier.answer
+    assert link.asked >= 2 and link.lost == 0 and link.exchanges == 1
+
+
 def test_a_late_reply_is_lost_and_the_link_reconnects_with_both_alive(verifier, monkeypatch):
     monkeypatch.setattr(xs, "REPLY_SLACK_S", 0.2)
     link = Link(verifier)
     assert link.exchange(_call()) == verifier.answer
     verifier.delay = 0.6
     start = time.monotonic()
-    with pytest.raises(ExchangeLost):
+    with pytest.raises(ExchangeLost):                    # the verifier says it is not the one we reached
         link.exchange(_call(wait_s=0.1))
-    assert time.monotonic() - start < 0.55 and link.lost == 1
+    assert time.monotonic() - start < 0.55 and link.lost == 1 and link.asked == 1
     verifier.delay, verifier.answer = 0.0, [Signal("leave", "s", 0, 0, 0, [])]
     assert link.exchange(_call()) == verifier.answer     # a new connection, not the late reply of the old
     time.sleep(0.7)
