@@ -77,18 +77,21 @@ class ExchangeServer:
         self.served = 0                       # exchanges answered
         self._servers: list[asyncio.AbstractServer] = []
         self._writers: set[asyncio.StreamWriter] = set()     # one per open connection
+        self._starting = asyncio.Lock()       # drafters asking at once: one of them starts listening
 
     async def start(self) -> ExchangeAddress:
         """Listen (from the first call on; on the loop running it)."""
-        if not self._servers:
-            self._servers, self.port = await listen(self._connection, self.path, self.host)
+        async with self._starting:
+            if not self._servers:
+                self._servers, self.port = await listen(self._connection, self.path, self.host)
         return ExchangeAddress(self.incarnation, self.node, self.path, self.host, self.port, self.secret)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
         try:
             hello = msgpack.unpackb(await asyncio.wait_for(read_frame(reader, HELLO_LIMIT), CONNECT_TIMEOUT_S))
-            if hello != [self.secret]:
+            if not (isinstance(hello, list) and len(hello) == 1 and isinstance(hello[0], str)
+                    and secrets.compare_digest(hello[0], self.secret)):
                 raise ValueError("a drafter's first frame is its verifier's secret")
             writer.write(frame(["ok"]))
             while True:

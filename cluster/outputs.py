@@ -135,12 +135,14 @@ class OutputServer:
         self.consumers: dict[str, asyncio.StreamWriter] = {}
         self.path = socket_path(f"specflash-out-{incarnation[:16]}")
         self._servers: list[asyncio.AbstractServer] = []
+        self._starting = asyncio.Lock()
         self.port = 0
         self.sent = 0                       # chunks written
 
     async def start(self) -> OutputAddress:
-        if not self._servers:
-            self._servers, self.port = await listen(self._serve, self.path, self.host)
+        async with self._starting:            # consumers asking at once: one of them starts listening
+            if not self._servers:
+                self._servers, self.port = await listen(self._serve, self.path, self.host)
         return OutputAddress(self.incarnation, self.node, self.path, self.host, self.port)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -226,3 +226,19 @@ def test_a_verifier_without_an_address_is_reached_by_actor_call(verifier, monkey
 
     link = NoAddress(verifier)
     assert link.exchange(_call()) == [] and link.by_call and verifier.calls == []
+
+
+def test_drafters_asking_at_once_share_one_listener(verifier):
+    server = xs.ExchangeServer("inc-2", NODE, "127.0.0.1", verifier.serve)      # not listening yet
+
+    async def three():
+        return await asyncio.gather(server.start(), server.start(), server.start())
+
+    addresses = verifier.run(three())
+    try:
+        assert addresses[0] == addresses[1] == addresses[2] and len(server._servers) == 2   # one Unix, one TCP
+        link = Link(verifier, "node-b")
+        verifier.address = addresses[0]
+        assert link.exchange(_call()) == verifier.answer
+    finally:
+        verifier.loop.call_soon_threadsafe(server.close)
