@@ -331,7 +331,8 @@ def build_methods(args, pair, hf_target, hf_draft, eagle_engine=None) -> dict:
     pipelines = {"async": args.draft if engine.draft is not None else None,
                  "async-eagle": args.eagle if eagle_engine is not None else None,
                  # the layered pipeline exchanging by actor call instead of its socket: only when named
-                 "async-actor": args.draft if engine.draft is not None and "async-actor" in (args.methods or ()) else None}
+                 "async-actor": args.draft if engine.draft is not None and "async-actor" in (args.methods or ())
+                 else None}
     pipelines = {m: d for m, d in pipelines.items() if d and wanted(m) and not args.no_async}
     if pipelines:
         from bench import e2e_async     # starts a local Ray: two CPUs a pipeline

@@ -134,8 +134,9 @@ def pipeline_settings(one_core_each: bool = False, bridge_depth: int | None = No
 
 def pipeline_methods(target_dir: str, drafts: dict, spec_len: int, settings: dict) -> dict:
     """bench/e2e.py's pipelines, name -> `AsyncMethod` over each draft directory (`async-eagle`: an
-    EAGLE head, no bridge chains; `async-actor`: exchanges by actor call), on one local Ray (two logical CPUs each: one runs at a time);
-    closing the last one stops that Ray, if it was started here."""
+    EAGLE head, no bridge chains; `async-actor`: exchanges by actor call), on one local Ray (two
+    logical CPUs each: one runs at a time); closing the last one stops that Ray, if it was
+    started here."""
     own = start_local_ray(num_cpus=2 * len(drafts))
     own_settings = {"async-eagle": {"bridge_depth": 0}, "async-actor": {"exchange": "actor"}}
     methods = {m: measure_async(target_dir, draft, spec_len, 1, "auto", start_ray=False,

@@ -32,6 +32,7 @@ Drafters joining, leaving and restarting, and scaling, go through actor calls as
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import select
@@ -43,14 +44,14 @@ import ray
 
 from cluster.outputs import CONNECT_TIMEOUT_S, FRAME, HELLO_LIMIT, MAX_FRAME, frame, listen, open_socket, \
     read_frame, socket_path, stop_listening
-from cluster.transport import RayLink, first_line
+from cluster.transport import RayLink, exchange_args, first_line
 from speculation.transport import Exchange, ExchangeLost, FramesRefused, VerifierUnavailable
 from speculation.wire import Signal, WireError, decode_signals, pack_header, tree_from_bytes, tree_to_bytes
 
 log = logging.getLogger("specflash.cluster")
 
 REPLY_SLACK_S = 5.0         # a reply later than the exchange's long-poll by this much: the verifier is gone
-FIELDS = 11                 # an exchange message: `Exchange`'s fields, in order
+FIELDS = len(dataclasses.fields(Exchange))    # an exchange message: `Exchange`'s fields, in order
 
 
 @dataclass
@@ -156,10 +157,7 @@ class SocketLink(RayLink):
             except VerifierUnavailable:
                 self.by_call = False            # a restarted verifier listens anew: try its socket
                 raise
-        msg = frame([call.drafter, call.incarnation,
-                     [[pack_header(p.header), tree_to_bytes(p.payload)] for p in call.puts],
-                     call.wait_s, call.draft_s, call.draft_levels, list(call.resync), call.node, call.cpus,
-                     call.gpus, call.idle])
+        msg = frame(exchange_args(call, [[pack_header(p.header), tree_to_bytes(p.payload)] for p in call.puts]))
         try:
             self._send(msg)
             kind, body = msgpack.unpackb(self._read_frame(call.wait_s + REPLY_SLACK_S))

@@ -52,9 +52,7 @@ class RayLink:
     def exchange(self, call: Exchange) -> list[Signal]:
         puts = [(pack_header(p.header), p.payload) for p in call.puts]
         try:
-            reply = ray.get(self.verifier.exchange.remote(
-                call.drafter, call.incarnation, puts, call.wait_s, call.draft_s, call.draft_levels,
-                list(call.resync), call.node, call.cpus, call.gpus, call.idle))
+            reply = ray.get(self.verifier.exchange.remote(*exchange_args(call, puts)))
         except ray.exceptions.RayActorError as e:
             raise VerifierUnavailable(first_line(e)) from e
         except ray.exceptions.RayTaskError as e:
@@ -78,6 +76,13 @@ class RayLink:
         except Exception:
             h = {}
         return VerifierInfo(h.get("node_id") or "", float(h.get("cpus") or 0.0), h.get("gpus"))
+
+
+def exchange_args(call: Exchange, puts: list) -> list:
+    """`call`'s fields in order, as `VerifierActor.exchange` takes them (and an exchange socket's
+    message carries them), its puts replaced by `puts`, their form for the carrier."""
+    return [call.drafter, call.incarnation, puts, call.wait_s, call.draft_s, call.draft_levels, list(call.resync),
+            call.node, call.cpus, call.gpus, call.idle]
 
 
 def unpack_puts(puts) -> list[TreePut]:
