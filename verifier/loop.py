@@ -316,7 +316,7 @@ class EngineLoop:
                   threads: int) -> None:
         seqs = [SequenceStep(o.item.seq.request_id, o.item.tree.num_nodes, len(o.kept),
                              *((None, None, None) if (h := o.item.header) is None
-                               else (h.tree_id, h.epoch, h.outcome is not None)))
+                               else (h.tree_id, h.epoch, bool(h.assumed))))
                 for o in outcomes]
         self.step_log.write(VerifierStep(time.time(), max(0.0, idle_s), draft_s, forward_s, wall_s, threads,
                                          self.scheduler.regime.current, seqs))
