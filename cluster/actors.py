@@ -94,7 +94,9 @@ class VerifierActor:
         self.engine = EngineThread("verifier-engine")
         self.engine.build(self._build(target_dir, draft_dir, chains, eagle))
         self.exchanges = ExchangeServer(self.incarnation, node_id(), ray.util.get_node_ip_address(), self._exchange)
-        self.outputs: OutputServer | None = None      # chunks over a socket (`output_address`)
+        # requests and their chunks over a socket (`output_address`), on the engine's loop
+        self.outputs = OutputServer(self.incarnation, node_id(), ray.util.get_node_ip_address(),
+                                    self._output_message, self._consumer_gone)
         self._relays: dict[str, dict[str, asyncio.Task]] = defaultdict(dict)   # consumer token -> rid -> relay
 
     async def _build(self, target_dir: str, draft_dir: str | None, chains: bool, eagle: bool) -> None:
@@ -175,41 +177,55 @@ class VerifierActor:
         async for chunk in self.engine.stream(chunks):
             yield chunk
 
-    # -- chunks over a socket (cluster/outputs.py) --------------------------------------------
+    # -- requests and chunks over a socket (cluster/outputs.py) ------------------------------
     async def output_address(self) -> OutputAddress:
-        """Where a consumer connects for its requests' chunks (listening from the first call)."""
-        if self.outputs is None:
-            self.outputs = OutputServer(self.incarnation, node_id(), ray.util.get_node_ip_address(),
-                                        self._consumer_gone)
-        return await self.outputs.start()
+        """Where a consumer connects to send requests and take their chunks, served on the
+        engine's loop (listening from the first call)."""
+        return await self.engine.run(self.outputs.start())
 
-    async def submit(self, request_id: str, prompt: list[int], sampling: dict, speculation: dict,
-                     prefix_cache: bool, consumer: str) -> bool:
-        """`generate`, its chunks written to `consumer`'s output connection instead of a Ray
-        stream; False when that connection is not open here."""
-        if self.outputs is None or not self.outputs.connected(consumer):
-            return False
-        chunks = self.generate(request_id, prompt, sampling, speculation, prefix_cache)
-        self._relays[consumer][request_id] = asyncio.ensure_future(self._relay(request_id, chunks, consumer))
-        return True
+    def _output_message(self, consumer: str, message: list) -> None:
+        """A consumer's message, on the engine's loop: a request, taken now (an abort behind it on
+        the connection finds it) and its chunks relayed to the consumer's connection as the
+        steps commit them; or an abort. ValueError: neither (the connection is closed)."""
+        from models.sampling import SamplingParams
 
-    async def _relay(self, rid: str, chunks, consumer: str) -> None:
-        """A request's chunks to its consumer; its failure as a last error chunk, as the
-        consumer reads a Ray stream's (cluster/pipeline.py). A consumer gone cancels this, which
-        aborts the request (`EngineThread.stream`)."""
-        error = None
+        kind, args = message[0], message[1:]
+        if kind == "abort" and len(args) == 1 and isinstance(args[0], str):
+            self.scheduler.abort(args[0])
+            return
+        if not (kind == "submit" and len(args) == 5 and isinstance(args[0], str)):
+            raise ValueError(f"not a request or an abort: {kind!r} with {len(args)} fields")
+        rid, prompt, sampling, speculation, prefix_cache = args
+        chunks = error = None
         try:
-            async for chunk in chunks:
-                if not await self.outputs.send(consumer, chunk):
-                    break
+            queue = self.loop.add(rid, prompt, SamplingParams(**sampling), SpeculationOptions(**speculation),
+                                  bool(prefix_cache))
+            chunks = self.loop.chunks(rid, queue)
         except ValueError as e:           # refused (a bad request, an id already running)
             error = str(e.args[0] if e.args else e)
+        except Exception as e:            # fields that do not make options (a consumer of another build)
+            error = f"verifier error: {type(e).__name__}: {e}"
+        task = asyncio.ensure_future(self._relay(consumer, rid, chunks, error))
+        self._relays[consumer].setdefault(rid, task)     # a second of one id was refused above
+
+    async def _relay(self, consumer: str, rid: str, chunks, error: str | None) -> None:
+        """A request's chunks to its consumer; its refusal or failure as a last error chunk, as the
+        consumer reads a Ray stream's (cluster/pipeline.py). A consumer gone cancels this, which
+        aborts the request (`EngineLoop.chunks`)."""
+        try:
+            if chunks is not None:
+                async for chunk in chunks:
+                    if not await self.outputs.send(consumer, chunk):
+                        break
         except Exception as e:
             log.exception("verifier: request %s failed", rid)
             error = f"verifier error: {type(e).__name__}: {e}"
         finally:
-            await chunks.aclose()
-            self._relays.get(consumer, {}).pop(rid, None)
+            if chunks is not None:
+                await chunks.aclose()
+            relays = self._relays.get(consumer, {})
+            if relays.get(rid) is asyncio.current_task():
+                del relays[rid]
         if error is not None:
             await self.outputs.send(consumer, error_chunk(rid, error))
 
@@ -277,8 +293,7 @@ class VerifierActor:
                 # drafters' exchanges answered over sockets (cluster/exchange_socket.py), connections open
                 "socket_exchanges": self.exchanges.served, "exchange_connections": self.exchanges.connections,
                 # chunks written to consumers' output connections (cluster/outputs.py), and those open
-                "output_chunks": 0 if self.outputs is None else self.outputs.sent,
-                "output_connections": 0 if self.outputs is None else len(self.outputs.consumers)}
+                "output_chunks": self.outputs.sent, "output_connections": len(self.outputs.consumers)}
 
     async def _report(self, name: str, fn) -> dict:
         """`fn()` on the engine's thread; where that thread is in a forward for longer than
@@ -306,9 +321,10 @@ class VerifierActor:
                 "incarnation": self.incarnation}
 
     def shutdown(self) -> None:
-        """The exchange socket closed, the engine's loop task ended, then its thread (tests; Ray
+        """The exchange and output sockets closed, the engine's loop task ended, then its thread (tests; Ray
         ends an actor's process)."""
         self.engine.loop.call_soon_threadsafe(self.exchanges.close)
+        self.engine.loop.call_soon_threadsafe(self.outputs.close)
         self.engine.close(self.loop)
 
     # -- trees from the object store -------------------------------------------------------

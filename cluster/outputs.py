@@ -1,5 +1,5 @@
-"""A request's chunks from its verifier to the process that asked for them, over a socket
-(`EngineSettings.output_socket`).
+"""A request's way between the process that asked for it and its verifier, over a socket
+(`EngineSettings.output_socket`): the request in, its chunks out.
 
 Ray streams an actor generator's items one object each: on this project's 2-core CPU each
 item cost 0.7-0.8 ms of the consumer's CPU and 0.4-0.5 ms of the actor's beyond an idle pace (a
@@ -8,17 +8,21 @@ over a Unix socket ~0.1 ms both sides together (`bench/output_cost.py`, bench/RE
 the micro pair that was most of the pipeline's overhead over sync. vLLM's engine core sends its
 outputs over ZeroMQ sockets for the same reason.
 
-- The verifier (`OutputServer`, on its actor's event loop) listens on a Unix socket (a consumer
-  on its node) and on TCP (one elsewhere). A consumer (`OutputClient`) connects and says a
-  random token it also passes with each `VerifierActor.submit` call, so a request's chunks go
-  to the connection that asked for them, and no other can claim them.
-- A frame is a 4-byte little-endian length and a msgpack list (`encode_chunk`); a chunk of a
-  request is its verifier's `GenerationChunk`, with its errors as error chunks.
+- The verifier (`OutputServer`, on its engine's own loop: no other thread of its process wakes
+  for a request or a chunk) listens on a Unix socket (a consumer on its node) and on TCP (one
+  elsewhere). A consumer (`OutputClient`) asks the verifier where by actor call
+  (`VerifierActor.output_address`, which Ray authenticates), connects and sends
+  [its random token, the address's secret]; a connection that does not is closed.
+- A frame is a 4-byte little-endian length and msgpack (`frame`). The consumer sends
+  `["submit", request id, prompt, sampling, speculation, prefix_cache]` (a
+  `GenerationRequest`'s fields in order, its options as dicts) and `["abort", request id]`;
+  on one connection an abort cannot overtake its request. The verifier sends each request's
+  chunks (`encode_chunk`), its refusal or failure as an error chunk.
 - Faults: a verifier that dies closes its sockets with its process: every request on that
   connection ends at once with the retryable error a dead verifier's Ray stream gives
   (`LOST`); a consumer that goes away closes its connection and the verifier aborts its
-  requests. A consumer that cannot connect (a network between nodes that refuses the port)
-  keeps Ray's streams.
+  requests; a message the verifier cannot read closes that connection alone. A consumer that
+  cannot connect (a network between nodes that refuses the port) keeps Ray's streams.
 """
 from __future__ import annotations
 
@@ -31,12 +35,12 @@ import struct
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import msgpack
 
 from models.sampling import TokenLogprob
-from speculation.requests import GenerationChunk
+from speculation.requests import GenerationChunk, GenerationRequest
 
 log = logging.getLogger("specflash.cluster")
 
@@ -56,6 +60,7 @@ class OutputAddress:
     path: str                 # its Unix socket
     host: str                 # its node's IP and TCP port, for consumers on other nodes
     port: int
+    secret: str               # a connection's first frame carries it after the consumer's token
 
 
 def _logprob(lp: TokenLogprob | None):
@@ -128,12 +133,18 @@ async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> by
 
 
 class OutputServer:
-    """The verifier's side. `on_gone(token)`: a consumer's connection closed (abort its requests)."""
+    """The verifier's side, on the loop that starts it (the engine's). `on_message(token, msg)`:
+    a consumer's message (a list, its kind first), handled on that loop; it raises ValueError
+    for one it cannot take, which closes that connection. `on_gone(token)`: a consumer's
+    connection closed (abort its requests)."""
 
-    def __init__(self, incarnation: str, node: str, host: str, on_gone: Callable[[str], None]) -> None:
-        self.incarnation, self.node, self.host, self.on_gone = incarnation, node, host, on_gone
+    def __init__(self, incarnation: str, node: str, host: str, on_message: Callable[[str, list], None],
+                 on_gone: Callable[[str], None]) -> None:
+        self.incarnation, self.node, self.host = incarnation, node, host
+        self.on_message, self.on_gone = on_message, on_gone
         self.consumers: dict[str, asyncio.StreamWriter] = {}
         self.path = socket_path(f"specflash-out-{incarnation[:16]}")
+        self.secret = secrets.token_hex(16)
         self._servers: list[asyncio.AbstractServer] = []
         self._starting = asyncio.Lock()
         self.port = 0
@@ -143,22 +154,32 @@ class OutputServer:
         async with self._starting:            # consumers asking at once: one of them starts listening
             if not self._servers:
                 self._servers, self.port = await listen(self._serve, self.path, self.host)
-        return OutputAddress(self.incarnation, self.node, self.path, self.host, self.port)
+        return OutputAddress(self.incarnation, self.node, self.path, self.host, self.port, self.secret)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         token = None
         try:
             hello = msgpack.unpackb(await asyncio.wait_for(read_frame(reader, HELLO_LIMIT), CONNECT_TIMEOUT_S))
-            if not (isinstance(hello, list) and len(hello) == 1 and isinstance(hello[0], str)):
-                raise ValueError("a consumer's first frame is [token]")
+            if not (isinstance(hello, list) and len(hello) == 2 and all(isinstance(x, str) for x in hello)
+                    and secrets.compare_digest(hello[1], self.secret)):
+                raise ValueError("a consumer's first frame is [token, the address's secret]")
             token = hello[0]
             self.consumers[token] = writer
-            writer.write(frame([token]))             # registered: the consumer's submit calls may follow
-            while await reader.read(1 << 16):   # the consumer sends nothing more: its close ends this
-                pass
+            writer.write(frame([token]))             # registered: its requests may follow
+            while True:
+                try:
+                    body = await read_frame(reader)
+                except asyncio.IncompleteReadError as e:
+                    if e.partial:
+                        raise
+                    break                          # the consumer closed its end between messages
+                message = msgpack.unpackb(body)
+                if not (isinstance(message, list) and message and isinstance(message[0], str)):
+                    raise ValueError("a consumer's message is a list, its kind first")
+                self.on_message(token, message)
         except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.TimeoutError,
                 msgpack.UnpackException) as e:
-            log.warning("verifier: an output connection ended (%s)", type(e).__name__)
+            log.warning("verifier: an output connection ended (%s: %s)", type(e).__name__, e)
         finally:
             if token is not None and self.consumers.get(token) is writer:
                 del self.consumers[token]
@@ -211,7 +232,7 @@ class OutputClient:
         self._sock = sock
         await asyncio.wait_for(self.loop.sock_connect(sock, target), CONNECT_TIMEOUT_S)
         reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
-        writer.write(frame([self.token]))
+        writer.write(frame([self.token, a.secret]))
         await writer.drain()
         self._writer = writer
         ack = msgpack.unpackb(await asyncio.wait_for(read_frame(reader), CONNECT_TIMEOUT_S))
@@ -251,10 +272,27 @@ class OutputClient:
     def close(self, rid: str) -> None:
         self.queues.pop(rid, None)
 
-    def chunks(self, rid: str, submitted) -> SocketChunks:
-        """`rid`'s chunks, once `submitted` (the `VerifierActor.submit` call's reference) says the
-        verifier took it."""
-        return SocketChunks(self, rid, self.open(rid), submitted)
+    async def submit(self, request: GenerationRequest) -> SocketChunks:
+        """Send `request` to the verifier; its chunks, as they come (a connection that breaks
+        ends them with `OutputLost`)."""
+        rid = request.request_id
+        chunks = SocketChunks(self, rid, self.open(rid))
+        await self._send(["submit", rid, list(request.prompt_token_ids), asdict(request.sampling),
+                          asdict(request.speculation), request.prefix_cache])
+        return chunks
+
+    async def abort(self, rid: str) -> None:
+        """Abort `rid` (sent after its request on the one connection: it cannot overtake it)."""
+        await self._send(["abort", rid])
+
+    async def _send(self, message: list) -> None:
+        if self.broken:                       # the requests' queues have their LOST already
+            return
+        self._writer.write(frame(message))
+        try:
+            await self._writer.drain()
+        except (ConnectionError, OSError):    # the reading task sees the close and says LOST
+            pass
 
     def abandon(self) -> None:
         """Drop the connection (its loop may be closed already: the socket is closed directly)."""
@@ -267,25 +305,20 @@ class OutputClient:
 
 
 class OutputLost(Exception):
-    """The output connection closed (the verifier died or restarted) or the verifier did not
-    know it when the request was submitted."""
+    """The output connection closed: the verifier died or restarted, or the connection was
+    dropped."""
 
 
 class SocketChunks:
     """One request's chunks over its consumer's connection, as `cluster.pipeline` reads a Ray
-    stream: `next()` gives each chunk, None after the last; raises OutputLost,
-    asyncio.TimeoutError, or what the submit call raised (a dead verifier's Ray error)."""
+    stream: `next()` gives each chunk, None after the last; raises OutputLost or
+    asyncio.TimeoutError."""
 
-    def __init__(self, client: OutputClient, rid: str, queue: asyncio.Queue, submitted) -> None:
-        self.client, self.rid, self.queue, self.submitted = client, rid, queue, submitted
+    def __init__(self, client: OutputClient, rid: str, queue: asyncio.Queue) -> None:
+        self.client, self.rid, self.queue = client, rid, queue
         self.done = False
 
     async def next(self, timeout: float) -> GenerationChunk | None:
-        if self.submitted is not None:
-            accepted = await asyncio.wait_for(self.submitted, timeout)
-            self.submitted = None
-            if not accepted:
-                raise OutputLost("the verifier no longer knew our output connection")
         if self.done:
             return None
         item = await asyncio.wait_for(self.queue.get(), timeout)

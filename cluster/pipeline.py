@@ -142,8 +142,6 @@ class PipelineEngine:
         self.routes[rid] = index
         pipe.active += 1
         finished = started = False
-        args = (rid, list(request.prompt_token_ids), asdict(request.sampling), asdict(request.speculation),
-                request.prefix_cache)
         give_up = time.monotonic() + self.restart_wait_s
         stream = None
         try:
@@ -152,7 +150,7 @@ class PipelineEngine:
                 finished = True
                 yield error_chunk(rid, f"{RETRYABLE}{down}")
                 return
-            stream = await self._open(pipe, args)
+            stream = await self._open(pipe, request)
             while not finished:
                 chunk = await self._next_chunk(stream, pipe, rid)
                 if chunk is None:
@@ -162,7 +160,7 @@ class PipelineEngine:
                     await self._abort_on(pipe, rid)
                     await asyncio.sleep(0.5)
                     stream.close()
-                    stream = await self._open(pipe, args)
+                    stream = await self._open(pipe, request)
                     continue
                 started = True
                 finished = chunk.finished
@@ -245,13 +243,15 @@ class PipelineEngine:
         return out
 
     # -- helpers ---------------------------------------------------------------------
-    async def _open(self, pipe: Pipeline, args: tuple):
-        """A request's chunks: over this process's connection to the verifier (`output_socket`),
-        else a Ray stream; either has `next(timeout)` and `close()`."""
+    async def _open(self, pipe: Pipeline, request: GenerationRequest):
+        """Submit a request; its chunks: over this process's connection to the verifier
+        (`output_socket`), else a Ray stream; either has `next(timeout)` and `close()`."""
         client = await self._output_client(pipe)
         if client is not None:
-            return client.chunks(args[0], pipe.verifier.submit.remote(*args, client.token))
-        return _RayChunks(pipe.verifier.generate.options(num_returns="streaming").remote(*args))
+            return await client.submit(request)
+        return _RayChunks(pipe.verifier.generate.options(num_returns="streaming").remote(
+            request.request_id, list(request.prompt_token_ids), asdict(request.sampling),
+            asdict(request.speculation), request.prefix_cache))
 
     async def _output_client(self, pipe: Pipeline) -> OutputClient | None:
         """The pipeline's output connection on the running loop: the one made before while it
@@ -316,8 +316,15 @@ class PipelineEngine:
         return f"{report['error']} (down {report['down_for_s']:.0f} s)" if report.get("down_for_s") else None
 
     async def _abort_on(self, pipe: Pipeline, rid: str) -> None:
+        """Over the output connection while it is usable (behind the request it may have
+        carried, which it cannot overtake; a connection lost aborts its requests anyway), else
+        by actor call."""
+        client = pipe.output
         try:
-            await _timed(pipe.verifier.abort.remote(rid), 5)
+            if client is not None and client.usable():
+                await client.abort(rid)
+            else:
+                await _timed(pipe.verifier.abort.remote(rid), 5)
         except Exception:       # the verifier is gone: nothing left to free
             pass
 

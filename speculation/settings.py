@@ -133,10 +133,11 @@ class EngineSettings(SpeculationSettings, KVCacheSettings):
         "verifier's engine loop (cluster/exchange_socket.py), or by an actor call each; membership, "
         "restarts and scaling use actor calls either way."))
     output_socket: bool = Field(True, description=(
-        "A pipeline's chunks reach the process that asked for them over a socket to its verifier "
-        "(Unix on one node, else TCP; ~0.1 ms of CPU a chunk) instead of a Ray stream (~1.2 ms a "
-        "chunk on this project's CPU: bench/output_cost.py); a consumer that cannot connect "
-        "keeps Ray's streams (cluster/outputs.py)."))
+        "A pipeline's requests and their chunks go between the process that asked and its "
+        "verifier over a socket (Unix on one node, else TCP; ~0.1 ms of CPU a chunk), answered on "
+        "the verifier's engine loop, instead of an actor call and a Ray stream (~1.2 ms a chunk on "
+        "this project's CPU: bench/output_cost.py); a consumer that cannot connect keeps Ray's "
+        "calls and streams (cluster/outputs.py)."))
     proposers: tuple[str, ...] = Field(PROPOSERS, description=(
         "The proposers this engine's drafters hold ('model' needs a draft model); a request "
         "naming another is refused."))

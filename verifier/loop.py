@@ -196,11 +196,26 @@ class EngineLoop:
     # -- requests ------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: list[int], params, spec: SpeculationOptions | None,
                        prefix_cache: bool = True) -> AsyncIterator[GenerationChunk]:
-        """The request's chunks as the steps commit them, the first and the last at once and
-        the others merged until they carry `stream_interval` tokens; leaving early aborts it."""
+        """`add` the request (on the first iteration), then its `chunks`."""
+        chunks = self.chunks(request_id, self.add(request_id, prompt, params, spec, prefix_cache))
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            await chunks.aclose()
+
+    def add(self, request_id: str, prompt: list[int], params, spec: SpeculationOptions | None,
+            prefix_cache: bool = True) -> asyncio.Queue:
+        """Take a request now (ValueError: refused); its steps' chunks go to the queue returned,
+        for `chunks`."""
         self.ensure_running()
         queue: asyncio.Queue = asyncio.Queue()
         self.scheduler.add(request_id, prompt, params, spec, queue.put_nowait, prefix_cache)
+        return queue
+
+    async def chunks(self, request_id: str, queue: asyncio.Queue) -> AsyncIterator[GenerationChunk]:
+        """A request's chunks as the steps commit them, the first and the last at once and the
+        others merged until they carry `stream_interval` tokens; leaving early aborts it."""
         interval, held, first = self.scheduler.settings.stream_interval, None, True
         try:
             while True:

@@ -1,17 +1,17 @@
-"""A pipeline's chunks over its consumer's socket to the verifier (cluster/outputs.py): exact
-output, the socket really carries them, Ray streams where it is off, and its faults: a consumer
-that goes away aborts its requests, a bad hello harms no one, a refused request is an error
-chunk, a new event loop connects again."""
+"""A pipeline's requests and chunks over its consumer's socket to the verifier
+(cluster/outputs.py): exact output, the socket really carries them, Ray streams where it is
+off, and its faults: a consumer that goes away aborts its requests, an abort right behind its
+request finds it, a bad hello or a connection without the secret harms no one, a message the
+verifier cannot read closes that connection alone, a refused request is an error chunk, a new
+event loop connects again."""
 from __future__ import annotations
 
 import asyncio
 import struct
 import time
-from dataclasses import asdict
-
 import ray
 
-from cluster.outputs import FRAME, OutputClient, decode_chunk, encode_chunk
+from cluster.outputs import FRAME, OutputClient, decode_chunk, encode_chunk, frame
 from models.sampling import TokenLogprob
 from speculation.requests import GenerationChunk
 
@@ -102,8 +102,7 @@ def test_a_consumer_gone_aborts_its_requests(make_engine, tiny_target, close_dra
         # abort call is made, the verifier must notice by itself
         client = OutputClient(address)
         await client.connect(address.node)
-        chunks = client.chunks(req.request_id, verifier.submit.remote(
-            req.request_id, req.prompt_token_ids, asdict(req.sampling), asdict(req.speculation), True, client.token))
+        chunks = await client.submit(req)
         seen = []
         while len(seen) < 5:
             seen += (await chunks.next(30)).token_ids
@@ -158,3 +157,66 @@ def test_a_consumer_that_cannot_connect_streams_through_ray(make_engine, tiny_ta
     assert tokens == hf_greedy(hf_target, p, 16) and last.finish_reason == "length"
     assert _health(engine)["output_chunks"] == 0
     assert engine.pipelines[0].output is None and engine.pipelines[0].output_retry_at > time.monotonic()
+
+
+def test_an_abort_right_behind_its_request_aborts_it(make_engine, tiny_target, close_draft):
+    engine = make_engine(tiny_target, close_draft)
+    verifier = engine.pipelines[0].verifier
+    address = ray.get(verifier.output_address.remote())
+    before = ray.get(verifier.get_stats.remote())["num_steps"]
+
+    async def submit_and_abort():
+        client = OutputClient(address)
+        await client.connect(address.node)
+        chunks = await client.submit(request("gone", [1, 2, 3], 240, "chain", 3))
+        await client.abort("gone")            # no wait between them: the frames arrive together
+        seen = []
+        while (c := await chunks.next(30)) is not None:
+            seen.append(c)
+        client.abandon()
+        return seen
+
+    seen = run(submit_and_abort())
+    assert seen[-1].finished and seen[-1].finish_reason == "abort", seen[-1]
+    assert sum(len(c.token_ids) for c in seen) < 240
+    usage = _idle(engine)
+    assert usage["free"] == usage["total"] and usage["streams"] == 0, usage
+    assert ray.get(verifier.get_stats.remote())["num_steps"] - before < 30
+
+
+def test_a_connection_without_the_secret_is_closed(make_engine, tiny_target, close_draft):
+    engine = make_engine(tiny_target, close_draft)
+    address = ray.get(engine.pipelines[0].verifier.output_address.remote())
+
+    async def wrong_secret():
+        r, w = await asyncio.open_unix_connection(address.path)
+        w.write(frame(["a-token", "not-the-secret"]))
+        await w.drain()
+        closed = await asyncio.wait_for(r.read(), 10)       # no acknowledgement: the verifier hangs up
+        w.close()
+        return closed
+
+    assert run(wrong_secret()) == b""
+    assert _health(engine)["output_connections"] == 0
+
+
+def test_a_message_it_cannot_read_closes_that_connection_alone(make_engine, tiny_target, close_draft, hf_target):
+    engine = make_engine(tiny_target, close_draft)
+    address = ray.get(engine.pipelines[0].verifier.output_address.remote())
+    p = prompts(1, seed=46)[0]
+
+    async def one_bad_one_good():
+        good, bad = OutputClient(address), OutputClient(address)
+        await good.connect(address.node)
+        await bad.connect(address.node)
+        chunks = await good.submit(request("beside", p, 24, "chain", 4))
+        await bad._send(["launch", 1, 2])                 # no such message
+        await asyncio.wait_for(bad._task, 10)             # the verifier closed the bad connection
+        tokens = []
+        while (c := await chunks.next(30)) is not None:
+            tokens += c.token_ids
+        good.abandon()
+        return bad.broken, tokens
+
+    broken, tokens = run(one_bad_one_good())
+    assert broken and tokens == hf_greedy(hf_target, p, 24)
