@@ -1,9 +1,10 @@
 """Of a few ways to do one kind of work, the one measured cheapest per unit (DESIGN.md §8).
 
-Two users: the threads of the verifier's own lockstep turns (`verifier.inprocess`: its own, or
-with the idle drafters' cores too) and how a lone stream's drafter on a device of its own runs
-(`verifier.regime`: overlapped or in lockstep). Either way the candidates' costs are what this
-machine measures now, not what a rule expects.
+Two users, both over windows of steps (`WindowedChoice`): the threads of the verifier's own
+lockstep turns (`verifier.inprocess`: its own, or with the idle drafters' cores too) and how a
+lone stream's drafter on a device of its own runs (`verifier.regime`: overlapped or in
+lockstep). Either way the candidates' costs are what this machine measures now, not what a rule
+expects.
 """
 from __future__ import annotations
 
@@ -51,3 +52,49 @@ class MeasuredChoice:
     def report(self) -> dict[str, float]:
         """{candidate: median ms per unit} of every candidate measured."""
         return {str(n): 1e3 * self.cost(n) for n in sorted(self.samples, key=str)}
+
+
+class WindowedChoice:
+    """Of a few ways to run a run of steps, the one measured cheapest per unit over windows of
+    consecutive steps (`MeasuredChoice` over the windows): a window's cost is its wall time,
+    step end to step end, so that what a way costs beside its own work (another thread's
+    wake-ups, a core it takes from a neighbour) counts too, per unit of work done (committed
+    tokens). The first step after a switch or a restart is left out: it pays for the switch."""
+
+    def __init__(self, default: Hashable, window: int = 12, trials: int = 2, recheck: int = 12,
+                 gap_s: float | None = None) -> None:
+        """`gap_s`: a step that began later than this after the last one ended (the loop idled
+        between them) restarts the measurement; None: waits between steps are a way's cost."""
+        self.choice = MeasuredChoice(trials, recheck)
+        self.current = default
+        self.window, self.gap_s = window, gap_s
+        self._last: float | None = None      # when the previous step ended
+        self._reset(skip=True)
+
+    def restart(self, now: float | None) -> None:
+        """Measure again from `now` (None: from the next step's end); the next step is left out."""
+        self._last = now
+        self._reset(skip=True)
+
+    def observe(self, units: float, now: float, candidates: Sequence[Hashable], began: float | None = None) -> None:
+        """A step on `current` ended at `now`, having done `units`; at a window's end the way for
+        the next is picked among `candidates`."""
+        if self._last is None or (self.gap_s is not None and began is not None and began - self._last > self.gap_s):
+            self.restart(now)
+            return
+        seconds, self._last = now - self._last, now
+        if self._skip:
+            self._skip = False
+            return
+        self._steps += 1
+        self._units += units
+        self._seconds += seconds
+        if self._steps >= self.window:
+            self.choice.observe(self.current, self._seconds, self._units)
+            chosen = self.choice.pick(candidates)
+            self._reset(skip=chosen != self.current)
+            self.current = chosen
+
+    def _reset(self, skip: bool) -> None:
+        self._steps, self._units, self._seconds = 0, 0.0, 0.0
+        self._skip = skip

@@ -10,14 +10,17 @@ draft-then-verify step; a drafter here always runs in lockstep (`ring_slots` 1).
 
 Where the verifier may borrow an idle remote drafter's cores (the stand-in drafter of the Ray
 verifier, `lockstep_in_verifier`), a lockstep turn (the draft passes and the forward that
-verifies them) runs on whichever of its own threads and the borrowed ones has measured
-cheaper per turn (`verifier.choice.MeasuredChoice`). One count for the whole turn: switching
-torch's thread count between the passes and the forward cost more than either choice saved
-(a micro-pair level took 1.2 ms on one thread between forwards on two, 1.9 ms when the
+verifies them) runs on whichever of its own threads and the borrowed ones has measured cheaper
+per committed token over windows of steps (`verifier.choice.WindowedChoice`: step end to step
+end, so that what a count costs beside the turn counts too). One count for the whole turn:
+switching torch's thread count between the passes and the forward cost more than either choice
+saved (a micro-pair level took 1.2 ms on one thread between forwards on two, 1.9 ms when the
 forward's count was chosen apart, 1.0 ms with everything on one). On two shared cores a team
-of two threads waits for the core that Ray's own threads keep waking on, which on the micro
-pair costs more than the second thread saves (bench/README.md, "micro pair"), while the
-embedded pair's turns gain from it. The output is the verifier's either way.
+of two threads waits for the core that Ray's own threads and the consumer's process keep waking
+on, which on the micro pair costs more than the second thread saves (bench/README.md, "micro
+pair"; a turn's own seconds hid it: two threads measured cheaper per turn, one thread ran more
+steps a second), while the embedded pair's turns gain from it. The output is the verifier's
+either way.
 """
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ from typing import Protocol
 
 from speculation.transport import Exchange
 from speculation.wire import Signal
-from verifier.choice import MeasuredChoice
+from verifier.choice import WindowedChoice
+
+IDLE_GAP_S = 0.002    # a step begun this long after the last one ended followed an idle loop: not measured
 
 
 class Drafting(Protocol):
@@ -49,9 +54,10 @@ class InProcessDrafters:
     def __init__(self, drafters: list[Drafting], num_cpus: float = 0.0) -> None:
         self.drafters = drafters
         self.num_cpus = num_cpus
-        self.threads = MeasuredChoice()   # a lockstep turn's threads: our own, or with the idle drafters' too
+        # a lockstep turn's threads: our own, or with the idle drafters' too (None: not chosen yet)
+        self.threads = WindowedChoice(None, gap_s=IDLE_GAP_S)
+        self.candidates: tuple[int, ...] = ()   # the counts this round's turn could run on
         self.turn: int | None = None      # the threads this round's passes ran on (None: none chosen)
-        self.turn_s = 0.0                 # and their seconds, until the turn's forward adds its own
 
     def attach(self, scheduler) -> None:
         """Each drafter's first exchange: the scheduler registers it (and says "reset") as one of
@@ -70,27 +76,39 @@ class InProcessDrafters:
         """One round: each drafter takes its signals, drafts (on the model thread) and files what
         it drafted, in one exchange. `threads`: what the verifier may use now, its idle
         drafters' cores included; the turn runs on that or on the verifier's own threads,
-        whichever has measured faster (`MeasuredChoice`; the forward's seconds join in
-        `observe_turn`)."""
-        n = None if threads is None else self.threads.pick((threads, scheduler.threads))
-        self.turn, self.turn_s = None, 0.0
+        whichever has measured cheaper (`WindowedChoice`, fed by `observe_step`)."""
+        n = None if threads is None else self._pick((threads, scheduler.threads))
+        self.turn = None
         for d in self.drafters:
             signals = scheduler.signals_for(d.index)
             if signals or d.streams:
                 drafted = await run(self._draft, d, signals, n)
                 if n is not None and drafted.levels:
-                    self.turn, self.turn_s = n, self.turn_s + drafted.seconds
+                    self.turn = n
             else:                     # nothing to hear, nothing to draft: no hop to the model thread
                 drafted = d.draft()
             scheduler.receive(Exchange(d.index, d.incarnation, drafted.puts, 0.0, drafted.seconds, drafted.levels,
                                        d.resync_requests(), d.node, self.num_cpus, None, not drafted.more))
 
-    def observe_turn(self, threads: int, forward_s: float) -> None:
-        """The forward that verified this round's trees ran on `threads` for `forward_s`: a turn
-        measured, when it ran on the count its passes did."""
+    def _pick(self, candidates: tuple[int, ...]) -> int:
+        self.candidates = tuple(dict.fromkeys(candidates))
+        if self.threads.current not in self.candidates:      # the first turn, or the counts changed
+            self.threads.current = self.candidates[0]
+            self.threads.restart(None)
+        return self.threads.current
+
+    def observe_step(self, threads: int, tokens: int, began: float, ended: float) -> None:
+        """The step whose forward verified this round's trees ran on `threads`, from `began` to
+        `ended`, committing `tokens`: measured, when its passes ran on that count too."""
         if self.turn is not None and threads == self.turn:
-            self.threads.observe(threads, self.turn_s + forward_s, 1)
+            self.threads.observe(tokens, ended, self.candidates, began)
+        else:
+            self.threads.restart(ended)
         self.turn = None
+
+    def report(self) -> dict[str, float]:
+        """{threads: median ms per committed token} of each count measured."""
+        return self.threads.choice.report()
 
     @staticmethod
     def _draft(drafter: Drafting, signals: list[Signal], threads: int | None):

@@ -313,12 +313,12 @@ class EngineLoop:
             await self.run_model(sch.bridge_chains, batch, threads)
         chunks = sch.riders               # prompts' chunks ride in this forward (chunked prefill)
         outcomes, seconds = await speculative_step(batch, sch.target, self.run_model, threads, chunks)
-        if turn is not None:
-            self.pump.observe_turn(threads, seconds)
         sch.publish(outcomes, draft_s, seconds)
         if chunks:
             settle_riders(sch, chunks, seconds)
         end = time.monotonic()
+        if turn is not None:
+            self.pump.observe_step(threads, sum(len(o.kept) for o in outcomes), start, end)
         sch.stats.observe_wall(end - start)
         waited = sch.costs.idle_carry - draft_s       # the waits for trees since the last step
         # the planner pays what a step really costs: its wall time plus the idle waits before it

