@@ -240,8 +240,8 @@ def test_lockstep_one_tree_in_flight_borrows_the_idle_drafters_cores(ray_cluster
                 after = run(engine.stats())
                 spec_steps = after["num_spec_steps"] - before["num_spec_steps"]
                 borrowed = after["borrowed_steps"] - before["borrowed_steps"]
-                if in_verifier:   # each turn on the borrowed cores or its own, whichever measured faster
-                    assert spec_steps > 0 and borrowed > 0
+                if in_verifier:   # a window of steps on the borrowed cores or its own: whole cases on either
+                    assert spec_steps > 0
                 else:             # every verification of a tree borrowed the waiting drafter's core
                     assert spec_steps > 0 and borrowed >= spec_steps
             stats = run(engine.stats())
@@ -249,8 +249,9 @@ def test_lockstep_one_tree_in_flight_borrows_the_idle_drafters_cores(ray_cluster
             by_actor = sum(d["trees_drafted"] for d in stats["drafters"])
             by_verifier = sum(d["trees_drafted"] for d in stats["local_drafters"])
             assert (by_verifier > 0 and by_actor == 0) if in_verifier else (by_actor > 0 and by_verifier == 0)
-            if in_verifier:       # its turns measured on the borrowed cores first (a window of steps each:
-                # both counts measured in tests/cluster/test_model_threads.py)
+            if in_verifier:       # its first window ran on the borrowed cores (both counts measured in
+                # tests/cluster/test_model_threads.py)
+                assert stats["borrowed_steps"] > 0, stats
                 assert set(stats["local_drafters"][0]["ms_per_token_by_threads"]) <= {"1", "2"}, stats
         finally:
             engine.kill_pipeline_actors()
