@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import secrets
 import select
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -42,8 +41,7 @@ from dataclasses import dataclass
 import msgpack
 import ray
 
-from cluster.outputs import CONNECT_TIMEOUT_S, FRAME, HELLO_LIMIT, MAX_FRAME, frame, listen, open_socket, \
-    read_frame, socket_path, stop_listening
+from cluster.outputs import CONNECT_TIMEOUT_S, FRAME, MAX_FRAME, Listener, frame, open_socket, read_frame
 from cluster.transport import RayLink, exchange_args, first_line
 from speculation.transport import Exchange, ExchangeLost, FramesRefused, VerifierUnavailable
 from speculation.wire import Signal, WireError, decode_signals, pack_header, tree_from_bytes, tree_to_bytes
@@ -66,34 +64,25 @@ class ExchangeAddress:
     secret: str               # a connection's first frame
 
 
-class ExchangeServer:
+class ExchangeServer(Listener):
     """The verifier's side, on the engine's loop: each connection one drafter's exchanges, in
     order, each answered by `serve` (`VerifierActor._exchange`)."""
 
     def __init__(self, incarnation: str, node: str, host: str, serve: Callable[..., Awaitable[bytes]]) -> None:
-        self.incarnation, self.node, self.host, self.serve = incarnation, node, host, serve
-        self.path = socket_path(f"specflash-ex-{incarnation[:16]}")
-        self.secret = secrets.token_hex(16)
-        self.port = 0
+        super().__init__("specflash-ex", incarnation, node, host)
+        self.serve = serve
         self.served = 0                       # exchanges answered
-        self._servers: list[asyncio.AbstractServer] = []
         self._writers: set[asyncio.StreamWriter] = set()     # one per open connection
-        self._starting = asyncio.Lock()       # drafters asking at once: one of them starts listening
 
     async def start(self) -> ExchangeAddress:
         """Listen (from the first call on; on the loop running it)."""
-        async with self._starting:
-            if not self._servers:
-                self._servers, self.port = await listen(self._connection, self.path, self.host)
+        await self.start_listening(self._connection)
         return ExchangeAddress(self.incarnation, self.node, self.path, self.host, self.port, self.secret)
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._writers.add(writer)
         try:
-            hello = msgpack.unpackb(await asyncio.wait_for(read_frame(reader, HELLO_LIMIT), CONNECT_TIMEOUT_S))
-            if not (isinstance(hello, list) and len(hello) == 1 and isinstance(hello[0], str)
-                    and secrets.compare_digest(hello[0], self.secret)):
-                raise ValueError("a drafter's first frame is its verifier's secret")
+            await self.hello(reader, 1)                   # [the secret]
             writer.write(frame(["ok"]))
             while True:
                 reply = await self.answer(msgpack.unpackb(await read_frame(reader)))
@@ -130,7 +119,7 @@ class ExchangeServer:
 
     def close(self) -> None:
         """Stop listening and close every connection (its drafter's next read ends)."""
-        stop_listening(self._servers, self.path)
+        self.stop_listening()
         for w in list(self._writers):
             w.close()
 

@@ -132,7 +132,39 @@ async def read_frame(reader: asyncio.StreamReader, limit: int = MAX_FRAME) -> by
     return await reader.readexactly(size)
 
 
-class OutputServer:
+class Listener:
+    """A verifier's server, on the loop that starts it: a Unix socket (`path`, named for
+    `prefix` and the incarnation) and TCP on `host`, and the secret every connection's first
+    frame carries (`hello`). `OutputServer` and the exchange's server are this."""
+
+    def __init__(self, prefix: str, incarnation: str, node: str, host: str) -> None:
+        self.incarnation, self.node, self.host = incarnation, node, host
+        self.path = socket_path(f"{prefix}-{incarnation[:16]}")
+        self.secret = secrets.token_hex(16)
+        self.port = 0
+        self._servers: list[asyncio.AbstractServer] = []
+        self._starting = asyncio.Lock()
+
+    async def start_listening(self, serve) -> None:
+        """`serve` each connection, listening from the first call on."""
+        async with self._starting:            # callers asking at once: one of them starts listening
+            if not self._servers:
+                self._servers, self.port = await listen(serve, self.path, self.host)
+
+    async def hello(self, reader: asyncio.StreamReader, fields: int) -> list[str]:
+        """A connection's first frame: `fields` strings, the last our secret; ValueError (or a
+        timeout) otherwise."""
+        hello = msgpack.unpackb(await asyncio.wait_for(read_frame(reader, HELLO_LIMIT), CONNECT_TIMEOUT_S))
+        if not (isinstance(hello, list) and len(hello) == fields and all(isinstance(x, str) for x in hello)
+                and secrets.compare_digest(hello[-1], self.secret)):
+            raise ValueError(f"a first frame is {fields} strings, the last the address's secret")
+        return hello
+
+    def stop_listening(self) -> None:
+        stop_listening(self._servers, self.path)
+
+
+class OutputServer(Listener):
     """The verifier's side, on the loop that starts it (the engine's). `on_message(token, msg)`:
     a consumer's message (a list, its kind first), handled on that loop; it raises ValueError
     for one it cannot take, which closes that connection. `on_gone(token)`: a consumer's
@@ -140,30 +172,19 @@ class OutputServer:
 
     def __init__(self, incarnation: str, node: str, host: str, on_message: Callable[[str, list], None],
                  on_gone: Callable[[str], None]) -> None:
-        self.incarnation, self.node, self.host = incarnation, node, host
+        super().__init__("specflash-out", incarnation, node, host)
         self.on_message, self.on_gone = on_message, on_gone
         self.consumers: dict[str, asyncio.StreamWriter] = {}
-        self.path = socket_path(f"specflash-out-{incarnation[:16]}")
-        self.secret = secrets.token_hex(16)
-        self._servers: list[asyncio.AbstractServer] = []
-        self._starting = asyncio.Lock()
-        self.port = 0
         self.sent = 0                       # chunks written
 
     async def start(self) -> OutputAddress:
-        async with self._starting:            # consumers asking at once: one of them starts listening
-            if not self._servers:
-                self._servers, self.port = await listen(self._serve, self.path, self.host)
+        await self.start_listening(self._serve)
         return OutputAddress(self.incarnation, self.node, self.path, self.host, self.port, self.secret)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         token = None
         try:
-            hello = msgpack.unpackb(await asyncio.wait_for(read_frame(reader, HELLO_LIMIT), CONNECT_TIMEOUT_S))
-            if not (isinstance(hello, list) and len(hello) == 2 and all(isinstance(x, str) for x in hello)
-                    and secrets.compare_digest(hello[1], self.secret)):
-                raise ValueError("a consumer's first frame is [token, the address's secret]")
-            token = hello[0]
+            token = (await self.hello(reader, 2))[0]          # [the consumer's token, the secret]
             self.consumers[token] = writer
             writer.write(frame([token]))             # registered: its requests may follow
             while True:
@@ -186,9 +207,6 @@ class OutputServer:
                 self.on_gone(token)
             writer.close()
 
-    def connected(self, token: str) -> bool:
-        return token in self.consumers
-
     async def send(self, token: str, chunk: GenerationChunk) -> bool:
         """Write `chunk` to `token`'s connection; False when it has gone."""
         writer = self.consumers.get(token)
@@ -203,7 +221,7 @@ class OutputServer:
         return True
 
     def close(self) -> None:
-        stop_listening(self._servers, self.path)
+        self.stop_listening()
         for w in list(self.consumers.values()):
             w.close()
 
