@@ -228,6 +228,7 @@ def summarize(runs: dict[str, list]) -> list[dict]:
         return sum(len(r["token_ids"]) for r in rs) / max(sum(r["seconds"] for r in rs), 1e-9)
 
     base = tps(runs["off"])
+    categories = list(dict.fromkeys(r["category"] for r in runs["off"]))
     rows = []
     for name, rs in runs.items():
         drafted, accepted = sum(r.get("drafted", 0) for r in rs), sum(r.get("accepted", 0) for r in rs)
@@ -235,6 +236,9 @@ def summarize(runs: dict[str, list]) -> list[dict]:
         wall = sum(r.get("wall_s", 0.0) for r in rs)
         rows.append({
             "method": name, "tokens_per_s": tps(rs), "speedup": tps(rs) / base if base else 0.0,
+            # {category: speedup over off on that category's prompts}
+            "by_category": {c: tps([r for r in rs if r["category"] == c]) /
+                            max(tps([r for r in runs["off"] if r["category"] == c]), 1e-9) for c in categories},
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_accepted_len": (accepted + steps) / steps if steps else None,
             "gamma": accepted / (accepted + rejected) if accepted + rejected else None,
@@ -386,6 +390,8 @@ def report(args, runs: list, final: dict, costs: dict) -> dict:
     best = best_sync(rows)
     async_row = next(r for r in rows if r["method"] == "async")
     print(f"async ÷ the fastest sync ({best['method']}): {async_row['tokens_per_s'] / best['tokens_per_s']:.2f}")
+    by_category = {c: async_row["by_category"][c] / best["by_category"][c] for c in best["by_category"]}
+    print("  by category: " + ", ".join(f"{c} {v:.2f}" for c, v in by_category.items()))
     print("pipeline step costs (ms, fitted by the verifier as it ran): " +
           ", ".join(f"{k} {v:.1f}" for k, v in costs.items()))
     # plain steps that ran on the idle drafter's core too (warm-up included)
@@ -405,6 +411,7 @@ def report(args, runs: list, final: dict, costs: dict) -> dict:
     print("pipeline sequence-steps: " + ", ".join(f"{k} {v}" for k, v in steps.items()))
     result = {"args": vars(args), "rows": rows, "pipeline_costs_ms": costs, **borrowed, "drafters": drafters,
               "fastest_sync": best["method"], "async_over_fastest_sync": async_row["tokens_per_s"] / best["tokens_per_s"],
+              "async_over_fastest_sync_by_category": by_category,
               "steps": steps, "date": common.utc(), "machine": common.machine()}
     return result
 

@@ -86,7 +86,7 @@ def test_e2e_async_compares_the_pipeline_with_sync_at_its_best_chain_length(
     threads = torch.get_num_threads()
     try:
         assert bench.main(["--target", str(tiny_target), "--draft", str(close_draft), "--prompts", "1",
-                           "--categories", "code", "--max-tokens", "6", "--spec-len", "2", "--one-core-each",
+                           "--categories", "code,math", "--max-tokens", "6", "--spec-len", "2", "--one-core-each",
                            "--sync-spec-lens", "1,2,3", "--tag", "t"]) == 0
     finally:
         torch.set_num_threads(threads)
@@ -97,7 +97,14 @@ def test_e2e_async_compares_the_pipeline_with_sync_at_its_best_chain_length(
     fastest = max(("sync", "sync-k1", "sync-k3"), key=lambda m: rows[m]["tokens_per_s"])
     assert info["fastest_sync"] == fastest
     assert info["async_over_fastest_sync"] == rows["async"]["tokens_per_s"] / rows[fastest]["tokens_per_s"]
-    assert f"the fastest sync ({fastest})" in capsys.readouterr().out
+    # each category's ratio, from that category's runs alone
+    assert rows["off"]["by_category"] == {"code": 1.0, "math": 1.0}
+    by_category = info["async_over_fastest_sync_by_category"]
+    assert set(by_category) == {"code", "math"} and all(v > 0 for v in by_category.values())
+    for c, v in by_category.items():
+        assert v == rows["async"]["by_category"][c] / rows[fastest]["by_category"][c]
+    out = capsys.readouterr().out
+    assert f"the fastest sync ({fastest})" in out and f"by category: code {by_category['code']:.2f}" in out
     for bad in ("2,x", "0"):                                       # a clear error, nothing run
         with pytest.raises(SystemExit) as refused:
             bench.main(["--sync-spec-lens", bad])
