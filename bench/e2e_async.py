@@ -183,7 +183,7 @@ def sync_methods(target_dir: str, draft_dir: str, spec_len: int, threads: int,
             out = pair.engine.generate([req])[0]
             st = out.stats
             return dict(token_ids=out.token_ids, seconds=time.perf_counter() - start, drafted=st.num_drafted,
-                        accepted=st.num_accepted, steps=st.num_steps,
+                        accepted=st.num_accepted, steps=st.num_steps, draft_s=st.draft_s,
                         rejected_steps=getattr(st, "num_rejected_steps", 0))
         return run
 
@@ -234,6 +234,7 @@ def summarize(runs: dict[str, list]) -> list[dict]:
         drafted, accepted = sum(r.get("drafted", 0) for r in rs), sum(r.get("accepted", 0) for r in rs)
         steps, rejected = sum(r.get("steps", 0) for r in rs), sum(r.get("rejected_steps", 0) for r in rs)
         wall = sum(r.get("wall_s", 0.0) for r in rs)
+        draft_s = sum(r.get("draft_s", 0.0) for r in rs)      # in process only (the pipeline's is its drafter's)
         rows.append({
             "method": name, "tokens_per_s": tps(rs), "speedup": tps(rs) / base if base else 0.0,
             # {category: speedup over off on that category's prompts}
@@ -242,6 +243,8 @@ def summarize(runs: dict[str, list]) -> list[dict]:
             "acceptance_rate": accepted / drafted if drafted else None,
             "mean_accepted_len": (accepted + steps) / steps if steps else None,
             "gamma": accepted / (accepted + rejected) if accepted + rejected else None,
+            # a sync chain's draft level (a node of a chain is one draft forward), prefills left out
+            "draft_ms_per_node": 1e3 * draft_s / drafted if draft_s and drafted else None,
             "verifier_idle_fraction": sum(r.get("idle_s", 0.0) for r in rs) / wall if wall else None,
             "exact_vs_off": sum(a["token_ids"] == b["token_ids"] for a, b in zip(rs, runs["off"])) / len(rs),
         })

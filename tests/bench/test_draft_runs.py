@@ -78,11 +78,20 @@ def test_the_async_model_replays_speculation_from_the_ranks(bench_script, tmp_pa
     fitted = m.Costs.from_run(run, 3.0)
     assert (fitted.d, fitted.sync_d, fitted.o, fitted.off_ms) == (1.0, 2.75, 0.5, 10.0)
     assert m.sync_ms(right, 9, 2, fitted) == 3 * 20.0
+    # ... unless the row says what its draft levels cost, as measured in process (the rate
+    # also carries each request's prefill)
+    run["rows"][1]["draft_ms_per_node"] = 1.25
+    assert m.Costs.from_run(run, 3.0).sync_d == 1.25
     # one shape seen in disturbed steps does not bend the line beyond the measured rows
     noisy = m.Costs({1: 10.0, 2: 12.0, 3: 40.0, 4: 16.0}, 1.0, 10.0, 0.0, 3.0)
     assert noisy.forward(6) == 20.0 and noisy.forward(3) == 40.0
     speed = m.model([{"category": "code", "ranks": ranks}], 9, 2, c)
     assert speed["sync"] == pytest.approx(90.0 / m.sync_ms(ranks, 9, 2, c))
+    # the fair baseline: sync's fastest chain of 1 .. K on the same prompts
+    by_k = {j: 90.0 / m.sync_ms(ranks, 9, j, c) for j in (1, 2)}
+    assert speed["fastest sync k"] == max(by_k, key=by_k.get)
+    assert speed["fastest sync"] == pytest.approx(max(by_k.values()))
+    assert speed["restart 3"] == pytest.approx(90.0 / m.pipeline_ms(ranks, 9, 2, c, restart=3)[0])
     # sync's very steps with their drafting hidden (not a bound on the others: a bridge may
     # commit a token more cheaply than a tree does)
     assert speed["never contradicted"] == pytest.approx(speed["sync"] * (2.0 + 14.5) / 14.5)
@@ -95,7 +104,7 @@ def test_the_async_model_replays_speculation_from_the_ranks(bench_script, tmp_pa
     assert m.main(["--ranks", str(tmp_path / "ranks.json"), "--costs", str(tmp_path / "run.json"),
                    "--spec-len", "2", "--max-tokens", "9", "--round-trip-ms", "3", "--hedges", "1"]) == 0
     out = capsys.readouterr().out
-    assert "| code | 3 |" in out and "hedged 1 (÷ sync)" in out
+    assert "| code | 3 |" in out and "hedged 1" in out and "fastest sync (K)" in out
     with pytest.raises(SystemExit):               # a hedge past the ranks kept: a clear error
         m.main(["--ranks", str(tmp_path / "ranks.json"), "--costs", str(tmp_path / "run.json"),
                 "--hedges", str(m.RANKS)])

@@ -97,6 +97,9 @@ def test_e2e_async_compares_the_pipeline_with_sync_at_its_best_chain_length(
     fastest = max(("sync", "sync-k1", "sync-k3"), key=lambda m: rows[m]["tokens_per_s"])
     assert info["fastest_sync"] == fastest
     assert info["async_over_fastest_sync"] == rows["async"]["tokens_per_s"] / rows[fastest]["tokens_per_s"]
+    # sync's draft level as measured in process (the async rows' drafting is the drafter's)
+    assert all(rows[m]["draft_ms_per_node"] > 0 for m in ("sync", "sync-k1", "sync-k3"))
+    assert rows["async"]["draft_ms_per_node"] is None and rows["off"]["draft_ms_per_node"] is None
     # each category's ratio, from that category's runs alone
     assert rows["off"]["by_category"] == {"code": 1.0, "math": 1.0}
     by_category = info["async_over_fastest_sync_by_category"]
