@@ -238,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also a table for drafts right at these shares of the misses (comma list, 0-1), "
                         "at the first --round-trip-ms")
     p.add_argument("--seeds", type=common.positive_int, default=5, help="random draws per --fix-misses share")
+    p.add_argument("--categories", type=common.comma_list(), default="",
+                   help="only these prompt categories (comma list; `all` is then theirs), as e2e_async ran")
     args = p.parse_args(argv)
     fixes, hedges = args.fix_misses, tuple(args.hedges)
     if any(not 0.0 <= f <= 1.0 for f in fixes) or not args.round_trip_ms:
@@ -247,6 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     ranked = json.loads(args.ranks.read_text()).get("ranks")
     if not ranked:
         p.error(f"{args.ranks} holds no per-prompt ranks: run bench/draft_runs.py again")
+    if args.categories:
+        ranked = [r for r in ranked if r["category"] in args.categories]
+        if not ranked:
+            p.error(f"--categories: none of {args.ranks}'s prompts is in {','.join(args.categories)}")
     n = min([args.max_tokens] + [len(r["ranks"]) for r in ranked])
     result = json.loads(args.costs.read_text())
     cats = sorted({r["category"] for r in ranked}) + ["all"]

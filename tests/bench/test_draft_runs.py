@@ -105,6 +105,16 @@ def test_the_async_model_replays_speculation_from_the_ranks(bench_script, tmp_pa
                    "--spec-len", "2", "--max-tokens", "9", "--round-trip-ms", "3", "--hedges", "1"]) == 0
     out = capsys.readouterr().out
     assert "| code | 3 |" in out and "hedged 1" in out and "fastest sync (K)" in out
+    (tmp_path / "ranks2.json").write_text(json.dumps({"ranks": [{"category": "code", "ranks": ranks},
+                                                                {"category": "chat", "ranks": far}]}))
+    assert m.main(["--ranks", str(tmp_path / "ranks2.json"), "--costs", str(tmp_path / "run.json"),
+                   "--spec-len", "2", "--max-tokens", "9", "--round-trip-ms", "3", "--categories", "code"]) == 0
+    out = capsys.readouterr().out                # the chat prompt left out, `all` is code's alone
+    assert "| code | 3 |" in out and "| chat |" not in out
+    assert out.split("| code | 3 |")[1].split("\n")[0] == out.split("| all | 3 |")[1].split("\n")[0]
+    with pytest.raises(SystemExit):               # no prompt of those categories: a clear error
+        m.main(["--ranks", str(tmp_path / "ranks.json"), "--costs", str(tmp_path / "run.json"), "--categories", "math"])
+    assert "--categories" in capsys.readouterr().err
     with pytest.raises(SystemExit):               # a hedge past the ranks kept: a clear error
         m.main(["--ranks", str(tmp_path / "ranks.json"), "--costs", str(tmp_path / "run.json"),
                 "--hedges", str(m.RANKS)])
