@@ -115,6 +115,15 @@ def test_the_async_model_replays_speculation_from_the_ranks(bench_script, tmp_pa
     with pytest.raises(SystemExit):               # no prompt of those categories: a clear error
         m.main(["--ranks", str(tmp_path / "ranks.json"), "--costs", str(tmp_path / "run.json"), "--categories", "math"])
     assert "--categories" in capsys.readouterr().err
+    # a better draft: every miss made right (fix 1) agrees everywhere, and its pipeline is never
+    # contradicted; fix 0 is the draft as it is
+    table = m.quality_table([{"category": "code", "ranks": ranks}], 9, 2, c, [0.0, 1.0], 2)
+    assert [row[:3] for row in table] == [["code", "0", "0.89"], ["code", "1", "1.00"],
+                                          ["all", "0", "0.89"], ["all", "1", "1.00"]]
+    same = m.model([{"category": "code", "ranks": ranks}], 9, 2, c, restarts=(3,))
+    assert table[0][4] == f"{same['restart 3'] / same['fastest sync']:.2f}"
+    assert table[1][4] == table[1][5]                 # nothing to contradict: restarts never happen
+    capsys.readouterr()
     with pytest.raises(SystemExit):               # a hedge past the ranks kept: a clear error
         m.main(["--ranks", str(tmp_path / "ranks.json"), "--costs", str(tmp_path / "run.json"),
                 "--hedges", str(m.RANKS)])
