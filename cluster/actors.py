@@ -269,12 +269,11 @@ class VerifierActor:
                                         node, cpus, gpus, idle))
         mail = self._mail[drafter]
         if not self.scheduler.registry.has_mail(drafter) and wait_s > 0:
+            from verifier.loop import wait_event
             mail.clear()
             self._polling.add(drafter)
             try:
-                await asyncio.wait_for(mail.wait(), wait_s)
-            except asyncio.TimeoutError:
-                pass
+                await wait_event(mail, wait_s)
             finally:
                 self._polling.discard(drafter)
         frame = encode_signals(self.scheduler.signals_for(drafter))
