@@ -35,8 +35,8 @@ sync's draft level as that run's sync row measured it in process, `draft_ms_per_
 
 With `--fix-misses`, the same for drafts of higher agreement at the same cost (a share
 of the misses made hits at random): how the pipeline's lead over sync moves with the
-draft's quality. Every figure is a speedup over the target alone; in parentheses, over the fastest
-sync chain of 1 .. K on the same prompts (the `--fix-misses` table: over sync at K).
+draft's quality. Every figure is a speedup over the target alone; in parentheses (and in the
+`--fix-misses` table's ratios), over the fastest sync chain of 1 .. K on the same prompts.
 The model leaves out batching, Python and Ray overheads beyond the round trip, and
 cache effects: it is for seeing which policy could pay and what bounds the pipeline,
 not a measurement (bench/e2e_async.py measures).
@@ -204,6 +204,12 @@ def better_draft(prompts: list[dict], fix: float, seed: int) -> list[dict]:
     return [{**pr, "ranks": [0 if r and rng.random() < fix else r for r in pr["ranks"]]} for pr in prompts]
 
 
+def by_category(ranked: list[dict]) -> list[tuple[str, list[dict]]]:
+    """(category, its prompts) for each category, then ("all", every prompt): the tables' rows."""
+    cats = sorted({r["category"] for r in ranked})
+    return [(cat, [r for r in ranked if r["category"] == cat]) for cat in cats] + [("all", ranked)]
+
+
 def quality_table(ranked: list[dict], n: int, k: int, c: Costs, fixes: list[float], seeds: int) -> list[list]:
     """How the pipeline's lead over sync's fastest chain moves with the draft's quality: each
     category's prompts (and all of them together) with a share of the misses made right; a lone
@@ -211,11 +217,11 @@ def quality_table(ranked: list[dict], n: int, k: int, c: Costs, fixes: list[floa
     printed table's rows (means over `seeds` draws)."""
     print(f"draft made right at a share of its misses, {seeds} seeds each (mean; ÷ fastest sync):")
     table = []
-    for cat in sorted({r["category"] for r in ranked}) + ["all"]:
+    for cat, prompts in by_category(ranked):
         for fix in fixes:
             rows = []
             for seed in range(seeds):
-                prs = better_draft([r for r in ranked if cat == "all" or r["category"] == cat], fix, seed)
+                prs = better_draft(prompts, fix, seed)
                 top1 = sum(x == 0 for pr in prs for x in pr["ranks"][:n]) / sum(len(pr["ranks"][:n]) for pr in prs)
                 m = model(prs, n, k, c, restarts=(3,))
                 rows.append((top1, m["fastest sync"], m["restart 3"] / m["fastest sync"],
@@ -259,14 +265,12 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--categories: none of {args.ranks}'s prompts is in {','.join(args.categories)}")
     n = min([args.max_tokens] + [len(r["ranks"]) for r in ranked])
     result = json.loads(args.costs.read_text())
-    cats = sorted({r["category"] for r in ranked}) + ["all"]
     print(f"K = {args.spec_len}, {n} tokens per prompt; costs from {args.costs.name}")
     table = []
     for rt in args.round_trip_ms:
         c = Costs.from_run(result, rt)
-        for cat in cats:
-            m = model([r for r in ranked if cat == "all" or r["category"] == cat], n, args.spec_len, c,
-                      hedges=hedges)
+        for cat, prompts in by_category(ranked):
+            m = model(prompts, n, args.spec_len, c, hedges=hedges)
             ratio = lambda name: f"{m[name]:.2f}× ({m[name] / m['fastest sync']:.2f})"   # noqa: E731
             table.append([cat, f"{rt:g}", f"{m['sync']:.2f}×", f"{m['fastest sync']:.2f}× ({m['fastest sync k']})",
                           *(ratio(name) for name in ("bridge", "restart 1", "restart 2", "restart 3")),
