@@ -30,6 +30,7 @@ import torch
 from cluster.exchange_socket import ExchangeAddress, ExchangeServer, SocketLink
 from cluster.outputs import OutputAddress, OutputServer
 from cluster.transport import RayLink, fetch_tree, unpack_puts
+from models.grammar import preload_vocabulary
 from speculation.policy import threads_of
 from speculation.requests import SpeculationOptions, error_chunk
 from speculation.settings import MAX_BRIDGE_DEPTH, EngineSettings
@@ -93,6 +94,7 @@ class VerifierActor:
         self.incarnation = uuid.uuid4().hex
         self.engine = EngineThread("verifier-engine")
         self.engine.build(self._build(target_dir, draft_dir, chains, eagle))
+        preload_vocabulary(target_dir)     # a structured request's first mask does not wait for it
         self.exchanges = ExchangeServer(self.incarnation, node_id(), ray.util.get_node_ip_address(), self._exchange)
         # requests and their chunks over a socket (`output_address`), on the engine's loop
         self.outputs = OutputServer(self.incarnation, node_id(), ray.util.get_node_ip_address(),
@@ -373,6 +375,7 @@ class DrafterActor:
             built.set_exception(e)
             return
         built.set_result((drafter, warm_up_s))
+        preload_vocabulary(target_dir)     # grammars name the target's tokenizer (models/grammar.py)
         drafter.run(self.link, self._stopped)
 
     def ready(self, timeout_s: float = 60.0) -> bool:
