@@ -29,7 +29,9 @@ def test_greedy_under_a_grammar_through_the_pipeline(make_engine, tiny_target, c
     alone = InProcessEngine(load_model(tiny_target))
     expected = [o.token_ids for o in alone.generate([GenerationRequest(f"a{i}", p, params(), speculation_for("off", 1, 1))
                                                      for i, p in enumerate(prompts)])]
-    engine = make_engine(tiny_target, close_draft, num_blocks=256, max_tree_wait_s=20.0)
+    # a loaded host can keep the drafter silent past the 2 s default (compiling the grammar,
+    # prefilling): the verifier would rightly decode alone, and nothing here would be drafted
+    engine = make_engine(tiny_target, close_draft, num_blocks=256, max_tree_wait_s=20.0, drafter_timeout_s=30.0)
 
     async def all_of(mode, width):
         return await asyncio.gather(*(collect(engine, GenerationRequest(
