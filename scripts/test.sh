@@ -5,4 +5,5 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 PY="${VIRTUAL_ENV:-$PWD/.venv}/bin/python"
 export TRITON_INTERPRET="${TRITON_INTERPRET:-1}"
-exec "$PY" -m pytest -q "$@"
+# --durations: the slowest tests in every CI log, to keep the run under 20 minutes
+exec "$PY" -m pytest -q --durations=40 "$@"
