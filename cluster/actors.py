@@ -94,7 +94,6 @@ class VerifierActor:
         self.incarnation = uuid.uuid4().hex
         self.engine = EngineThread("verifier-engine")
         self.engine.build(self._build(target_dir, draft_dir, chains, eagle))
-        preload_vocabulary(target_dir)     # a structured request's first mask does not wait for it
         self.exchanges = ExchangeServer(self.incarnation, node_id(), ray.util.get_node_ip_address(), self._exchange)
         # requests and their chunks over a socket (`output_address`), on the engine's loop
         self.outputs = OutputServer(self.incarnation, node_id(), ray.util.get_node_ip_address(),
@@ -106,6 +105,7 @@ class VerifierActor:
         from verifier.loop import EngineLoop
 
         self.scheduler, self.local, self.warm_up_s = self._models(target_dir, draft_dir, chains, eagle)
+        preload_vocabulary(target_dir)     # a structured request's first mask does not wait for it
         self.scheduler.fetch = self._fetch
         self.loop = EngineLoop(self.scheduler, self.local, inline=True)
         if self.local is not None:
@@ -371,11 +371,11 @@ class DrafterActor:
             side = DraftSide.build(draft_dir, config_of(target_dir).vocab_size, settings, wrap=wrap_proposer)
             drafter = Drafter(index, side, settings, node_id(), gpu_ids(settings.device))
             warm_up_s = side.warm_up(settings.spec_len)
+            preload_vocabulary(target_dir)     # grammars name the target's tokenizer (models/grammar.py)
         except BaseException as e:
             built.set_exception(e)
             return
         built.set_result((drafter, warm_up_s))
-        preload_vocabulary(target_dir)     # grammars name the target's tokenizer (models/grammar.py)
         drafter.run(self.link, self._stopped)
 
     def ready(self, timeout_s: float = 60.0) -> bool:

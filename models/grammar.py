@@ -104,26 +104,22 @@ def _compiler(key: str):
     raise GrammarError(f"no vocabulary {key!r} to compile a grammar against", "grammar")
 
 
-def preload_vocabulary(model_dir: str) -> threading.Thread | None:
-    """Load the vocabulary of `model_dir`'s tokenizer for grammars, on a thread of its own, under
-    the key the server names it by (its absolute path: serving/structured.py). A pipeline actor
-    calls this once built: loaded on a structured request's first mask instead, it imports
-    transformers and the tokenizer (~1.8 s for the embedded target's on this project's CPU,
-    tens of seconds on a loaded host) while every stream of that actor waits. None where the
-    directory holds no tokenizer."""
+def preload_vocabulary(model_dir: str) -> str | None:
+    """Load the vocabulary of `model_dir`'s tokenizer for grammars now, under the key the server
+    names it by (its absolute path: serving/structured.py); the key, or None where the directory
+    holds no tokenizer or it cannot be loaded (a request asking for it meets the error itself).
+    A pipeline actor calls this while it is built: loaded on a structured request's first mask
+    instead, it imports transformers and the tokenizer (~1.8 s for the embedded target's on this
+    project's CPU, tens of seconds on a loaded host) while every stream of that actor waits."""
     key = os.path.abspath(model_dir)
     if not any(os.path.exists(os.path.join(key, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
-
-    def load() -> None:
-        try:
-            _compiler(key)
-        except Exception as e:          # a request asking for it meets the error itself
-            log.warning("grammar vocabulary of %s not preloaded: %s: %s", key, type(e).__name__, e)
-
-    thread = threading.Thread(target=load, name="grammar-vocabulary", daemon=True)
-    thread.start()
-    return thread
+    try:
+        _compiler(key)
+    except Exception as e:
+        log.warning("grammar vocabulary of %s not preloaded: %s: %s", key, type(e).__name__, e)
+        return None
+    return key
 
 
 def compile_grammar(spec: GrammarSpec):

@@ -114,10 +114,12 @@ def test_greedy_tree_children_all_follow_the_grammar(hex16):
     assert {p[1] for p in paths if len(p) > 1 and p[0] != 1} <= set(range(5, 13))
 
 
-def test_a_model_directorys_vocabulary_preloads_once_off_the_callers_thread(tmp_path, monkeypatch):
-    """A pipeline actor loads its target's tokenizer for grammars on a thread when built
-    (`preload_vocabulary`), under the key the server names it by; a request compiling at the
-    same time waits for that one load instead of making its own."""
+def test_a_model_directorys_vocabulary_preloads_once_however_many_ask(tmp_path, monkeypatch):
+    """A pipeline actor loads its target's tokenizer for grammars while it is built
+    (`preload_vocabulary`), under the key the server names it by; threads asking for a
+    directory's vocabulary at once share one load."""
+    import threading
+
     import models.grammar as grammar
     from tests.conftest import byte_tokenizer
 
@@ -132,12 +134,14 @@ def test_a_model_directorys_vocabulary_preloads_once_off_the_callers_thread(tmp_
 
     monkeypatch.setattr(grammar, "register_vocabulary", counted)
     key = str((tmp_path / "model").resolve())
-    threads = [grammar.preload_vocabulary(str(tmp_path / "model" / ".")) for _ in range(2)]
+    keys = []
+    threads = [threading.Thread(target=lambda: keys.append(grammar.preload_vocabulary(str(tmp_path / "model" / "."))))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
     compiled = grammar.compile_grammar(GrammarSpec("regex", "[a-c]{2}", vocabulary=key))
     for t in threads:
         t.join(60)
-        assert not t.is_alive()
-    assert loads == [key] and compiled is not None
-    ab = [ord("a"), ord("b")]
-    mask = grammar_mask(GrammarSpec("regex", "[a-c]{2}", vocabulary=key), [], ab[:1], [[]], 259)
+    assert loads == [key] and keys == [key, key] and compiled is not None
+    mask = grammar_mask(GrammarSpec("regex", "[a-c]{2}", vocabulary=key), [], [ord("a")], [[]], 259)
     assert allowed_ids(mask[0]) == {ord("a"), ord("b"), ord("c")}
