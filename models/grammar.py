@@ -93,8 +93,9 @@ def _compiler(key: str):
     with _lock:
         if key in _compilers:
             return _compilers[key]
-        loading = _loading.setdefault(key, threading.Lock())
     if key and os.path.isdir(key):          # another process of the pipeline: load it there, once
+        with _lock:
+            loading = _loading.setdefault(key, threading.Lock())
         with loading:
             if key not in _compilers:
                 from transformers import AutoTokenizer
@@ -111,8 +112,10 @@ def preload_vocabulary(model_dir: str) -> str | None:
     A pipeline actor calls this while it is built: loaded on a structured request's first mask
     instead, it imports transformers and the tokenizer (~1.8 s for the embedded target's on this
     project's CPU, tens of seconds on a loaded host) while every stream of that actor waits."""
+    from models.pair import has_tokenizer
+
     key = os.path.abspath(model_dir)
-    if not any(os.path.exists(os.path.join(key, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+    if not has_tokenizer(key):
         return None
     try:
         _compiler(key)
