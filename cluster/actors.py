@@ -314,7 +314,7 @@ class VerifierActor:
         from verifier.loop import gc_report
 
         local = None if self.local is None else {**self.local.drafters[0].stats.as_dict(),
-                                                  "ms_per_token_by_threads": self.local.report()}
+                                                  "ms_per_row_by_threads": self.local.report()}
         return {**self.scheduler.report(), "warm_up_s": self.warm_up_s, "local_drafter": local, **gc_report()}
 
     async def kv_usage(self) -> dict:

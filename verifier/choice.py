@@ -58,16 +58,22 @@ class WindowedChoice:
     """Of a few ways to run a run of steps, the one measured cheapest per unit over windows of
     consecutive steps (`MeasuredChoice` over the windows): a window's cost is its wall time,
     step end to step end, so that what a way costs beside its own work (another thread's
-    wake-ups, a core it takes from a neighbour) counts too, per unit of work done (committed
-    tokens). The first step after a switch or a restart is left out: it pays for the switch."""
+    wake-ups, a core it takes from a neighbour) counts too, per unit of work the caller counts
+    (committed tokens for the regime, rows verified for the threads). The first step after a
+    switch or a restart is left out: it pays for the switch."""
 
     def __init__(self, default: Hashable, window: int = 12, trials: int = 2, recheck: int = 12,
-                 gap_s: float | None = None) -> None:
+                 gap_s: float | None = None, cut: float | None = None, cut_after: int = 3) -> None:
         """`gap_s`: a step that began later than this after the last one ended (the loop idled
-        between them) restarts the measurement; None: waits between steps are a way's cost."""
+        between them) restarts the measurement; None: waits between steps are a way's cost.
+        `cut`: a window that after `cut_after` steps already costs more per unit than `cut` times
+        the cheapest other candidate measured ends there, its sample kept (a way clearly worse
+        is not run for a whole window at each trial and recheck); None: windows run whole (for
+        a unit too noisy over a few steps, such as committed tokens)."""
         self.choice = MeasuredChoice(trials, recheck)
         self.current = default
         self.window, self.gap_s = window, gap_s
+        self.cut, self.cut_after = cut, cut_after
         self._last: float | None = None      # when the previous step ended
         self._reset(skip=True)
 
@@ -89,11 +95,18 @@ class WindowedChoice:
         self._steps += 1
         self._units += units
         self._seconds += seconds
-        if self._steps >= self.window:
+        if self._steps >= self.window or self._clearly_worse(candidates):
             self.choice.observe(self.current, self._seconds, self._units)
             chosen = self.choice.pick(candidates)
             self._reset(skip=chosen != self.current)
             self.current = chosen
+
+    def _clearly_worse(self, candidates: Sequence[Hashable]) -> bool:
+        """The window so far costs `cut` times the cheapest other candidate's measured cost."""
+        if self.cut is None or self._steps < self.cut_after or self._units <= 0:
+            return False
+        best_other = min((self.choice.cost(c) for c in candidates if c != self.current), default=float("inf"))
+        return self._seconds / self._units > self.cut * best_other
 
     def _reset(self, skip: bool) -> None:
         self._steps, self._units, self._seconds = 0, 0.0, 0.0

@@ -11,8 +11,15 @@ draft-then-verify step; a drafter here always runs in lockstep (`ring_slots` 1).
 Where the verifier may borrow an idle remote drafter's cores (the stand-in drafter of the Ray
 verifier, `lockstep_in_verifier`), a lockstep turn (the draft passes and the forward that
 verifies them) runs on whichever of its own threads and the borrowed ones has measured cheaper
-per committed token over windows of steps (`verifier.choice.WindowedChoice`: step end to step
-end, so that what a count costs beside the turn counts too). One count for the whole turn:
+per row verified over windows of steps (`verifier.choice.WindowedChoice`: step end to step
+end, so that what a count costs beside the turn counts too). Rows, not committed tokens: both
+counts verify the same trees, and a window's tokens vary with the acceptance by ~15% where its
+rows do not, so a count clearly worse shows within a few steps and its window is cut there (a
+one-thread window of the embedded pair's turns cost 1.5 times a two-thread one's on an Intel
+Xeon, and its trials and rechecks took 27 of a 160-token request's 60 steps before the cut).
+When the counts on offer change (an idle drafter's cores come or go) the measurement restarts
+on the first, the most threads: a window begun without them says nothing of the choice now.
+One count for the whole turn:
 switching torch's thread count between the passes and the forward cost more than either choice
 saved (a micro-pair level took 1.2 ms on one thread between forwards on two, 1.9 ms when the
 forward's count was chosen apart, 1.0 ms with everything on one). On two shared cores a team
@@ -32,6 +39,7 @@ from speculation.wire import Signal
 from verifier.choice import WindowedChoice
 
 IDLE_GAP_S = 0.002    # a step begun this long after the last one ended followed an idle loop: not measured
+CUT = 1.2             # a count's window ends once it costs this times the other's per row (WindowedChoice.cut)
 
 
 class Drafting(Protocol):
@@ -55,7 +63,7 @@ class InProcessDrafters:
         self.drafters = drafters
         self.num_cpus = num_cpus
         # a lockstep turn's threads: our own, or with the idle drafters' too (None: not chosen yet)
-        self.threads = WindowedChoice(None, gap_s=IDLE_GAP_S)
+        self.threads = WindowedChoice(None, gap_s=IDLE_GAP_S, cut=CUT)
         self.candidates: tuple[int, ...] = ()   # the counts this round's turn could run on
         self.turn: int | None = None      # the threads this round's passes ran on (None: none chosen)
 
@@ -91,23 +99,25 @@ class InProcessDrafters:
                                        d.resync_requests(), d.node, self.num_cpus, None, not drafted.more))
 
     def _pick(self, candidates: tuple[int, ...]) -> int:
-        self.candidates = tuple(dict.fromkeys(candidates))
-        if self.threads.current not in self.candidates:      # the first turn, or the counts changed
-            self.threads.current = self.candidates[0]
+        offered = tuple(dict.fromkeys(candidates))
+        if offered != self.candidates:      # the first turn, or the counts changed
+            self.candidates = offered
+            self.threads.current = offered[0]
             self.threads.restart(None)
         return self.threads.current
 
-    def observe_step(self, threads: int, tokens: int, began: float, ended: float) -> None:
+    def observe_step(self, threads: int, rows: int, began: float, ended: float) -> None:
         """The step whose forward verified this round's trees ran on `threads`, from `began` to
-        `ended`, committing `tokens`: measured, when its passes ran on that count too."""
+        `ended`, verifying `rows` (each tree's nodes and its root): measured, when its passes ran
+        on that count too."""
         if self.turn is not None and threads == self.turn:
-            self.threads.observe(tokens, ended, self.candidates, began)
+            self.threads.observe(rows, ended, self.candidates, began)
         else:
             self.threads.restart(ended)
         self.turn = None
 
     def report(self) -> dict[str, float]:
-        """{threads: median ms per committed token} of each count measured."""
+        """{threads: median ms per row verified} of each count measured."""
         return self.threads.choice.report()
 
     @staticmethod

@@ -74,7 +74,7 @@ def test_the_verifier_actor_builds_warms_up_and_serves_on_its_model_thread(tiny_
         # the stand-in's turns tried its own thread and the idle drafter's borrowed core in turn (a
         # window of steps each: 160 tokens take 40 steps or more, 4 tokens a step at most, and two
         # windows of 12 with a left-out step before each take 26)
-        by_threads = (await actor.get_stats())["local_drafter"]["ms_per_token_by_threads"]
+        by_threads = (await actor.get_stats())["local_drafter"]["ms_per_row_by_threads"]
         assert set(by_threads) == {"1", "2"} and all(ms > 0 for ms in by_threads.values())
         return tokens
 

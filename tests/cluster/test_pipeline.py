@@ -252,7 +252,7 @@ def test_lockstep_one_tree_in_flight_borrows_the_idle_drafters_cores(ray_cluster
             if in_verifier:       # its first window ran on the borrowed cores (both counts measured in
                 # tests/cluster/test_model_threads.py)
                 assert stats["borrowed_steps"] > 0, stats
-                assert set(stats["local_drafters"][0]["ms_per_token_by_threads"]) <= {"1", "2"}, stats
+                assert set(stats["local_drafters"][0]["ms_per_row_by_threads"]) <= {"1", "2"}, stats
         finally:
             engine.kill_pipeline_actors()
 

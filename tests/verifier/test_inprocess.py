@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from drafter.runtime import DraftPass
-from verifier.choice import MeasuredChoice
+from verifier.choice import MeasuredChoice, WindowedChoice
 from verifier.inprocess import InProcessDrafters
 
 
@@ -72,11 +72,12 @@ class _Drafter:
         return []
 
 
-def test_a_turn_runs_on_the_count_whose_steps_commit_tokens_fastest():
+def test_a_turn_runs_on_the_count_whose_steps_verify_rows_fastest():
     """Windows of steps, step end to step end: one thread's steps take 3 ms here and two
     threads' 5 ms (what the turn's own seconds would not show: a second thread's wait for a
-    busy core lands between the turns). The first step after a switch is left out; a step
-    whose forward ran on another count, or that began after an idle loop, restarts the window."""
+    busy core lands between the turns). The first step after a switch is left out; a trial of
+    the count already measured clearly worse ends after `cut_after` steps; a step whose forward
+    ran on another count, or that began after an idle loop, restarts the window."""
     import torch
 
     before = torch.get_num_threads()
@@ -100,17 +101,20 @@ def test_a_turn_runs_on_the_count_whose_steps_commit_tokens_fastest():
                 pump.observe_step(turn, 2, began, clock[0])
 
     try:
-        # the lent count first (its first step starts the clock, the next is left out), then each in
-        # turn until each has had 2 windows, each after the switch's step left out
-        asyncio.run(steps(4 * (window + 1) + 1, 2))
+        # the lent count first (its first step starts the clock, the next is left out), then one
+        # thread's window; two threads' second trial is cut after `cut_after` steps (5 ms against
+        # 3: more than `CUT` times), then one thread's second window, each after the switch's step
+        cut = pump.threads.cut_after
+        asyncio.run(steps(3 * (window + 1) + cut + 3, 2))
         runs = drafter.threads
         assert runs[:window + 2] == [2] * (window + 2) and runs[window + 2:2 * window + 3] == [1] * (window + 1)
-        assert runs.count(1) == 2 * (window + 1) and runs.count(2) == 2 * (window + 1) + 1
-        assert pump.report() == {"1": pytest.approx(1.5), "2": pytest.approx(2.5)}    # ms per token
+        assert runs[2 * window + 3:2 * window + 4 + cut] == [2] * (cut + 1)
+        assert runs[2 * window + 4 + cut:] == [1] * (window + 2)
+        assert pump.report() == {"1": pytest.approx(1.5), "2": pytest.approx(2.5)}    # ms per row
         drafter.threads.clear()
         asyncio.run(steps(window, 2))
         assert drafter.threads == [1] * window           # one thread: 1.5 ms a token against 2.5
-        assert len(received) == 5 * window + 5 and all(e.draft_levels == 1 for e in received)
+        assert len(received) == 4 * window + cut + 6 and all(e.draft_levels == 1 for e in received)
         # a forward on another count than its passes', or a step after an idle loop: no sample
         asyncio.run(pump(scheduler, run, 2))
         pump.observe_step(2, 2, clock[0], clock[0] + 100.0)
@@ -123,5 +127,51 @@ def test_a_turn_runs_on_the_count_whose_steps_commit_tokens_fastest():
         drafter.threads.clear()
         asyncio.run(steps(3, None))              # no threads given: the turn keeps the current ones
         assert drafter.threads == [torch.get_num_threads()] * 3 and pump.turn is None
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_window_on_a_way_clearly_worse_is_cut_short():
+    """`cut`: once the other way is measured, a window that after `cut_after` steps costs more
+    than `cut` times it per unit ends there and its sample counts; within the margin, or without
+    a cut, it runs whole."""
+    def run(costs: dict, cut) -> list:
+        w = WindowedChoice("a", window=6, trials=2, recheck=100, cut=cut, cut_after=2)
+        clock, ways = 0.0, []
+        w.observe(1, clock, ("a", "b"))               # starts the clock
+        for _ in range(40):
+            ways.append(w.current)
+            clock += costs[w.current]
+            w.observe(1, clock, ("a", "b"))
+        return ways
+
+    # a (the default) runs its window (the first step after the start left out), then b's whole
+    # (nothing of a's... a is measured: b at 3x is cut after the switch's step and 2 more)
+    cut = run({"a": 1.0, "b": 3.0}, 1.2)
+    assert cut[:7] == ["a"] * 7 and cut[7:14] == ["b"] * 3 + ["a"] * 4
+    assert cut[14:] == ["a"] * 3 + ["b"] * 3 + ["a"] * 20
+    assert run({"a": 1.0, "b": 3.0}, None).count("b") == 14          # no cut: two whole windows
+    assert run({"a": 1.0, "b": 1.1}, 1.2).count("b") == 14          # within the margin: whole
+
+
+def test_when_the_counts_on_offer_change_the_turn_restarts_on_the_most():
+    """A window begun on the verifier's own threads while the drafter was busy does not run on
+    once the drafter's cores are lent: the turn moves to the most threads and measures afresh."""
+    import torch
+
+    before = torch.get_num_threads()
+    drafter = _Drafter()
+    scheduler = SimpleNamespace(threads=1, signals_for=lambda i: [], receive=lambda e: None)
+    pump = InProcessDrafters([drafter], num_cpus=1)
+
+    async def run(fn, *args):
+        return fn(*args)
+
+    try:
+        for offered in (1, 1, 1, 2, 2, 1, 2):
+            asyncio.run(pump(scheduler, run, offered))
+            pump.observe_step(pump.turn, 2, 0.0, 0.001)
+        assert drafter.threads == [1, 1, 1, 2, 2, 1, 2]
+        assert pump.threads.choice.samples == {}                 # no window ran whole
     finally:
         torch.set_num_threads(before)
