@@ -27,7 +27,7 @@ from serving.openai_models import (APIError, ChatCompletionRequest, CompletionRe
                                    Prepared, SamplingFields, engine_api_error, parse_body)
 from serving.prom import PrometheusExporter, ServingStats
 from serving.responses import Echo, Logprobs, TokenIds, best_of, sse, usage
-from serving.structured import forced_tool, grammar_of, tool_call_message
+from serving.structured import forced_tool, grammar_of, preload_server_vocabulary, tool_call_message
 from speculation.requests import Engine, GenerationRequest, InvalidRequest, SpeculationOptions
 from models.grammar import GrammarError
 from models.sampling import SamplingParams
@@ -86,6 +86,7 @@ class OpenAIServer:
         self._cuts: set[asyncio.Future] = set()  # one per running choice; done = fail it now
         self.vocab_size = len(tokenizer)
         self.created = int(time.time())
+        preload_server_vocabulary(tokenizer)     # grammars' vocabulary: not the first structured request's wait
 
     def check_api_key(self, authorization: str | None) -> str:
         """The client (`key-<i>`, or "anonymous" when no key is configured); 401 for a bad key."""

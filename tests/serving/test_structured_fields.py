@@ -133,3 +133,22 @@ def test_completions_take_no_tools_and_grammars_refuse_min_tokens_and_ignore_eos
         r = post(client, "/v1/completions", {"guided_regex": "a+", name: value})
         assert r.status_code == 400 and name in r.json()["error"]["message"], r.text
     assert engine.requests == []
+
+
+def test_the_server_registers_its_vocabulary_as_it_starts():
+    """xgrammar's table of the server's tokenizer is made when the server is built, not on the
+    first structured request; a tokenizer it cannot take leaves the server up."""
+    from serving import structured
+
+    tok = tiny_byte_tokenizer()
+    OpenAIServer(FakeEngine(), tok, ServerSettings(max_context=256))
+    key = structured._server_vocabularies.get(id(tok))
+    assert key is not None and structured.vocabulary_of(tok) == key
+
+    class NoVocabulary:
+        name_or_path = ""
+
+        def __len__(self) -> int:
+            return 3
+
+    assert structured.preload_server_vocabulary(NoVocabulary()) is None
