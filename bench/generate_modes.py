@@ -12,9 +12,14 @@ within a round, the short and long runs of a mode back to back; the rate reporte
 over rounds, with each ratio to `off` and `async ÷ sync`. Beside it, the rate each long run
 reports itself (its request's own time, prefill included, start-up not): the outside rate is
 what a user waits for but carries the start-up's noise (Ray's start varies by seconds), the
-inside rate is steadier. One discarded warm-up run of each mode comes first (`--warmup`). A mode named `<mode>-eagle` drafts
-with the embedded EAGLE head (`--proposer eagle`) instead of the layered draft. Every run's tokens are checked equal
-to `off`'s (greedy). Writes generate_modes-<time>.json under bench/results/.
+inside rate is steadier. The segment rate is the outside rate's difference taken inside: (long −
+short) over the difference of the two runs' own request times, so that neither start-up nor a
+request's first step (its prefill, and in `sync` an engine's first, cold forward: 0.59 s against
+the warmed-up pipeline's 0.16 on the embedded pair) enters it: the decoding rate between the two
+lengths, without the start-up's noise. One discarded warm-up run of each mode comes first
+(`--warmup`). A mode named `<mode>-eagle` drafts with the embedded EAGLE head (`--proposer eagle`)
+instead of the layered draft. Every run's tokens are checked equal to `off`'s (greedy). Writes
+generate_modes-<time>.json under bench/results/.
 """
 from __future__ import annotations
 
@@ -64,35 +69,44 @@ def measure(args) -> dict:
     for _ in range(args.warmup):
         for mode in args.modes:
             run_once(mode, args.short, args)
-    rates, in_run = {m: [] for m in args.modes}, {m: [] for m in args.modes}
+    rates, in_run, segment = ({m: [] for m in args.modes} for _ in range(3))
     tokens = {}
     for r in range(args.rounds):
         for mode in args.modes:
-            t_short, _, _ = run_once(mode, args.short, args)
+            t_short, _, inside_short = run_once(mode, args.short, args)
             t_long, toks, inside = run_once(mode, args.long, args)
             rates[mode].append((args.long - args.short) / (t_long - t_short))
             in_run[mode].append(inside)
+            spent = args.long / inside - args.short / inside_short     # the long request's extra seconds
+            segment[mode].append((args.long - args.short) / spent if spent > 0 else None)
             tokens.setdefault(mode, toks)
             print(f"round {r + 1} {mode}: {t_short:.1f} s for {args.short}, {t_long:.1f} s for {args.long}: "
-                  f"{rates[mode][-1]:.1f} tokens/s; in the long run's own time {inside:.1f}", flush=True)
+                  f"{rates[mode][-1]:.1f} tokens/s; in the long run's own time {inside:.1f}, between the "
+                  f"two lengths in the runs' own times {common.cell(segment[mode][-1], '.1f')}", flush=True)
     ref = tokens.get("off")
     return {m: {"rates": rates[m], "tokens_per_s": statistics.median(rates[m]), "in_run_rates": in_run[m],
                 "in_run_tokens_per_s": statistics.median(in_run[m]),
+                "segment_rates": segment[m],      # None: the long request took no longer than the short
+                "segment_tokens_per_s": statistics.median([x for x in segment[m] if x is not None] or [0.0]),
                 "exact_vs_off": None if ref is None else tokens[m] == ref} for m in args.modes}
 
 
 def summary(result: dict) -> str:
     off = result.get("off", {})
-    rows = [(m, *(cell for key in ("tokens_per_s", "in_run_tokens_per_s")
-                  for cell in (common.cell(r[key], ".1f"), common.cell(r[key] / off[key] if off else None, ".2f"))),
+    keys = ("tokens_per_s", "in_run_tokens_per_s", "segment_tokens_per_s")
+    rows = [(m, *(cell for key in keys
+                  for cell in (common.cell(r.get(key), ".1f"),
+                               common.cell(r[key] / off[key] if off and key in r else None, ".2f"))),
              "–" if r["exact_vs_off"] is None else ("yes" if r["exact_vs_off"] else "NO"))
             for m, r in result.items()]
     table = common.markdown_table(("mode", "tokens/s from outside (median)", "× off", "tokens/s in the run (median)",
-                                   "× off", "tokens = off"), rows)
+                                   "× off", "tokens/s between the lengths, in the runs (median)", "× off",
+                                   "tokens = off"), rows)
     if "async" in result and "sync" in result:
         a, s = result["async"], result["sync"]
         table += (f"\n\nasync ÷ sync: {a['tokens_per_s'] / s['tokens_per_s']:.2f} from outside, "
-                  f"{a['in_run_tokens_per_s'] / s['in_run_tokens_per_s']:.2f} in the run")
+                  f"{a['in_run_tokens_per_s'] / s['in_run_tokens_per_s']:.2f} in the run, "
+                  f"{a['segment_tokens_per_s'] / s['segment_tokens_per_s']:.2f} between the lengths in the runs")
     return table
 
 

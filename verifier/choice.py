@@ -45,9 +45,14 @@ class MeasuredChoice:
         seen = self.samples.get(candidate)
         return statistics.median(seen) if seen else float("inf")
 
-    def observe(self, candidate: Hashable, seconds: float, units: float) -> None:
+    def observe(self, candidate: Hashable, seconds: float, units: float, settled: bool = False) -> None:
+        """A sample of `candidate`; `settled`: it stands for every trial the candidate still lacks
+        (it was seen to be clearly worse: no second trial until a recheck)."""
         if units > 0:
-            self.samples.setdefault(candidate, deque(maxlen=self.trials)).append(seconds / units)
+            seen = self.samples.setdefault(candidate, deque(maxlen=self.trials))
+            seen.append(seconds / units)
+            while settled and len(seen) < self.trials:
+                seen.append(seconds / units)
 
     def report(self) -> dict[str, float]:
         """{candidate: median ms per unit} of every candidate measured."""
@@ -67,9 +72,10 @@ class WindowedChoice:
         """`gap_s`: a step that began later than this after the last one ended (the loop idled
         between them) restarts the measurement; None: waits between steps are a way's cost.
         `cut`: a window that after `cut_after` steps already costs more per unit than `cut` times
-        the cheapest other candidate measured ends there, its sample kept (a way clearly worse
-        is not run for a whole window at each trial and recheck); None: windows run whole (for
-        a unit too noisy over a few steps, such as committed tokens)."""
+        the cheapest other candidate measured ends there, its sample standing for every trial the
+        way still lacks (a way clearly worse is not run for a whole window, nor tried again before
+        a recheck); None: windows run whole (for a unit too noisy over a few steps, such as
+        committed tokens)."""
         self.choice = MeasuredChoice(trials, recheck)
         self.current = default
         self.window, self.gap_s = window, gap_s
@@ -95,8 +101,9 @@ class WindowedChoice:
         self._steps += 1
         self._units += units
         self._seconds += seconds
-        if self._steps >= self.window or self._clearly_worse(candidates):
-            self.choice.observe(self.current, self._seconds, self._units)
+        worse = self._steps < self.window and self._clearly_worse(candidates)
+        if self._steps >= self.window or worse:
+            self.choice.observe(self.current, self._seconds, self._units, settled=worse)
             chosen = self.choice.pick(candidates)
             self._reset(skip=chosen != self.current)
             self.current = chosen

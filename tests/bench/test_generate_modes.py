@@ -16,6 +16,8 @@ def test_generate_modes_times_whole_processes_and_checks_tokens(tiny_target, clo
     assert sorted(modes) == ["off", "sync"]
     assert all(m["exact_vs_off"] is True and len(m["rates"]) == 1 for m in modes.values())
     assert all(len(m["in_run_rates"]) == 1 and m["in_run_tokens_per_s"] > 0 for m in modes.values())
+    # the segment: 6 tokens over the difference of the two runs' own request times
+    assert all(len(m["segment_rates"]) == 1 and m["segment_tokens_per_s"] > 0 for m in modes.values())
     assert "| sync |" in capsys.readouterr().out
 
 

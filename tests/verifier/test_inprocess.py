@@ -133,8 +133,8 @@ def test_a_turn_runs_on_the_count_whose_steps_verify_rows_fastest():
 
 def test_a_window_on_a_way_clearly_worse_is_cut_short():
     """`cut`: once the other way is measured, a window that after `cut_after` steps costs more
-    than `cut` times it per unit ends there and its sample counts; within the margin, or without
-    a cut, it runs whole."""
+    than `cut` times it per unit ends there, its sample standing for every trial the way lacks
+    (not tried again before a recheck); within the margin, or without a cut, it runs whole."""
     def run(costs: dict, cut) -> list:
         w = WindowedChoice("a", window=6, trials=2, recheck=100, cut=cut, cut_after=2)
         clock, ways = 0.0, []
@@ -145,11 +145,10 @@ def test_a_window_on_a_way_clearly_worse_is_cut_short():
             w.observe(1, clock, ("a", "b"))
         return ways
 
-    # a (the default) runs its window (the first step after the start left out), then b's whole
-    # (nothing of a's... a is measured: b at 3x is cut after the switch's step and 2 more)
+    # a (the default) runs its window (the first step after the start left out); b at 3x is cut
+    # after the switch's step and 2 more, which settles both its trials; then a alone
     cut = run({"a": 1.0, "b": 3.0}, 1.2)
-    assert cut[:7] == ["a"] * 7 and cut[7:14] == ["b"] * 3 + ["a"] * 4
-    assert cut[14:] == ["a"] * 3 + ["b"] * 3 + ["a"] * 20
+    assert cut[:7] == ["a"] * 7 and cut[7:] == ["b"] * 3 + ["a"] * 30
     assert run({"a": 1.0, "b": 3.0}, None).count("b") == 14          # no cut: two whole windows
     assert run({"a": 1.0, "b": 1.1}, 1.2).count("b") == 14          # within the margin: whole
 

@@ -26,7 +26,8 @@ def test_each_way_is_measured_then_the_faster_kept_and_the_other_rechecked():
     assert choice.lockstep() is OVERLAP                      # the rule's way first
     measured = []                                            # the way each completed window ran
     observe = choice.windows.choice.observe
-    choice.windows.choice.observe = lambda way, seconds, tokens: (measured.append(way), observe(way, seconds, tokens))
+    choice.windows.choice.observe = lambda way, seconds, tokens, **kw: (measured.append(way),
+                                                                       observe(way, seconds, tokens, **kw))
     clock, speed = [0.0], {OVERLAP: 0.030, LOCKSTEP: 0.020}   # lockstep commits faster here
     while len(measured) < 8:
         run_steps(choice, "a", 1, clock, speed)
