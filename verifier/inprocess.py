@@ -14,9 +14,10 @@ verifies them) runs on whichever of its own threads and the borrowed ones has me
 per row verified over windows of steps (`verifier.choice.WindowedChoice`: step end to step
 end, so that what a count costs beside the turn counts too). Rows, not committed tokens: both
 counts verify the same trees, and a window's tokens vary with the acceptance by ~15% where its
-rows do not, so a count clearly worse shows within a few steps and its window is cut there (a
-one-thread window of the embedded pair's turns cost 1.5 times a two-thread one's on an Intel
-Xeon, and its trials and rechecks took 27 of a 160-token request's 60 steps before the cut).
+rows do not, so a count clearly worse shows within a few steps: its window is cut there and it
+is not tried again before a recheck (a one-thread window of the embedded pair's turns cost 1.5
+times a two-thread one's on an Intel Xeon; its trials took 27 of a 160-token request's 60 steps
+before the cut, 4 after).
 When the counts on offer change (an idle drafter's cores come or go) the measurement restarts
 on the first, the most threads: a window begun without them says nothing of the choice now.
 One count for the whole turn:
