@@ -131,6 +131,17 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
         assert va.step_threads(plain) == 1
         await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0, idle=True)   # drafted, idle again
         assert va.step_threads(plain) == 2
+        # a stream drafted in our own process (the stand-in) takes turns with the target and never
+        # drafts beside a forward: the idle drafter's cores stay lent (its prefill ran on one
+        # thread before), while the same work for the drafter of another process takes them back
+        drafter = s.drafter
+        va.scheduler.registry.in_process.add(7)
+        s.drafter, s.budget = 7, (2, 1)
+        assert va.scheduler.members.drafters_idle() and va.step_threads(plain) == 2
+        s.drafter = drafter if drafter is not None else 0
+        assert not va.scheduler.members.drafters_idle() and va.step_threads(plain) == 1
+        s.drafter, s.budget = drafter, (0, 0)
+        va.scheduler.registry.in_process.discard(7)
         va.scheduler.registry.drafters[0].last_seen -= 60                       # a silent drafter lends nothing
         assert va.step_threads(plain) == 1
         va.scheduler.streams.pop("q")
