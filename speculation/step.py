@@ -43,6 +43,11 @@ class StepItem:
     header: Any = None            # the drafter's speculation.wire.TreeHeader; None = not a drafter's tree
 
 
+def tree_rows(batch: Iterable[StepItem]) -> int:
+    """Rows a verification forward of `batch` runs: each tree's nodes and its root."""
+    return sum(1 + it.tree.num_nodes for it in batch)
+
+
 @dataclass
 class StepOutcome:
     item: StepItem

@@ -51,8 +51,8 @@ class MeasuredChoice:
         if units > 0:
             seen = self.samples.setdefault(candidate, deque(maxlen=self.trials))
             seen.append(seconds / units)
-            while settled and len(seen) < self.trials:
-                seen.append(seconds / units)
+            if settled:
+                seen.extend([seconds / units] * (self.trials - len(seen)))
 
     def report(self) -> dict[str, float]:
         """{candidate: median ms per unit} of every candidate measured."""

@@ -17,13 +17,12 @@ counts verify the same trees, and a window's tokens vary with the acceptance by 
 rows do not, so a count clearly worse shows within a few steps: its window is cut there and it
 is not tried again before a recheck (a one-thread window of the embedded pair's turns cost 1.5
 times a two-thread one's on an Intel Xeon; its trials took 27 of a 160-token request's 60 steps
-before the cut, 4 after).
-When the counts on offer change (an idle drafter's cores come or go) the measurement restarts
-on the first, the most threads: a window begun without them says nothing of the choice now.
-One count for the whole turn:
-switching torch's thread count between the passes and the forward cost more than either choice
-saved (a micro-pair level took 1.2 ms on one thread between forwards on two, 1.9 ms when the
-forward's count was chosen apart, 1.0 ms with everything on one). On two shared cores a team
+before the cut, 4 after). When the counts on offer change (an idle drafter's cores come or go)
+the measurement restarts on the first, the most threads: a window begun without them says
+nothing of the choice now. One count for the whole turn: switching torch's thread count between
+the passes and the forward cost more than either choice saved (a micro-pair level took 1.2 ms
+on one thread between forwards on two, 1.9 ms when the forward's count was chosen apart, 1.0 ms
+with everything on one). On two shared cores a team
 of two threads waits for the core that Ray's own threads and the consumer's process keep waking
 on, which on the micro pair costs more than the second thread saves (bench/README.md, "micro
 pair"; a turn's own seconds hid it: two threads measured cheaper per turn, one thread ran more

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from speculation.requests import GenerationChunk, SpeculationOptions, merge_chunks
-from speculation.step import speculative_step
+from speculation.step import speculative_step, tree_rows
 from speculation.step_log import SequenceStep, StepLog, VerifierStep
 from verifier.admission import settle_riders
 from verifier.scheduler import Scheduler
@@ -336,7 +336,7 @@ class EngineLoop:
             settle_riders(sch, chunks, seconds)
         end = time.monotonic()
         if turn is not None:
-            self.pump.observe_step(threads, sum(1 + o.item.tree.num_nodes for o in outcomes), start, end)
+            self.pump.observe_step(threads, tree_rows(batch), start, end)
         sch.stats.observe_wall(end - start)
         waited = sch.costs.idle_carry - draft_s       # the waits for trees since the last step
         # the planner pays what a step really costs: its wall time plus the idle waits before it

@@ -40,7 +40,7 @@ from speculation.proposal import DraftRequest
 from speculation.requests import GenerationChunk, InvalidRequest, SpeculationOptions, resolve_speculation
 from speculation.settings import MAX_SPEC_LEN, EngineSettings
 from speculation.stats import SpecStats
-from speculation.step import StepItem, StepOutcome
+from speculation.step import StepItem, StepOutcome, tree_rows
 from speculation.transport import Exchange
 from speculation.wire import Signal
 from verifier.admission import Admission, check_request
@@ -396,9 +396,9 @@ class Scheduler:
         self.stats.observe_batch(seconds)
         if borrowed:
             self.stats.observe_borrowed_step()
-        tree_rows, fed = sum(1 + it.tree.num_nodes for it in batch), sum(len(c.ids or ()) for c in chunks or ())
-        self.chunks.observe_step(step_s, tree_rows, fed)
-        rows = tree_rows + fed       # a chunk's rows are rows of the forward too
+        rows_of_trees, fed = tree_rows(batch), sum(len(c.ids or ()) for c in chunks or ())
+        self.chunks.observe_step(step_s, rows_of_trees, fed)
+        rows = rows_of_trees + fed       # a chunk's rows are rows of the forward too
         self.costs.observe_forward(rows, seconds, borrowed)
         trees = drafted(batch)
         levels = max(int(it.tree.depths.max()) for it in trees) if self.step_kind.lockstep else None
