@@ -134,6 +134,11 @@ def machine() -> dict:
 
 
 # -- tables ------------------------------------------------------------------------------------
+def ratio(num: float | None, den: float | None) -> float | None:
+    """num / den, or None where either is missing or zero (no figure to compare)."""
+    return None if not (num and den) else num / den
+
+
 def cell(value: float | None, spec: str, none: str = "–") -> str:
     """`value` formatted by `spec` ('.2f', '.1%'), or `none` where there is no value."""
     return none if value is None else format(value, spec)

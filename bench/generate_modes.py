@@ -87,16 +87,21 @@ def measure(args) -> dict:
     return {m: {"rates": rates[m], "tokens_per_s": statistics.median(rates[m]), "in_run_rates": in_run[m],
                 "in_run_tokens_per_s": statistics.median(in_run[m]),
                 "segment_rates": segment[m],      # None: the long request took no longer than the short
-                "segment_tokens_per_s": statistics.median([x for x in segment[m] if x is not None] or [0.0]),
+                "segment_tokens_per_s": _median_of_measured(segment[m]),
                 "exact_vs_off": None if ref is None else tokens[m] == ref} for m in args.modes}
+
+
+def _median_of_measured(rates: list[float | None]) -> float | None:
+    """The median of the rates measured (None where no round measured one)."""
+    measured = [x for x in rates if x is not None]
+    return statistics.median(measured) if measured else None
 
 
 def summary(result: dict) -> str:
     off = result.get("off", {})
     keys = ("tokens_per_s", "in_run_tokens_per_s", "segment_tokens_per_s")
     rows = [(m, *(cell for key in keys
-                  for cell in (common.cell(r.get(key), ".1f"),
-                               common.cell(r[key] / off[key] if off and key in r else None, ".2f"))),
+                  for cell in (common.cell(r[key], ".1f"), common.cell(common.ratio(r[key], off.get(key)), ".2f"))),
              "–" if r["exact_vs_off"] is None else ("yes" if r["exact_vs_off"] else "NO"))
             for m, r in result.items()]
     table = common.markdown_table(("mode", "tokens/s from outside (median)", "× off", "tokens/s in the run (median)",
@@ -106,7 +111,8 @@ def summary(result: dict) -> str:
         a, s = result["async"], result["sync"]
         table += (f"\n\nasync ÷ sync: {a['tokens_per_s'] / s['tokens_per_s']:.2f} from outside, "
                   f"{a['in_run_tokens_per_s'] / s['in_run_tokens_per_s']:.2f} in the run, "
-                  f"{a['segment_tokens_per_s'] / s['segment_tokens_per_s']:.2f} between the lengths in the runs")
+                  f"{common.cell(common.ratio(a['segment_tokens_per_s'], s['segment_tokens_per_s']), '.2f')} "
+                  f"between the lengths in the runs")
     return table
 
 

@@ -167,10 +167,6 @@ def match_control(streams: list[dict], control: list[dict], start: float, end: f
     return out
 
 
-def _ratio(num: float | None, den: float | None) -> float | None:
-    return None if not (num and den) else num / den
-
-
 async def control_streams(engine, tokenizer, args, max_tokens: int) -> list[dict]:
     """The interference run's decoding streams, `max_tokens` each, with no long prompt arriving
     (module doc, 2.): all decode to the same length, so the batch stays whole to the end."""
@@ -203,8 +199,8 @@ def p99_figures(before: list[float], during: list[float], control: list[float]) 
     control (`ratio_control`), and how many gaps each held: one pair's, or pairs' pooled."""
     p99 = {k: percentile(g, 99) for k, g in (("before", before), ("during", during), ("control", control))}
     return {"p99_itl_before_s": p99["before"], "p99_itl_during_s": p99["during"],
-            "p99_itl_control_s": p99["control"], "ratio": _ratio(p99["during"], p99["before"]),
-            "ratio_control": _ratio(p99["during"], p99["control"]), "gaps_before": len(before),
+            "p99_itl_control_s": p99["control"], "ratio": common.ratio(p99["during"], p99["before"]),
+            "ratio_control": common.ratio(p99["during"], p99["control"]), "gaps_before": len(before),
             "gaps_during": len(during), "gaps_control": len(control)}
 
 
