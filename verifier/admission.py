@@ -116,7 +116,7 @@ class Admission:
                 sch.lookup.add(rid, s.mode, s.spec_len)
         # first budgets planned with the running batch (a tree that a large batch's plan would
         # never allow would also take its steps off the borrowed cores)
-        sch.plan_overlap()
+        sch.plan_overlap([sch.streams[rid] for rid in joins])
         lendable = sch.registry.lendable_threads(now=False)
         extra = sch.costs.refilling(len(beside) + len(joins), lendable)
         first = sch.adaptive.plan_joining(joins, beside + [(0, 0)] * extra,

@@ -381,11 +381,12 @@ class Scheduler:
         alone = len(live) == 1 and self.members.overlapped_alone(live[0].drafter)
         return restart_tree_depth(self.settings, MAX_SPEC_LEN, alone)
 
-    def plan_overlap(self) -> None:
+    def plan_overlap(self, joining: list[VerifyStream] = ()) -> None:
         """Before a plan: the step-cost model of how the drafters run now (`StepCosts.choose`):
         lockstep while every drafter runs in lockstep, else overlapped, with bridges; and the
-        cost of the prompt chunk that each step pays while a prefill is under way."""
-        self.costs.choose(self.members.plan_bridges(), self.registry.lendable_threads(now=False))
+        cost of the prompt chunk that each step pays while a prefill is under way. `joining`:
+        the streams being admitted (`Membership.plan_bridges`)."""
+        self.costs.choose(self.members.plan_bridges(joining), self.registry.lendable_threads(now=False))
         waiting = bool(self.joins) or any(s.under_way for s in self.streams.values())   # a chunk a step too
         self.adaptive.chunk_s = self.chunks.seconds(self.chunks.tokens(True) or 0) if waiting else 0.0
 

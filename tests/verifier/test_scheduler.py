@@ -15,6 +15,7 @@ import torch
 
 from drafter.streams import DraftStream
 from models.sampling import SamplingParams
+from speculation.requests import SpeculationOptions
 
 from .harness import Harness
 
@@ -216,6 +217,38 @@ def test_a_lone_stream_runs_in_lockstep_beside_a_cpu_drafter_with_as_many_cores(
             setattr(d, key, old)
         va.scheduler.settings.lockstep_alone = False
         assert not va.scheduler.members.lockstep(0) and va.step_threads(step) == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_joining_streams_first_tree_is_priced_the_way_its_drafter_will_run(tiny_target):
+    """Admission plans a stream's first budget before it has a drafter: the step-cost model is
+    the one of the drafter `_choose` will give it. A lone stream goes to the stand-in in our
+    process, which drafts in lockstep; two joining together go to the drafter of another
+    process, overlapped (before, a joiner without a drafter was always planned as overlapped,
+    with a model fitted from other steps, and a lone stream's first step decoded alone)."""
+    threads = torch.get_num_threads()
+    try:
+        va = Harness(tiny_target, **{"num_blocks": 64, "block_size": 16, "lookup": False})
+        sch = va.scheduler
+        sch.registry.node_id = "n1"
+        asyncio.run(va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0))     # lockstep with one stream
+        sch.registry.local = 7                                               # the stand-in
+        sch.registry.in_process.add(7)
+        asyncio.run(va.exchange(7, "local", [], 0.0, node="n1", idle=True))
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        q = sch.add("q", [5, 6, 7], params, SpeculationOptions(mode="auto"), lambda chunk: None)
+        assert sch.members.plan_bridges() and not sch.members.plan_bridges([q])
+        sch.plan_overlap([q])
+        assert sch.adaptive.costs is sch.costs.lockstep and not sch.adaptive.bridges
+        r = sch.add("r", [5, 6, 8], params, SpeculationOptions(mode="auto"), lambda chunk: None)
+        assert sch.members.plan_bridges([q, r])                   # both to d0: two streams, overlapped
+        sch.plan_overlap([q, r])
+        assert sch.adaptive.costs is sch.costs.overlap and sch.adaptive.bridges
+        off = sch.add("o", [5, 6, 9], params, SpeculationOptions(mode="off"), lambda chunk: None)
+        assert not sch.members.plan_bridges([q, off])             # a stream that wants no drafter
+        sch.admission._admit(["q"])                               # admission plans it so
+        assert q.drafter == 7 and sch.adaptive.costs is sch.costs.lockstep
     finally:
         torch.set_num_threads(threads)
 
