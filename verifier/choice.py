@@ -33,12 +33,16 @@ class MeasuredChoice:
         counts = {n: len(self.samples.get(n, ())) for n in options}
         if min(counts.values()) < self.trials:
             return min(options, key=lambda n: counts[n])
-        best = min(options, key=self.cost)
+        best = self.best(options)
         self.uses += 1
         if self.uses % self.recheck == 0:
             others = [n for n in options if n != best]
             return others[(self.uses // self.recheck) % len(others)]
         return best
+
+    def best(self, candidates: Sequence[Hashable]) -> Hashable:
+        """The candidate measured cheapest (the earliest given among those unmeasured or tied)."""
+        return min(dict.fromkeys(candidates), key=self.cost)
 
     def cost(self, candidate: Hashable) -> float:
         """Median seconds per unit measured for `candidate` (inf before any sample)."""

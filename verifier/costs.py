@@ -41,6 +41,8 @@ class StepKind:
     lockstep: bool = False     # it has drafted trees, every one's drafter in lockstep when collected
     settling: bool = False     # a lone stream's regime switched a step or two before (`verifier.regime`):
     #                            trees drafted the other way may still arrive, so its waits price neither way
+    trial: bool = False        # its lockstep turn ran on a thread count being tried, not the one the turns
+    #                            run on (`verifier.inprocess.InProcessDrafters.trying`): priced nowhere
 
 
 class StepCosts:
@@ -121,7 +123,13 @@ class StepCosts:
         depth when every drafted tree came from a drafter in lockstep (None otherwise). The wait
         for a drafter's first trees after a (re)sync (`spec.catching_up`: its prompt's prefill)
         is left out: once a request, not once a step; so is a wait while a lone stream's regime
-        settles after a switch (`spec.settling`)."""
+        settles after a switch (`spec.settling`). A step whose turn ran on a thread count being
+        tried (`spec.trial`) prices nothing: plans are for the count the turns run on (the
+        embedded pair's one-thread trial turns, 36 ms a forward against 22, went into the lockstep
+        model's row means and draft fit, and priced trees dear for dozens of steps after)."""
+        if spec.trial:
+            self.idle_carry = 0.0
+            return
         priced = not (spec.catching_up or spec.settling)
         waited = self.idle_carry if priced else 0.0
         if lockstep_levels is not None:

@@ -106,6 +106,12 @@ class InProcessDrafters:
             self.threads.restart(None)
         return self.threads.current
 
+    def trying(self, threads: int) -> bool:
+        """Whether this round's turn ran on `threads` as a trial: not the count measured cheapest
+        (the first offered until one is measured)."""
+        return self.turn is not None and threads == self.turn and \
+            threads != self.threads.choice.best(self.candidates)
+
     def observe_step(self, threads: int, rows: int, began: float, ended: float) -> None:
         """The step whose forward verified this round's trees ran on `threads`, from `began` to
         `ended`, verifying `rows` (each tree's nodes and its root): measured, when its passes ran

@@ -336,6 +336,7 @@ class EngineLoop:
             settle_riders(sch, chunks, seconds)
         end = time.monotonic()
         if turn is not None:
+            sch.step_kind.trial = self.pump.trying(threads)
             self.pump.observe_step(threads, tree_rows(batch), start, end)
         sch.stats.observe_wall(end - start)
         waited = sch.costs.idle_carry - draft_s       # the waits for trees since the last step

@@ -53,6 +53,22 @@ def test_in_lockstep_the_wait_is_the_draft_per_level_less_the_catch_up():
     assert c.overlap.wait == 0.0
 
 
+def test_a_turn_on_a_thread_count_being_tried_prices_nothing():
+    """The stand-in's trial turns on another thread count (verifier/inprocess.py) are not what
+    the turns cost: neither the forward nor the wait before it enters any model."""
+    c = step_costs()
+    for _ in range(6):
+        c.idle_carry = 0.009
+        c.observe_step(4, 0.024, 3, False, True, StepKind(planned=True))
+    before = (c.lockstep.verify_time(4), c.lockstep.draft_coefficients)
+    for _ in range(4):
+        c.idle_carry = 0.014
+        c.observe_step(4, 0.036, 3, False, True, StepKind(planned=True, trial=True))
+        assert c.idle_carry == 0.0
+    assert (c.lockstep.verify_time(4), c.lockstep.draft_coefficients) == before
+    assert before[0] == pytest.approx(0.024)
+
+
 def test_in_lockstep_steps_decoding_alone_price_one_row_for_the_lockstep_plans():
     """The in-process engine steps in lockstep: its plans weigh a tree against decoding alone
     by the lockstep model, which must see the one-row steps too. Fitted from tree steps alone

@@ -98,8 +98,10 @@ def test_a_turn_runs_on_the_count_whose_steps_verify_rows_fastest():
             turn = pump.turn
             clock[0] = began + step_s[turn if turn is not None else 1]
             if turn is not None:
+                trials.append(pump.trying(turn))
                 pump.observe_step(turn, 2, began, clock[0])
 
+    trials = []
     try:
         # the lent count first (its first step starts the clock, the next is left out), then one
         # thread's window; two threads' second trial is cut after `cut_after` steps (5 ms against
@@ -111,6 +113,9 @@ def test_a_turn_runs_on_the_count_whose_steps_verify_rows_fastest():
         assert runs[2 * window + 3:2 * window + 4 + cut] == [2] * (cut + 1)
         assert runs[2 * window + 4 + cut:] == [1] * (window + 2)
         assert pump.report() == {"1": pytest.approx(1.5), "2": pytest.approx(2.5)}    # ms per row
+        # a turn on a count other than the cheapest measured (the first offered before any) is a trial,
+        # which the step costs leave out (verifier.costs.StepKind.trial)
+        assert trials == [False] * (window + 2) + [True] * (window + 1) + [True] * (cut + 1) + [False] * (window + 2)
         drafter.threads.clear()
         asyncio.run(steps(window, 2))
         assert drafter.threads == [1] * window           # one thread: 1.5 ms a token against 2.5
