@@ -72,18 +72,21 @@ class WindowedChoice:
     switch or a restart is left out: it pays for the switch."""
 
     def __init__(self, default: Hashable, window: int = 12, trials: int = 2, recheck: int = 12,
-                 gap_s: float | None = None, cut: float | None = None, cut_after: int = 3) -> None:
+                 gap_s: float | None = None, cut: float | None = None, cut_after: int = 3,
+                 cut_first: float | None = None) -> None:
         """`gap_s`: a step that began later than this after the last one ended (the loop idled
         between them) restarts the measurement; None: waits between steps are a way's cost.
         `cut`: a window that after `cut_after` steps already costs more per unit than `cut` times
         the cheapest other candidate measured ends there, its sample standing for every trial the
         way still lacks (a way clearly worse is not run for a whole window, nor tried again before
         a recheck); None: windows run whole (for a unit too noisy over a few steps, such as
-        committed tokens)."""
+        committed tokens). `cut_first`: a larger margin at which the window ends after its first
+        measured step already (a trial of a way 1.6 times dearer then costs the switch's step and
+        one more, not four)."""
         self.choice = MeasuredChoice(trials, recheck)
         self.current = default
         self.window, self.gap_s = window, gap_s
-        self.cut, self.cut_after = cut, cut_after
+        self.cut, self.cut_after, self.cut_first = cut, cut_after, cut_first
         self._last: float | None = None      # when the previous step ended
         self._reset(skip=True)
 
@@ -113,11 +116,13 @@ class WindowedChoice:
             self.current = chosen
 
     def _clearly_worse(self, candidates: Sequence[Hashable]) -> bool:
-        """The window so far costs `cut` times the cheapest other candidate's measured cost."""
-        if self.cut is None or self._steps < self.cut_after or self._units <= 0:
+        """The window so far costs `cut` times the cheapest other candidate's measured cost (after
+        `cut_after` steps; `cut_first` times it, after one)."""
+        margin = self.cut if self._steps >= self.cut_after else self.cut_first
+        if margin is None or self._units <= 0:
             return False
         best_other = min((self.choice.cost(c) for c in candidates if c != self.current), default=float("inf"))
-        return self._seconds / self._units > self.cut * best_other
+        return self._seconds / self._units > margin * best_other
 
     def _reset(self, skip: bool) -> None:
         self._steps, self._units, self._seconds = 0, 0.0, 0.0

@@ -14,10 +14,11 @@ verifies them) runs on whichever of its own threads and the borrowed ones has me
 per row verified over windows of steps (`verifier.choice.WindowedChoice`: step end to step
 end, so that what a count costs beside the turn counts too). Rows, not committed tokens: both
 counts verify the same trees, and a window's tokens vary with the acceptance by ~15% where its
-rows do not, so a count clearly worse shows within a few steps: its window is cut there and it
-is not tried again before a recheck (a one-thread window of the embedded pair's turns cost 1.5
-times a two-thread one's on an Intel Xeon; its trials took 27 of a 160-token request's 60 steps
-before the cut, 4 after). When the counts on offer change (an idle drafter's cores come or go)
+rows do not, so a count clearly worse shows within a few steps: its window is cut there, after
+one measured step at 1.4 times the other's cost or three at 1.2, and it is not tried again
+before a recheck (a one-thread turn of the embedded pair cost 1.6 times a two-thread one on an
+Intel Xeon, 56 ms against 35: its trials took 27 of a 160-token request's 60 steps before any
+cut, 4 with the cut after three, 2 with the cut after one). When the counts on offer change (an idle drafter's cores come or go)
 the measurement restarts on the first, the most threads: a window begun without them says
 nothing of the choice now. One count for the whole turn: switching torch's thread count between
 the passes and the forward cost more than either choice saved (a micro-pair level took 1.2 ms
@@ -40,6 +41,7 @@ from verifier.choice import WindowedChoice
 
 IDLE_GAP_S = 0.002    # a step begun this long after the last one ended followed an idle loop: not measured
 CUT = 1.2             # a count's window ends once it costs this times the other's per row (WindowedChoice.cut)
+CUT_FIRST = 1.4       # ... or after its first measured step at this (WindowedChoice.cut_first)
 
 
 class Drafting(Protocol):
@@ -63,7 +65,7 @@ class InProcessDrafters:
         self.drafters = drafters
         self.num_cpus = num_cpus
         # a lockstep turn's threads: our own, or with the idle drafters' too (None: not chosen yet)
-        self.threads = WindowedChoice(None, gap_s=IDLE_GAP_S, cut=CUT)
+        self.threads = WindowedChoice(None, gap_s=IDLE_GAP_S, cut=CUT, cut_first=CUT_FIRST)
         self.candidates: tuple[int, ...] = ()   # the counts this round's turn could run on
         self.turn: int | None = None      # the threads this round's passes ran on (None: none chosen)
 

@@ -104,9 +104,10 @@ def test_a_turn_runs_on_the_count_whose_steps_verify_rows_fastest():
     trials = []
     try:
         # the lent count first (its first step starts the clock, the next is left out), then one
-        # thread's window; two threads' second trial is cut after `cut_after` steps (5 ms against
-        # 3: more than `CUT` times), then one thread's second window, each after the switch's step
-        cut = pump.threads.cut_after
+        # thread's window; two threads' second trial is cut after its first measured step (5 ms
+        # against 3: more than `CUT_FIRST` times), then one thread's second window, each after the
+        # switch's step
+        cut = 1
         asyncio.run(steps(3 * (window + 1) + cut + 3, 2))
         runs = drafter.threads
         assert runs[:window + 2] == [2] * (window + 2) and runs[window + 2:2 * window + 3] == [1] * (window + 1)
@@ -155,6 +156,21 @@ def test_a_window_on_a_way_clearly_worse_is_cut_short():
     cut = run({"a": 1.0, "b": 3.0}, 1.2)
     assert cut[:7] == ["a"] * 7 and cut[7:] == ["b"] * 3 + ["a"] * 30
     assert run({"a": 1.0, "b": 3.0}, None).count("b") == 14          # no cut: two whole windows
+    # `cut_first`: at that margin the window ends after its first measured step; below it, after
+    # `cut_after`
+    def run_first(cost_b: float) -> list:
+        w = WindowedChoice("a", window=6, trials=2, recheck=100, cut=1.2, cut_after=3, cut_first=1.4)
+        clock, ways = 0.0, []
+        w.observe(1, clock, ("a", "b"))
+        for _ in range(40):
+            ways.append(w.current)
+            clock += {"a": 1.0, "b": cost_b}[w.current]
+            w.observe(1, clock, ("a", "b"))
+        return ways
+
+    assert run_first(1.6)[7:] == ["b"] * 2 + ["a"] * 31              # the switch's step and one
+    assert run_first(1.3)[7:] == ["b"] * 4 + ["a"] * 29              # the switch's step and three
+    assert run_first(1.1).count("b") == 14
     assert run({"a": 1.0, "b": 1.1}, 1.2).count("b") == 14          # within the margin: whole
 
 
