@@ -7,7 +7,8 @@ element is computed the same way whatever the number of rows, so a token's
 logits do not depend on how many tokens were verified with it. The weight
 may also be float16 (converted in registers, fp32 arithmetic): half the
 memory traffic, or int8 with a scale per weight row: a quarter; for drafts,
-whose weights need not be exact.
+whose weights need not be exact (int8 on AVX-512 where the CPU has it: 16 weights
+an instruction, ~1.4x the AVX2 loop on a 576-wide draft's matmuls).
 
 `panel_linear(x, panels, n, bias)` is the same product for a float32 weight
 repacked once (`panel_pack`) into panels of 16 output columns
@@ -263,10 +264,12 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tens
 
 
 def panel_isa(want: str | None = None) -> str:
-    """The instruction set `panel_linear` (and the decoder layer's panels) runs on: "avx512" where
-    the CPU has it, else "avx2"; `want` ("avx2" / "avx512") switches it for the calls that follow
-    (AVX-512 only where the CPU has it; `SPECFLASH_CPU_AVX512=0` starts on AVX2). Both give the
-    same bits (kernels/cpu/panel_gemm.c)."""
+    """The instruction set `panel_linear` (and the decoder layer's panels) and `skinny_linear` on
+    int8 weights run on: "avx512" where the CPU has it, else "avx2"; `want` ("avx2" / "avx512")
+    switches it for the calls that follow (AVX-512 only where the CPU has it;
+    `SPECFLASH_CPU_AVX512=0` starts on AVX2). The panels give the same bits either way
+    (kernels/cpu/panel_gemm.c); int8 weights, a draft's, other bits, each row's the same whatever
+    the other rows (kernels/cpu/skinny_gemm.c)."""
     lib = _load()
     if lib is None:
         raise CpuKernelError(f"CPU kernels unavailable: {_error}")

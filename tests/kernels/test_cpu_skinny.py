@@ -79,8 +79,21 @@ def test_float16_weights_compute_in_float32(K):
     assert torch.equal(cpu.skinny_linear(x, w, b), cpu.skinny_linear(x, w.float(), b))
 
 
-@pytest.mark.parametrize("K", [16, 37, 576])
-def test_int8_weights_with_row_scales(K):
+ISAS = ["avx2", "avx512"] if HAS_AVX512 else ["avx2"]
+
+
+@pytest.fixture
+def isa(request):
+    """The instruction set the kernels take for the test (`panel_isa`), given back after."""
+    before = cpu.panel_isa()
+    cpu.panel_isa(request.param)
+    yield request.param
+    cpu.panel_isa(before)
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+@pytest.mark.parametrize("K", [16, 37, 48, 576])
+def test_int8_weights_with_row_scales(K, isa):
     g = torch.Generator().manual_seed(K)
     q = torch.randint(-127, 128, (70, K), generator=g, dtype=torch.int8)
     scales = torch.rand(70, generator=g) * 0.01 + 1e-4
@@ -115,6 +128,20 @@ def test_drafts_round_their_layers_and_read_low_precision_copies(fmt):
     assert net[0]._pack._low[0].dtype == (torch.float16 if fmt == "fp16" else torch.int8)
     with pytest.raises(ValueError, match="unknown draft weight format"):
         low_precision(before[0], "int4")
+
+
+@pytest.mark.parametrize("isa", ISAS, indirect=True)
+def test_an_int8_row_does_not_depend_on_its_neighbours_or_threads(isa):
+    """A draft's int8 rows (on AVX-512 other bits than on AVX2, the same whatever M and threads)."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randint(-127, 128, (300, 584), generator=g, dtype=torch.int8)
+    scales = torch.rand(300, generator=g) * 0.01 + 1e-4
+    b = torch.randn(300, generator=g)
+    x = torch.randn(cpu.MAX_ROWS, 584, generator=g)
+    full = cpu.skinny_linear(x, q, b, threads=1, scales=scales)
+    for m in range(1, cpu.MAX_ROWS + 1):
+        assert torch.equal(cpu.skinny_linear(x[:m], q, b, threads=1, scales=scales), full[:m])
+        assert torch.equal(cpu.skinny_linear(x[m - 1:m], q, b, threads=2, scales=scales), full[m - 1:m])
 
 
 @pytest.mark.parametrize("layout", ["rows", "panels", "panels-avx2"])
