@@ -87,8 +87,8 @@ DEFINE_ROW(4, i8_, int8_t, LOAD8_I8, LOAD1_I8, OUT_SCALED)
 /* Columns [n0, n1) of y: weight rows in memory order, x rows in groups of 4, the rest as 2, 1
  * or 2 + 1 (a weight row is read from memory once; a second group reads it again from L1).
  * `python bench/cpu_matmul.py --rows 1 2 3 4 5 6 7 8` times each count in a whole forward. */
-#define DEFINE_COLUMNS(SFX, WT)                                                                  \
-static void columns_##SFX(const float *x, const WT *w, const float *scales, const float *bias,  \
+#define DEFINE_COLUMNS(SFX, WT, ATTR)                                                            \
+ATTR static void columns_##SFX(const float *x, const WT *w, const float *scales, const float *bias,  \
                           float *y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {   \
     for (int64_t n = n0; n < n1; n++) {                                                          \
         const WT *wr = w + n * K;                                                                \
@@ -109,9 +109,9 @@ static void columns_##SFX(const float *x, const WT *w, const float *scales, cons
     }                                                                                            \
 }
 
-DEFINE_COLUMNS(f32_, float)
-DEFINE_COLUMNS(f16_, uint16_t)
-DEFINE_COLUMNS(i8_, int8_t)
+DEFINE_COLUMNS(f32_, float, )
+DEFINE_COLUMNS(f16_, uint16_t, )
+DEFINE_COLUMNS(i8_, int8_t, )
 
 /* ---- int8 on AVX-512 --------------------------------------------------------------------------
  * Drafts' int8 weights are compute-bound on AVX2 (8 weights a load, extend and convert: ~28 GB/s of
@@ -124,7 +124,7 @@ DEFINE_COLUMNS(i8_, int8_t)
 
 #define DEFINE_ROW512_I8(G)                                                                      \
 __attribute__((target("avx512f")))                                                               \
-static inline void row512_i8_##G(const float *x, const int8_t *wr, float *y, int64_t K, int64_t N, \
+static inline void row_i8_512_##G(const float *x, const int8_t *wr, float *y, int64_t K, int64_t N, \
                                  float b, float sc) {                                            \
     const int64_t K32 = K & ~(int64_t)31, K16 = K & ~(int64_t)15;                                \
     __m512 a0[G], a1[G];                                                                         \
@@ -156,28 +156,7 @@ DEFINE_ROW512_I8(1)
 DEFINE_ROW512_I8(2)
 DEFINE_ROW512_I8(4)
 
-/* columns_i8_'s walk (weight rows in memory order, x rows in groups of 4, 2 + 1 for three) */
-__attribute__((target("avx512f")))
-static void columns512_i8(const float *x, const int8_t *w, const float *scales, const float *bias,
-                          float *y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; n++) {
-        const int8_t *wr = w + n * K;
-        const float b = bias ? bias[n] : 0.0f, sc = scales[n];
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const float *xg = x + m0 * K;
-            float *yg = y + m0 * N + n;
-            switch (M - m0 < 4 ? M - m0 : 4) {
-                case 1: row512_i8_1(xg, wr, yg, K, N, b, sc); break;
-                case 2: row512_i8_2(xg, wr, yg, K, N, b, sc); break;
-                case 3:
-                    row512_i8_2(xg, wr, yg, K, N, b, sc);
-                    row512_i8_1(xg + 2 * K, wr, yg + 2 * N, K, N, b, sc);
-                    break;
-                default: row512_i8_4(xg, wr, yg, K, N, b, sc); break;
-            }
-        }
-    }
-}
+DEFINE_COLUMNS(i8_512_, int8_t, __attribute__((target("avx512f"))))
 
 int sf_panel_isa(int want);    /* panel_gemm.c: the instruction set the calls take (1: AVX-512) */
 
@@ -210,23 +189,12 @@ DEFINE_ENTRY(sf_skinny_linear_f16w, f16_, uint16_t, )
 #undef SCALE_ARG
 #define SCALE_ARG scales
 /* int8 weights, one fp32 scale per weight row (drafts: `models.transformer.use_draft_weights`), on
- * AVX2; sf_skinny_linear_i8w takes AVX-512 where sf_panel_isa does */
+ * AVX-512 where sf_panel_isa takes it, else AVX2 */
 DEFINE_ENTRY(skinny_linear_i8w_avx2, i8_, int8_t, COMMA_SCALES)
+DEFINE_ENTRY(skinny_linear_i8w_avx512, i8_512_, int8_t, COMMA_SCALES)
 
 int sf_skinny_linear_i8w(const float *x, const int8_t *w, const float *bias, float *y,
                          int64_t M, int64_t K, int64_t N, int threads, const float *scales) {
-    if (!sf_panel_isa(-1)) return skinny_linear_i8w_avx2(x, w, bias, y, M, K, N, threads, scales);
-    if (M < 1 || M > 16) return -1;
-    const int64_t chunk = 64;
-    const int64_t tasks = (N + chunk - 1) / chunk;
-    if (threads <= 1 || tasks < 2) {
-        columns512_i8(x, w, scales, bias, y, M, K, N, 0, N);
-        return 0;
-    }
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < tasks; t++) {
-        int64_t n0 = t * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-        columns512_i8(x, w, scales, bias, y, M, K, N, n0, n1);
-    }
-    return 0;
+    return (sf_panel_isa(-1) ? skinny_linear_i8w_avx512 : skinny_linear_i8w_avx2)(x, w, bias, y, M, K, N,
+                                                                                 threads, scales);
 }
