@@ -18,8 +18,8 @@ rows do not, so a count clearly worse shows within a few steps: its window is cu
 one measured step at 1.4 times the other's cost or three at 1.2, and it is not tried again
 before a recheck (a one-thread turn of the embedded pair cost 1.6 times a two-thread one on an
 Intel Xeon, 56 ms against 35: its trials took 27 of a 160-token request's 60 steps before any
-cut, 4 with the cut after three, 2 with the cut after one). When the counts on offer change (an idle drafter's cores come or go)
-the measurement restarts on the first, the most threads: a window begun without them says
+cut, 4 with the cut after three, 2 with the cut after one). When the counts on offer change (an
+idle drafter's cores come or go) the measurement restarts on the first, the most threads: a window begun without them says
 nothing of the choice now. One count for the whole turn: switching torch's thread count between
 the passes and the forward cost more than either choice saved (a micro-pair level took 1.2 ms
 on one thread between forwards on two, 1.9 ms when the forward's count was chosen apart, 1.0 ms
