@@ -32,35 +32,52 @@
 #endif
 
 /* Dot products of one weight row with G (1, 2 or 4) x rows, two accumulators per x row (even and
- * odd 8-float chunks of k). Every element: chunks of 16 in order, a last chunk of 8 into the
- * even accumulator, hsum(even + odd), the scalar tail, OUT (the row's scale, for int8), the bias.
- * WT is the weight's element type, LOAD8 / LOAD1 read 8 / 1 of them as fp32 (fp16 weights: F16C
- * conversion in registers; int8: sign-extended and converted). */
-#define DEFINE_ROW(G, SFX, WT, LOAD8, LOAD1, OUT)                                                \
-static inline void row_##SFX##G(const float *x, const WT *wr, float *y, int64_t K, int64_t N,    \
-                                float b, float sc) {                                             \
-    const int64_t K16 = K & ~(int64_t)15, K8 = K & ~(int64_t)7;                                  \
-    __m256 a0[G], a1[G];                                                                         \
+ * odd L-float chunks of k: L = 8 on AVX2, V = 256; 16 on AVX-512, V = 512). Every element: chunks of
+ * 2L in order, a last chunk of L into the even accumulator, HSUM(even + odd), the scalar tail, OUT
+ * (the row's scale, for int8), the bias. WT is the weight's element type, LOADW / LOAD1 read L / 1
+ * of them as fp32 (fp16 weights: F16C conversion in registers; int8: sign-extended and converted).
+ * ATTR: the function's target attribute, or nothing. */
+#define VEC_256 __m256
+#define LANES_256 8
+#define ZERO_256 _mm256_setzero_ps
+#define LOADX_256 _mm256_loadu_ps
+#define FMA_256 _mm256_fmadd_ps
+#define ADD_256 _mm256_add_ps
+#define HSUM_256 hsum8
+#define VEC_512 __m512
+#define LANES_512 16
+#define ZERO_512 _mm512_setzero_ps
+#define LOADX_512 _mm512_loadu_ps
+#define FMA_512 _mm512_fmadd_ps
+#define ADD_512 _mm512_add_ps
+#define HSUM_512 _mm512_reduce_add_ps
+
+#define DEFINE_ROW(G, SFX, WT, LOADW, LOAD1, OUT, V, ATTR)                                       \
+ATTR static inline void row_##SFX##G(const float *x, const WT *wr, float *y, int64_t K, int64_t N, \
+                                     float b, float sc) {                                        \
+    const int64_t L = LANES_##V;                                                                 \
+    const int64_t K2 = K & ~(2 * L - 1), K1 = K & ~(L - 1);                                      \
+    VEC_##V a0[G], a1[G];                                                                        \
     _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++) {                                      \
-        a0[m] = _mm256_setzero_ps();                                                             \
-        a1[m] = _mm256_setzero_ps();                                                             \
+        a0[m] = ZERO_##V();                                                                      \
+        a1[m] = ZERO_##V();                                                                      \
     }                                                                                            \
-    for (int64_t k = 0; k < K16; k += 16) {                                                      \
+    for (int64_t k = 0; k < K2; k += 2 * L) {                                                    \
         _mm_prefetch((const char *)(wr + k + PREFETCH), _MM_HINT_T0);                            \
-        __m256 w0 = LOAD8(wr + k), w1 = LOAD8(wr + k + 8);                                       \
+        VEC_##V w0 = LOADW(wr + k), w1 = LOADW(wr + k + L);                                      \
         _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++) {                                  \
-            a0[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), w0, a0[m]);                  \
-            a1[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k + 8), w1, a1[m]);              \
+            a0[m] = FMA_##V(LOADX_##V(x + m * K + k), w0, a0[m]);                                \
+            a1[m] = FMA_##V(LOADX_##V(x + m * K + k + L), w1, a1[m]);                            \
         }                                                                                        \
     }                                                                                            \
-    if (K8 > K16) {                                                                              \
-        __m256 w0 = LOAD8(wr + K16);                                                             \
+    if (K1 > K2) {                                                                               \
+        VEC_##V w0 = LOADW(wr + K2);                                                             \
         _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++)                                    \
-            a0[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + K16), w0, a0[m]);                \
+            a0[m] = FMA_##V(LOADX_##V(x + m * K + K2), w0, a0[m]);                               \
     }                                                                                            \
     _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++) {                                      \
-        float s = hsum8(_mm256_add_ps(a0[m], a1[m]));                                            \
-        for (int64_t k = K8; k < K; k++) s = __builtin_fmaf(x[m * K + k], LOAD1(wr[k]), s);      \
+        float s = HSUM_##V(ADD_##V(a0[m], a1[m]));                                               \
+        for (int64_t k = K1; k < K; k++) s = __builtin_fmaf(x[m * K + k], LOAD1(wr[k]), s);      \
         y[m * N] = OUT(s, sc) + b;                                                               \
     }                                                                                            \
 }
@@ -74,15 +91,15 @@ static inline void row_##SFX##G(const float *x, const WT *wr, float *y, int64_t 
 #define OUT_PLAIN(s, sc) (s)
 #define OUT_SCALED(s, sc) ((s) * (sc))
 
-DEFINE_ROW(1, f32_, float, LOAD8_F32, LOAD1_F32, OUT_PLAIN)
-DEFINE_ROW(2, f32_, float, LOAD8_F32, LOAD1_F32, OUT_PLAIN)
-DEFINE_ROW(4, f32_, float, LOAD8_F32, LOAD1_F32, OUT_PLAIN)
-DEFINE_ROW(1, f16_, uint16_t, LOAD8_F16, LOAD1_F16, OUT_PLAIN)
-DEFINE_ROW(2, f16_, uint16_t, LOAD8_F16, LOAD1_F16, OUT_PLAIN)
-DEFINE_ROW(4, f16_, uint16_t, LOAD8_F16, LOAD1_F16, OUT_PLAIN)
-DEFINE_ROW(1, i8_, int8_t, LOAD8_I8, LOAD1_I8, OUT_SCALED)
-DEFINE_ROW(2, i8_, int8_t, LOAD8_I8, LOAD1_I8, OUT_SCALED)
-DEFINE_ROW(4, i8_, int8_t, LOAD8_I8, LOAD1_I8, OUT_SCALED)
+DEFINE_ROW(1, f32_, float, LOAD8_F32, LOAD1_F32, OUT_PLAIN, 256, )
+DEFINE_ROW(2, f32_, float, LOAD8_F32, LOAD1_F32, OUT_PLAIN, 256, )
+DEFINE_ROW(4, f32_, float, LOAD8_F32, LOAD1_F32, OUT_PLAIN, 256, )
+DEFINE_ROW(1, f16_, uint16_t, LOAD8_F16, LOAD1_F16, OUT_PLAIN, 256, )
+DEFINE_ROW(2, f16_, uint16_t, LOAD8_F16, LOAD1_F16, OUT_PLAIN, 256, )
+DEFINE_ROW(4, f16_, uint16_t, LOAD8_F16, LOAD1_F16, OUT_PLAIN, 256, )
+DEFINE_ROW(1, i8_, int8_t, LOAD8_I8, LOAD1_I8, OUT_SCALED, 256, )
+DEFINE_ROW(2, i8_, int8_t, LOAD8_I8, LOAD1_I8, OUT_SCALED, 256, )
+DEFINE_ROW(4, i8_, int8_t, LOAD8_I8, LOAD1_I8, OUT_SCALED, 256, )
 
 /* Columns [n0, n1) of y: weight rows in memory order, x rows in groups of 4, the rest as 2, 1
  * or 2 + 1 (a weight row is read from memory once; a second group reads it again from L1).
@@ -122,41 +139,12 @@ DEFINE_COLUMNS(i8_, int8_t, )
  * scalar tail, the row's scale, the bias. Taken where `sf_panel_isa` takes AVX-512. */
 #define LOAD16_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 
-#define DEFINE_ROW512_I8(G)                                                                      \
-__attribute__((target("avx512f")))                                                               \
-static inline void row_i8_512_##G(const float *x, const int8_t *wr, float *y, int64_t K, int64_t N, \
-                                 float b, float sc) {                                            \
-    const int64_t K32 = K & ~(int64_t)31, K16 = K & ~(int64_t)15;                                \
-    __m512 a0[G], a1[G];                                                                         \
-    _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++) {                                      \
-        a0[m] = _mm512_setzero_ps();                                                             \
-        a1[m] = _mm512_setzero_ps();                                                             \
-    }                                                                                            \
-    for (int64_t k = 0; k < K32; k += 32) {                                                      \
-        _mm_prefetch((const char *)(wr + k + PREFETCH), _MM_HINT_T0);                            \
-        __m512 w0 = LOAD16_I8(wr + k), w1 = LOAD16_I8(wr + k + 16);                              \
-        _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++) {                                  \
-            a0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), w0, a0[m]);                  \
-            a1[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k + 16), w1, a1[m]);             \
-        }                                                                                        \
-    }                                                                                            \
-    if (K16 > K32) {                                                                             \
-        __m512 w0 = LOAD16_I8(wr + K32);                                                         \
-        _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++)                                    \
-            a0[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + K32), w0, a0[m]);                \
-    }                                                                                            \
-    _Pragma("GCC unroll 4") for (int m = 0; m < (G); m++) {                                      \
-        float s = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));                             \
-        for (int64_t k = K16; k < K; k++) s = __builtin_fmaf(x[m * K + k], (float)wr[k], s);     \
-        y[m * N] = s * sc + b;                                                                   \
-    }                                                                                            \
-}
+#define AVX512 __attribute__((target("avx512f")))
+DEFINE_ROW(1, i8_512_, int8_t, LOAD16_I8, LOAD1_I8, OUT_SCALED, 512, AVX512)
+DEFINE_ROW(2, i8_512_, int8_t, LOAD16_I8, LOAD1_I8, OUT_SCALED, 512, AVX512)
+DEFINE_ROW(4, i8_512_, int8_t, LOAD16_I8, LOAD1_I8, OUT_SCALED, 512, AVX512)
 
-DEFINE_ROW512_I8(1)
-DEFINE_ROW512_I8(2)
-DEFINE_ROW512_I8(4)
-
-DEFINE_COLUMNS(i8_512_, int8_t, __attribute__((target("avx512f"))))
+DEFINE_COLUMNS(i8_512_, int8_t, AVX512)
 
 int sf_panel_isa(int want);    /* panel_gemm.c: the instruction set the calls take (1: AVX-512) */
 
