@@ -19,11 +19,11 @@ one measured step at 1.4 times the other's cost or three at 1.2, and it is not t
 before a recheck (a one-thread turn of the embedded pair cost 1.6 times a two-thread one on an
 Intel Xeon, 56 ms against 35: its trials took 27 of a 160-token request's 60 steps before any
 cut, 4 with the cut after three, 2 with the cut after one). When the counts on offer change (an
-idle drafter's cores come or go) the measurement restarts on the first, the most threads: a window begun without them says
-nothing of the choice now. One count for the whole turn: switching torch's thread count between
-the passes and the forward cost more than either choice saved (a micro-pair level took 1.2 ms
-on one thread between forwards on two, 1.9 ms when the forward's count was chosen apart, 1.0 ms
-with everything on one). On two shared cores a team
+idle drafter's cores come or go) the measurement restarts on the first, the most threads: a
+window begun without them says nothing of the choice now. One count for the whole turn:
+switching torch's thread count between the passes and the forward cost more than either choice
+saved (a micro-pair level took 1.2 ms on one thread between forwards on two, 1.9 ms when the
+forward's count was chosen apart, 1.0 ms with everything on one). On two shared cores a team
 of two threads waits for the core that Ray's own threads and the consumer's process keep waking
 on, which on the micro pair costs more than the second thread saves (bench/README.md, "micro
 pair"; a turn's own seconds hid it: two threads measured cheaper per turn, one thread ran more
