@@ -82,31 +82,38 @@ class TreeBuilder:
             paths = row_paths(self.parent_ids, self.token_ids)
             history = TokenHistory(self.committed, [paths[node + 1] for node in nodes], draft=True)
             draft_logits = process_logits(draft_logits, self.params, history)
+        if self.params.greedy:                                   # every node's top tokens at once
+            log_q = torch.log_softmax(draft_logits.float(), -1)     # [n, V or V']
+            k = min(self.width, log_q.shape[-1])
+            values, indices = log_q.max(-1, keepdim=True) if k == 1 else log_q.topk(k)   # [n, k]
+            tokens = indices if rows is None else rows[indices]     # token ids
+            for node, children, child_log_q in zip(nodes, tokens.tolist(), values.tolist()):
+                kept = [(t, v) for t, v in zip(children, child_log_q) if v > float("-inf")]   # a grammar's mask
+                self.add_children(node, kept)
+            return
         for node, logits in zip(nodes, draft_logits):
-            if self.params.greedy:
-                top = torch.log_softmax(logits.float(), -1).topk(min(self.width, logits.shape[-1]))
-                kept = top.values > float("-inf")                                 # a grammar's mask
-                children, child_log_q = top.indices[kept], top.values[kept]
-                children = children if rows is None else rows[children]          # token ids
+            q = logits_to_probs(logits, self.params)                          # [V], as p will be
+            self.q_rows[node] = q
+            budget = self.max_nodes - len(self.token_ids)
+            k = min(self.width, int((q > 0).sum()), budget)                   # fixed before the draw
+            if k <= 0:
+                continue
+            log_q = q.log()
+            if self.params.coupled:    # the target's own noise at the children's position
+                perturbed = coupled_scores(q[None], self.params, [self.output_position(node)])[0]
             else:
-                q = logits_to_probs(logits, self.params)                          # [V], as p will be
-                self.q_rows[node] = q
-                budget = self.max_nodes - len(self.token_ids)
-                k = min(self.width, int((q > 0).sum()), budget)                   # fixed before the draw
-                if k <= 0:
-                    continue
-                log_q = q.log()
-                if self.params.coupled:    # the target's own noise at the children's position
-                    perturbed = coupled_scores(q[None], self.params, [self.output_position(node)])[0]
-                else:
-                    perturbed = log_q - torch.empty_like(q).exponential_(generator=self.generator).log()
-                children = perturbed.topk(k).indices                              # draw order
-                child_log_q = log_q[children]
-            for token, token_log_q in zip(children.tolist(), child_log_q.tolist()):
-                self.token_ids.append(token)
-                self.parent_ids.append(node)
-                self.depths.append(self.depth_of(node) + 1)
-                self.scores.append(self.score_of(node) + token_log_q)
+                perturbed = log_q - torch.empty_like(q).exponential_(generator=self.generator).log()
+            children = perturbed.topk(k).indices                              # draw order
+            self.add_children(node, list(zip(children.tolist(), log_q[children].tolist())))
+
+    def add_children(self, node: int, children: list[tuple[int, float]]) -> None:
+        """Children of `node`, in order: (token id, its log q) each."""
+        depth, score = self.depth_of(node) + 1, self.score_of(node)
+        for token, token_log_q in children:
+            self.token_ids.append(token)
+            self.parent_ids.append(node)
+            self.depths.append(depth)
+            self.scores.append(score + token_log_q)
 
     def frontier(self, depth: int, max_depth: int) -> list[int]:
         """The nodes at `depth` to expand next, most confident first.

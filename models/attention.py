@@ -48,52 +48,73 @@ class CpuAttentionContext:
     The reference (`kernels.ref.tree_decode_attention`) gathers each sequence's
     pages and builds its mask again in every layer, a score of small ops per
     sequence and layer. Which cache slots a forward reads, and which of them each
-    query may see, are the same in every layer: this holds the flat slots of
-    every sequence's prefix + tree, padded to the longest ([B * S]), and the
-    visibility ([B, T, S]). In fp32 with the C kernels built, a layer is one call
-    (`kernels.cpu.tree_attention`) over each row's visible slots in order
-    (`ordered()`, built on first use), the same operations for a path's token in
-    any tree; otherwise two gathers, one baddbmm under an additive mask laid out for
-    the grouped query heads (`bias()`, [B * Hkv, G * T, S]), a softmax and one bmm,
-    whatever B is. Same arithmetic as the reference (fp32 scores, softmax, weighted
-    sum), to rounding. With `sliding_window` (the model's; layers may or may not use
-    it) it also holds the windowed visibility, which `attend(..., windowed=True)` uses.
+    query may see, are the same in every layer. In fp32 with the C kernels built, a
+    layer is one call (`kernels.cpu.tree_attention`) over each row's visible slots in
+    order (`ordered()`: its prefix, its ancestors, itself, the same operations for a
+    path's token in any tree), which one C call lays out (`kernels.cpu.visible_slots`),
+    with the slot each row is written to (`rows()`). Otherwise this holds the flat slots
+    of every sequence's prefix + tree, padded to the longest (`slots`, [B * S]), and the
+    visibility (`visible(windowed)`, [B, T, S]): two gathers, one baddbmm under an
+    additive mask laid out for the grouped query heads (`bias()`, [B * Hkv, G * T, S]),
+    a softmax and one bmm, whatever B is. Same arithmetic as the reference (fp32 scores,
+    softmax, weighted sum), to rounding. With `sliding_window` (the model's; layers may
+    or may not use it) it also holds the windowed visibility, which
+    `attend(..., windowed=True)` uses. Each part is built on first use.
     """
 
     def __init__(self, block_tables: torch.Tensor, prefix_lens: torch.Tensor, tree_mask: torch.Tensor,
                  block_size: int, num_heads: int, num_kv_heads: int, sliding_window: int | None = None) -> None:
-        B, T = tree_mask.shape[0], tree_mask.shape[1]
-        device = tree_mask.device
-        P = prefix_lens.to(device=device, dtype=torch.long)                          # [B]
-        S = int(P.max()) + T
-        pos = torch.arange(S, device=device)                                         # [S]
-        table = block_tables.to(device=device, dtype=torch.long)
-        # past its own end a row repeats its last slot (masked): it never reads another sequence's pages
-        own = torch.minimum(pos[None, :], (P + T - 1)[:, None])                      # [B, S]
-        self.slots = (table.gather(1, own // block_size) * block_size + own % block_size).reshape(B * S)
-        rel = pos[None, :] - P[:, None]                                              # [B, S] offset into the tree
-        in_tree = (rel >= 0) & (rel < T)
-
-        def visible_of(tree_mask: torch.Tensor, prefix_visible: torch.Tensor) -> torch.Tensor:   # [B, T, S]
-            tree_part = tree_mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, S))
-            return torch.where(in_tree[:, None, :], tree_part, prefix_visible)
-
-        self.visible = {False: visible_of(tree_mask, (rel < 0)[:, None, :])}
-        if sliding_window is not None:   # node i sits at P + depth i and sees positions > it - window
-            query_pos = P[:, None] + ref.tree_depths(tree_mask)                        # [B, T]
-            recent = pos[None, None, :] > (query_pos - sliding_window)[:, :, None]       # [B, T, S]
-            self.visible[True] = visible_of(ref.window_tree_mask(tree_mask, sliding_window),
-                                            (rel < 0)[:, None, :] & recent)
+        self.B, self.T = tree_mask.shape[0], tree_mask.shape[1]
+        self.tables, self.tree_mask, self.block_size = block_tables, tree_mask, block_size
+        self.P = prefix_lens.to(device=tree_mask.device, dtype=torch.long)             # [B]
+        self.S = (int(self.P.max()) if self.B else 0) + self.T
+        self.sliding_window = sliding_window
         self.G = num_heads // num_kv_heads
         self.num_kv_heads = num_kv_heads
-        self.B, self.T, self.S = B, T, S
+        self._slots: torch.Tensor | None = None
+        self._visible: dict[bool, torch.Tensor] = {}
         self._bias: dict[bool, torch.Tensor] = {}
         self._ordered: dict[bool, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._rows: torch.Tensor | None = None
+
+    @property
+    def windows(self) -> tuple[bool, ...]:
+        """The visibilities this context holds: full, and windowed where the model has a window."""
+        return (False,) if self.sliding_window is None else (False, True)
+
+    @property
+    def slots(self) -> torch.Tensor:   # [B * S] int64
+        """Each sequence's cache slots of positions 0 .. S - 1; past its own end a row repeats its
+        last slot (masked), so it never reads another sequence's pages."""
+        if self._slots is None:
+            B, S, P = self.B, self.S, self.P
+            pos = torch.arange(S, device=P.device)                                      # [S]
+            own = torch.minimum(pos[None, :], (P + self.T - 1)[:, None])                 # [B, S]
+            table = self.tables.to(device=P.device, dtype=torch.long)
+            self._slots = (table.gather(1, own // self.block_size) * self.block_size
+                           + own % self.block_size).reshape(B * S)
+        return self._slots
+
+    def visible(self, windowed: bool = False) -> torch.Tensor:   # [B, T, S] bool
+        assert windowed in self.windows, "context built without the sliding window"
+        if windowed not in self._visible:
+            B, T, S, P, tree_mask = self.B, self.T, self.S, self.P, self.tree_mask
+            pos = torch.arange(S, device=P.device)                                       # [S]
+            rel = pos[None, :] - P[:, None]                                              # [B, S] offset into the tree
+            prefix_visible = (rel < 0)[:, None, :]
+            if windowed:   # node i sits at P + depth i and sees positions > it - window
+                query_pos = P[:, None] + ref.tree_depths(tree_mask)                     # [B, T]
+                prefix_visible = prefix_visible & (pos[None, None, :] > (query_pos - self.sliding_window)[:, :, None])
+                tree_mask = ref.window_tree_mask(tree_mask, self.sliding_window)
+            tree_part = tree_mask.gather(2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, S))
+            in_tree = (rel >= 0) & (rel < T)
+            self._visible[windowed] = torch.where(in_tree[:, None, :], tree_part, prefix_visible)
+        return self._visible[windowed]
 
     def bias(self, windowed: bool = False) -> torch.Tensor:   # [B * Hkv, G * T, S]: 0 visible, -inf not
         if windowed not in self._bias:
             B, T, S = self.B, self.T, self.S
-            bias = torch.zeros(B, T, S, device=self.slots.device).masked_fill_(~self.visible[windowed], float("-inf"))
+            bias = torch.zeros(B, T, S, device=self.P.device).masked_fill_(~self.visible(windowed), float("-inf"))
             self._bias[windowed] = bias[:, None, None].expand(B, self.num_kv_heads, self.G, T, S).reshape(
                 B * self.num_kv_heads, self.G * T, S)
         return self._bias[windowed]
@@ -102,12 +123,27 @@ class CpuAttentionContext:
         """The cache slots each query row sees, in position order (its prefix, its ancestors,
         itself): [B * T, S] int64, the first counts[r] of row r valid; counts [B * T] int64."""
         if windowed not in self._ordered:
-            B, T, S = self.B, self.T, self.S
-            vis = self.visible[windowed].reshape(B * T, S)
-            order = torch.argsort((~vis).to(torch.int8), dim=1, stable=True)        # visible first, in order
-            slots = self.slots.view(B, 1, S).expand(B, T, S).reshape(B * T, S)
-            self._ordered[windowed] = (slots.gather(1, order).contiguous(), vis.sum(1))
+            if cpu_kernels.available() and self.P.device.type == "cpu":
+                vis, counts, self._rows = cpu_kernels.visible_slots(
+                    self.tables, self.P, self.tree_mask, self.block_size,
+                    self.sliding_window if windowed else None, self.S)
+                self._ordered[windowed] = (vis, counts)
+            else:
+                self._ordered[windowed] = self.ordered_in_torch(windowed)
         return self._ordered[windowed]
+
+    def ordered_in_torch(self, windowed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """`ordered`'s layout from torch operators (where the C library is not built): the same
+        valid entries; past a row's count, its other slots."""
+        B, T, S = self.B, self.T, self.S
+        vis = self.visible(windowed).reshape(B * T, S)
+        order = torch.argsort((~vis).to(torch.int8), dim=1, stable=True)        # visible first, in order
+        slots = self.slots.view(B, 1, S).expand(B, T, S).reshape(B * T, S)
+        return slots.gather(1, order).contiguous(), vis.sum(1)
+
+    def rows(self) -> torch.Tensor | None:   # [B * T] int64, or None
+        """The cache slot each new row is written to, where `ordered()` laid them out (C)."""
+        return self._rows
 
     @staticmethod
     def ordered_rows(contexts: "list[CpuAttentionContext]", windowed: bool = False
@@ -124,7 +160,7 @@ class CpuAttentionContext:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                sm_scale: float | None = None, windowed: bool = False) -> torch.Tensor:  # [B, T, Hq, D]
         B, T, S = self.B, self.T, self.S
-        assert windowed in self.visible, "context built without the sliding window"
+        assert windowed in self.windows, "context built without the sliding window"
         Hq, D = q.shape[2], q.shape[3]
         scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
         if cpu_kernels.layer_ops_apply(q, D) and k_cache.dtype == torch.float32:

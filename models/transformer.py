@@ -269,7 +269,7 @@ class Transformer(nn.Module):
         One group of B sequences, T tokens each → [B, T, hidden]."""
         B, T = input_ids.shape
         group = self._group(0, cache, block_tables, prefix_lens, tree_mask)
-        slots = self._slots(cache, block_tables, prefix_lens, T)
+        slots = self._slots(cache, group)
         feats = None if features is None else features.reshape(B * T, -1)
         return self._packed_layers(input_ids.reshape(B * T), positions.reshape(B * T), cache, slots, [group],
                                    feats).view(B, T, -1)
@@ -301,7 +301,7 @@ class Transformer(nn.Module):
                 lens = torch.tensor(prefix[at:at + B], dtype=torch.int32, device=device)
                 mask = g.tree_mask.to(device)
                 attn.append(self._group(start, cache, table, lens, mask))
-                slots.append(self._slots(cache, table, lens, T))
+                slots.append(self._slots(cache, attn[-1]))
                 start, at = start + B * T, at + B
             feats = None
             if any(g.features is not None for g in groups):
@@ -322,11 +322,15 @@ class Transformer(nn.Module):
                                           self.config.num_heads, self.config.num_kv_heads, self.config.sliding_window)
         return AttentionGroup(start, B, T, block_tables, prefix_lens, tree_mask, context)
 
-    @staticmethod
-    def _slots(cache, block_tables, prefix_lens, T: int) -> torch.Tensor:    # [B * T] int64
-        pos = prefix_lens[:, None].long() + torch.arange(T, device=prefix_lens.device)   # [B, T] cache positions
-        bs = cache.block_size
-        return (block_tables.long().gather(1, pos // bs) * bs + pos % bs).reshape(-1)
+    def _slots(self, cache, group: AttentionGroup) -> torch.Tensor:    # [B * T] int64
+        """The cache slot each new row is written to: laid out by the C call that lays out what
+        the rows see where the C attention reads that (`CpuAttentionContext.ordered`)."""
+        if group.context is not None and cpu_kernels.layer_ops_apply(cache.k[0], self.config.head_dim):
+            group.context.ordered(False)
+            return group.context.rows()
+        prefix_lens, bs = group.prefix_lens, cache.block_size
+        pos = prefix_lens[:, None].long() + torch.arange(group.length, device=prefix_lens.device)   # [B, T]
+        return (group.block_tables.long().gather(1, pos // bs) * bs + pos % bs).reshape(-1)
 
     def _packed_layers(self, input_ids, positions, cache, slots, groups, features=None) -> torch.Tensor:
         """input_ids, positions, slots: [N]; features: [N, hidden] or None → [N, feature_width]."""
@@ -340,7 +344,8 @@ class Transformer(nn.Module):
             h = layer(h, rope, cache.k[i], cache.v[i], slots, groups, step)
             if i in self.feature_layers:
                 taken.append(h.clone())         # (the next layer may update h in place)
-        out = rms_norm(h, self.norm, self.config.rms_norm_eps)
+        norm = cpu_kernels.rms_norm if cpu_kernels.layer_ops_apply(h, self.config.head_dim) else rms_norm
+        out = norm(h, self.norm, self.config.rms_norm_eps)
         return torch.cat(taken + [out], dim=-1) if taken else out
 
     def _decoder_step(self, h, rope, slots, groups, cache) -> "cpu_kernels.DecoderStep | None":

@@ -147,6 +147,13 @@ def _pack_inputs(groups: list[list[int]], sizes: list[int], seq_ids, input_ids, 
     for members in groups:
         T = max(1, max(sizes[b] for b in members))
         B = len(members)
+        if B == 1 and sizes[members[0]] == T:   # one sequence: its own rows, nothing to pad
+            b = members[0]
+            inputs.append(PackedInput([seq_ids[b]], input_ids[b][None], positions[b][None], tree_masks[b][None],
+                                      None if features is None else features[b][None]))
+            row_of[b] = (start, T)
+            start += T
+            continue
         ids = torch.zeros(B, T, dtype=torch.long)
         pos = torch.zeros(B, T, dtype=torch.long)
         mask = torch.eye(T, dtype=torch.bool).repeat(B, 1, 1)                 # [B, T, T]

@@ -25,7 +25,8 @@ layer's work between its matmuls in four calls instead of ~40 torch operators
 `decoder_layer` runs a whole layer of a forward of at most 16 rows (its four
 matmuls and those operators, in the same order, the same bits) in one call
 (kernels/cpu/decoder_layer.c), with what its layers share built once per
-forward (`DecoderStep`).
+forward (`DecoderStep`); `visible_slots` lays out what each row of a forward
+sees in one call. The decoder-layer half lives in kernels/cpu/decoder.py.
 
 The shared library is compiled once per source version into
 `<cache>/cpu-kernels/<digest>/` (`$SPECFLASH_CACHE`, as for the embedded
@@ -156,10 +157,12 @@ def open_library(path: Path) -> ctypes.CDLL:
                       "sf_silu_mul": [ptr] * 2 + [i64] * 2,
                       "sf_rope_store": [ptr] * 6 + [i64] * 4,
                       "sf_tree_attention": [ptr, i64] + [ptr] * 4 + [i64, ptr] + [i64] * 4
-                                           + [ctypes.c_float, ptr, ctypes.c_int]}
+                                           + [ctypes.c_float, ptr, ctypes.c_int],
+                      "sf_visible_slots": [ptr, i64, ptr, ptr] + [i64] * 5 + [ptr] * 3}
         for name, args in signatures.items():
-            getattr(lib, name).restype = None
-            getattr(lib, name).argtypes = args
+            if hasattr(lib, name):         # an earlier build may lack the later ones
+                getattr(lib, name).restype = None
+                getattr(lib, name).argtypes = args
     if hasattr(lib, "sf_panel_linear"):
         lib.sf_panel_linear.restype = ctypes.c_int
         lib.sf_panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
@@ -342,125 +345,32 @@ def tree_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     return out
 
 
-# -- a whole decoder layer in one call (kernels/cpu/decoder_layer.c) ---------------------------------
-
-_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
-_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
-_PANELS = 3
-
-
-class SfWeight(ctypes.Structure):
-    """A matmul's weight as `decoder_layer` reads it (the C sf_weight): raw pointers, so whoever
-    builds one keeps its tensors alive."""
-
-    _fields_ = [("w", _ptr),           # [out, in] float32, float16 or int8, contiguous
-                ("scales", _ptr),      # [out] float32 (int8 only) or NULL
-                ("bias", _ptr),        # [out] float32 or NULL
-                ("kind", _i64)]        # 0 float32, 1 float16, 2 int8, 3 float32 panels (`panel_pack`)
-
-
-class SfLayer(ctypes.Structure):
-    """A decoder layer's parameters and cache pages (the C sf_layer)."""
-
-    _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr),              # [H] float32
-                ("qkv", SfWeight), ("o", SfWeight), ("gate_up", SfWeight), ("down", SfWeight),
-                ("k_cache", _ptr), ("v_cache", _ptr),                 # [.., block_size, Hkv, D] float32
-                ("windowed", _i64)]                                   # reads the windowed visibility
+def visible_slots(block_tables: torch.Tensor, prefix_lens: torch.Tensor, tree_mask: torch.Tensor,
+                  block_size: int, window: int | None, S: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What each of a forward's B * T query rows sees, laid out for `tree_attention` in one call:
+    block_tables [B, W] int32 (int64 is narrowed), prefix_lens [B], tree_mask [B, T, T] bool,
+    `window` a sliding window or None, S >= max(prefix_lens) + T → (visible [B * T, S] int64,
+    counts [B * T] int64, the slot each row is written to [B * T] int64)."""
+    B, T = tree_mask.shape[0], tree_mask.shape[1]
+    if S < (int(prefix_lens.max()) if B else 0) + T:
+        raise ValueError(f"visible_slots: S = {S} is shorter than a row's prefix and tree")
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = prefix_lens.to(torch.long).contiguous()
+    mask = tree_mask.to(torch.bool).contiguous()
+    vis = torch.empty(B * T, S, dtype=torch.long)
+    counts = torch.empty(B * T, dtype=torch.long)
+    rows = torch.empty(B * T, dtype=torch.long)
+    _load().sf_visible_slots(tables.data_ptr(), tables.shape[1], lens.data_ptr(), mask.data_ptr(), B, T, block_size,
+                             window or 0, S, vis.data_ptr(), counts.data_ptr(), rows.data_ptr())
+    return vis, counts, rows
 
 
-class SfForward(ctypes.Structure):
-    """What every layer of one forward shares (the C sf_forward; `DecoderStep` owns its tensors)."""
+# the whole-layer call and the chain call (kernels/cpu/decoder.py) need the loader above
+from kernels.cpu.decoder import (DecoderStep, SfForward, SfLayer, SfWeight, decoder_layer_available,  # noqa: E402
+                                 layer_operand, panel_operand, weight_operand)
 
-    _fields_ = [("N", _i64), ("H", _i64), ("Hq", _i64), ("Hkv", _i64), ("D", _i64), ("I", _i64),
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
-                ("cos", _ptr), ("sin", _ptr),                         # [N, D/2]
-                ("slots", _ptr),                                      # [N] int64
-                ("vis", _ptr * 2), ("counts", _ptr * 2), ("S", _i64 * 2),   # full, windowed
-                ("xn", _ptr), ("qkv", _ptr), ("attn", _ptr), ("tmp", _ptr), ("gu", _ptr), ("act", _ptr),
-                ("scratch", _ptr),
-                ("threads", _i64)]
-
-
-def decoder_layer_available() -> bool:
-    lib = _load()
-    return lib is not None and hasattr(lib, "sf_decoder_layer")
-
-
-def weight_operand(weight: torch.Tensor, bias: torch.Tensor | None = None,
-                   scales: torch.Tensor | None = None) -> SfWeight:
-    """weight [out, in] (float32, float16, or int8 with `scales` [out]) and bias [out] as an SfWeight."""
-    if weight.dtype not in _KINDS or weight.dim() != 2 or not weight.is_contiguous() or weight.device.type != "cpu":
-        raise ValueError("a decoder_layer weight is a contiguous 2-D CPU float32, float16 or int8 tensor")
-    if (weight.dtype == torch.int8) != (scales is not None):
-        raise ValueError("an int8 weight takes scales (float32, one per weight row), and only it")
-    _check_rows_vectors(weight.shape[0], scales, bias)
-    return SfWeight(weight.data_ptr(), 0 if scales is None else scales.data_ptr(),
-                    0 if bias is None else bias.data_ptr(), _KINDS[weight.dtype])
-
-
-def _check_rows_vectors(n: int, *vectors: torch.Tensor | None) -> None:
-    """A decoder_layer weight's scales and bias: each None or contiguous float32 [n]."""
-    for v in vectors:
-        if v is not None and (v.dtype != torch.float32 or v.shape != (n,) or not v.is_contiguous()):
-            raise ValueError(f"scales and bias must be contiguous float32 [{n}]")
-
-
-def panel_operand(panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> SfWeight:
-    """The `panel_pack` panels of a float32 weight [n, K] and its bias [n] as an SfWeight."""
-    if not _holds_panels(panels, n):
-        raise ValueError(f"not the panels of a weight of {n} rows")
-    _check_rows_vectors(n, bias)
-    return SfWeight(panels.data_ptr(), 0, 0 if bias is None else bias.data_ptr(), _PANELS)
-
-
-def layer_operand(attn_norm: torch.Tensor, mlp_norm: torch.Tensor, weights: list[SfWeight],
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, windowed: bool) -> SfLayer:
-    """A layer's SfLayer: its norms, its qkv, o, gate_up and down weights (`weight_operand`),
-    its cache pages and whether it reads the windowed visibility."""
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype == torch.float32):
-        raise ValueError("decoder_layer takes contiguous float32 cache pages")
-    return SfLayer(attn_norm.data_ptr(), mlp_norm.data_ptr(), *weights, k_cache.data_ptr(), v_cache.data_ptr(),
-                   int(windowed))
-
-
-class DecoderStep:
-    """One forward's shared half of `decoder_layer`: N rows (1 to MAX_ROWS) of hidden size H, the
-    model's shapes, the rows' RoPE (cos, sin: N * D/2 values each) and cache slots [N] int64, and
-    each row's ordered visible slots (`ordered[windowed]` = ([N, S] int64, [N] int64), see
-    `tree_attention`; `ordered[True]` only where the model has a sliding window). Holds the
-    scratch rows every layer reuses."""
-
-    def __init__(self, rows: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 intermediate: int, eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor,
-                 slots: torch.Tensor, ordered: dict[bool, tuple[torch.Tensor, torch.Tensor]]) -> None:
-        N, D = rows, head_dim
-        if not 1 <= N <= MAX_ROWS:
-            raise ValueError(f"decoder_layer takes 1 to {MAX_ROWS} rows, got {N}")
-        full = ordered[False]
-        windowed = ordered.get(True, full)
-        self._keep = [t.contiguous() for t in (cos, sin, slots, *full, *windowed)]
-        cos, sin, slots, vis0, cnt0, vis1, cnt1 = self._keep
-        if not (cos.numel() == sin.numel() == N * D // 2 and slots.numel() == N and vis0.shape[0] == N
-                and vis1.shape[0] == N and slots.dtype == vis0.dtype == vis1.dtype == torch.long):
-            raise ValueError("DecoderStep: rope, slots and visible rows must match the rows")
-        threads = torch.get_num_threads()
-        S = max(vis0.shape[1], vis1.shape[1], 1)
-        e = lambda *shape: torch.empty(*shape, dtype=torch.float32)   # noqa: E731
-        self._scratch = [e(N, hidden), e(N, (num_heads + 2 * num_kv_heads) * D), e(N, num_heads * D),
-                         e(N, hidden), e(N, 2 * intermediate), e(N, intermediate), e(max(threads, 1) * S)]
-        p = [t.data_ptr() for t in self._scratch]
-        self._f = SfForward(N, hidden, num_heads, num_kv_heads, D, intermediate, eps, scale,
-                            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-                            (_ptr * 2)(vis0.data_ptr(), vis1.data_ptr()), (_ptr * 2)(cnt0.data_ptr(), cnt1.data_ptr()),
-                            (_i64 * 2)(vis0.shape[1], vis1.shape[1]), *p, threads)
-        self._ref = ctypes.byref(self._f)
-        self.rows, self.hidden = N, hidden
-
-    def layer(self, layer: SfLayer, h: torch.Tensor) -> torch.Tensor:
-        """h [N, H] float32 contiguous, updated in place by one decoder layer; returns h."""
-        if h.shape != (self.rows, self.hidden) or not h.is_contiguous():
-            raise ValueError(f"decoder_layer: h must be contiguous [{self.rows}, {self.hidden}]")
-        rc = _load().sf_decoder_layer(ctypes.byref(layer), self._ref, h.data_ptr())
-        if rc != 0:
-            raise CpuKernelError(f"sf_decoder_layer failed ({rc})")
-        return h
+__all__ = ["CpuKernelError", "DecoderStep", "MAX_ROWS", "PANEL", "SOURCE", "SfForward", "SfLayer", "SfWeight",
+           "available", "build", "decoder_layer_available", "layer_operand",
+           "layer_ops_apply", "library_path", "open_library", "panel_isa", "panel_linear", "panel_operand",
+           "panel_pack", "rms_norm", "rope_store", "silu_mul", "skinny_linear", "tree_attention",
+           "unavailable_reason", "visible_slots", "weight_operand"]

@@ -203,3 +203,28 @@ def test_sliding_window_matches_reference_and_float64(poisoned, B, T, Hq, Hkv, D
     assert rel_err(ctx.attend(q, k, v, windowed=True), expect) < 1e-5
     # mutation control: the window is not a no-op on these inputs
     assert rel_err(ctx.attend(q, k, v), expect) > 1e-3
+
+
+@pytest.mark.parametrize("case", [c[:7] + (None,) for c in CASES] + [c[:8] for c in WINDOW_CASES])
+def test_the_c_layout_of_what_each_row_sees_is_the_torch_one(case):
+    """kernels.cpu.visible_slots (one C call a forward) lays out each row's visible slots as
+    the torch operators do (`ordered_in_torch`), and each row's own slot as `_slots` did."""
+    from kernels import cpu as cpu_kernels
+    from models.attention import CpuAttentionContext
+
+    if not cpu_kernels.available():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    B, T, Hq, Hkv, D, page, prefix, window = case
+    _, _, _, bt, pl, tm = make_inputs(B, T, Hq, Hkv, D, page, prefix, torch.float32, seed=5)
+    ctx = CpuAttentionContext(bt, pl, tm, page, Hq, Hkv, sliding_window=window)
+    for windowed in ctx.windows:
+        vis, counts, rows = cpu_kernels.visible_slots(bt, pl, tm, page, window if windowed else None, ctx.S)
+        want, want_counts = ctx.ordered_in_torch(windowed)
+        assert counts.tolist() == want_counts.tolist()
+        for r, n in enumerate(counts.tolist()):
+            assert vis[r, :n].tolist() == want[r, :n].tolist(), (windowed, r)
+            assert set(vis[r, n:].tolist()) <= {int(vis[r, n - 1])} if n else True
+        pos = pl[:, None].long() + torch.arange(T)
+        assert rows.tolist() == (bt.long().gather(1, pos // page) * page + pos % page).reshape(-1).tolist()
+        if windowed:   # mutation control: the window hides something here
+            assert counts.sum() < ctx.ordered_in_torch(False)[1].sum()

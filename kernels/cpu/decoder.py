@@ -1,0 +1,131 @@
+"""A whole decoder layer in one call (kernels/cpu/decoder_layer.c): the ctypes structures the
+C side reads and `DecoderStep` (what a forward's layers share). Re-exported by `kernels.cpu`."""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu import MAX_ROWS, CpuKernelError, _holds_panels, _load
+
+_ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
+_KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
+_PANELS = 3
+
+
+class SfWeight(ctypes.Structure):
+    """A matmul's weight as `decoder_layer` reads it (the C sf_weight): raw pointers, so whoever
+    builds one keeps its tensors alive."""
+
+    _fields_ = [("w", _ptr),           # [out, in] float32, float16 or int8, contiguous
+                ("scales", _ptr),      # [out] float32 (int8 only) or NULL
+                ("bias", _ptr),        # [out] float32 or NULL
+                ("kind", _i64)]        # 0 float32, 1 float16, 2 int8, 3 float32 panels (`panel_pack`)
+
+
+class SfLayer(ctypes.Structure):
+    """A decoder layer's parameters and cache pages (the C sf_layer)."""
+
+    _fields_ = [("attn_norm", _ptr), ("mlp_norm", _ptr),              # [H] float32
+                ("qkv", SfWeight), ("o", SfWeight), ("gate_up", SfWeight), ("down", SfWeight),
+                ("k_cache", _ptr), ("v_cache", _ptr),                 # [.., block_size, Hkv, D] float32
+                ("windowed", _i64)]                                   # reads the windowed visibility
+
+
+class SfForward(ctypes.Structure):
+    """What every layer of one forward shares (the C sf_forward; `DecoderStep` owns its tensors)."""
+
+    _fields_ = [("N", _i64), ("H", _i64), ("Hq", _i64), ("Hkv", _i64), ("D", _i64), ("I", _i64),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("cos", _ptr), ("sin", _ptr),                         # [N, D/2]
+                ("slots", _ptr),                                      # [N] int64
+                ("vis", _ptr * 2), ("counts", _ptr * 2), ("S", _i64 * 2),   # full, windowed
+                ("xn", _ptr), ("qkv", _ptr), ("attn", _ptr), ("tmp", _ptr), ("gu", _ptr), ("act", _ptr),
+                ("scratch", _ptr),
+                ("threads", _i64)]
+
+
+def decoder_layer_available() -> bool:
+    lib = _load()
+    return lib is not None and hasattr(lib, "sf_decoder_layer")
+
+
+def weight_operand(weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   scales: torch.Tensor | None = None) -> SfWeight:
+    """weight [out, in] (float32, float16, or int8 with `scales` [out]) and bias [out] as an SfWeight."""
+    if weight.dtype not in _KINDS or weight.dim() != 2 or not weight.is_contiguous() or weight.device.type != "cpu":
+        raise ValueError("a decoder_layer weight is a contiguous 2-D CPU float32, float16 or int8 tensor")
+    if (weight.dtype == torch.int8) != (scales is not None):
+        raise ValueError("an int8 weight takes scales (float32, one per weight row), and only it")
+    _check_rows_vectors(weight.shape[0], scales, bias)
+    return SfWeight(weight.data_ptr(), 0 if scales is None else scales.data_ptr(),
+                    0 if bias is None else bias.data_ptr(), _KINDS[weight.dtype])
+
+
+def _check_rows_vectors(n: int, *vectors: torch.Tensor | None) -> None:
+    """A decoder_layer weight's scales and bias: each None or contiguous float32 [n]."""
+    for v in vectors:
+        if v is not None and (v.dtype != torch.float32 or v.shape != (n,) or not v.is_contiguous()):
+            raise ValueError(f"scales and bias must be contiguous float32 [{n}]")
+
+
+def panel_operand(panels: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> SfWeight:
+    """The `panel_pack` panels of a float32 weight [n, K] and its bias [n] as an SfWeight."""
+    if not _holds_panels(panels, n):
+        raise ValueError(f"not the panels of a weight of {n} rows")
+    _check_rows_vectors(n, bias)
+    return SfWeight(panels.data_ptr(), 0, 0 if bias is None else bias.data_ptr(), _PANELS)
+
+
+def layer_operand(attn_norm: torch.Tensor, mlp_norm: torch.Tensor, weights: list[SfWeight],
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, windowed: bool) -> SfLayer:
+    """A layer's SfLayer: its norms, its qkv, o, gate_up and down weights (`weight_operand`),
+    its cache pages and whether it reads the windowed visibility."""
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype == torch.float32):
+        raise ValueError("decoder_layer takes contiguous float32 cache pages")
+    return SfLayer(attn_norm.data_ptr(), mlp_norm.data_ptr(), *weights, k_cache.data_ptr(), v_cache.data_ptr(),
+                   int(windowed))
+
+
+class DecoderStep:
+    """One forward's shared half of `decoder_layer`: N rows (1 to MAX_ROWS) of hidden size H, the
+    model's shapes, the rows' RoPE (cos, sin: N * D/2 values each) and cache slots [N] int64, and
+    each row's ordered visible slots (`ordered[windowed]` = ([N, S] int64, [N] int64), see
+    `tree_attention`; `ordered[True]` only where the model has a sliding window). Holds the
+    scratch rows every layer reuses."""
+
+    def __init__(self, rows: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 intermediate: int, eps: float, scale: float, cos: torch.Tensor, sin: torch.Tensor,
+                 slots: torch.Tensor, ordered: dict[bool, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        N, D = rows, head_dim
+        if not 1 <= N <= MAX_ROWS:
+            raise ValueError(f"decoder_layer takes 1 to {MAX_ROWS} rows, got {N}")
+        full = ordered[False]
+        windowed = ordered.get(True, full)
+        self._keep = [t.contiguous() for t in (cos, sin, slots, *full, *windowed)]
+        cos, sin, slots, vis0, cnt0, vis1, cnt1 = self._keep
+        if not (cos.numel() == sin.numel() == N * D // 2 and slots.numel() == N and vis0.shape[0] == N
+                and vis1.shape[0] == N and slots.dtype == vis0.dtype == vis1.dtype == torch.long):
+            raise ValueError("DecoderStep: rope, slots and visible rows must match the rows")
+        threads = torch.get_num_threads()
+        S = max(vis0.shape[1], vis1.shape[1], 1)
+        e = lambda *shape: torch.empty(*shape, dtype=torch.float32)   # noqa: E731
+        self._scratch = [e(N, hidden), e(N, (num_heads + 2 * num_kv_heads) * D), e(N, num_heads * D),
+                         e(N, hidden), e(N, 2 * intermediate), e(N, intermediate), e(max(threads, 1) * S)]
+        p = [t.data_ptr() for t in self._scratch]
+        self._f = SfForward(N, hidden, num_heads, num_kv_heads, D, intermediate, eps, scale,
+                            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                            (_ptr * 2)(vis0.data_ptr(), vis1.data_ptr()), (_ptr * 2)(cnt0.data_ptr(), cnt1.data_ptr()),
+                            (_i64 * 2)(vis0.shape[1], vis1.shape[1]), *p, threads)
+        self._ref = ctypes.byref(self._f)
+        self.rows, self.hidden = N, hidden
+
+    def layer(self, layer: SfLayer, h: torch.Tensor) -> torch.Tensor:
+        """h [N, H] float32 contiguous, updated in place by one decoder layer; returns h."""
+        if h.shape != (self.rows, self.hidden) or not h.is_contiguous():
+            raise ValueError(f"decoder_layer: h must be contiguous [{self.rows}, {self.hidden}]")
+        rc = _load().sf_decoder_layer(ctypes.byref(layer), self._ref, h.data_ptr())
+        if rc != 0:
+            raise CpuKernelError(f"sf_decoder_layer failed ({rc})")
+        return h
+
