@@ -28,11 +28,14 @@ import torch
 from speculation.proposal import DraftRequest
 from drafter.tree_search import ROOT, TreeBuilder
 from models.kv_cache import OutOfBlocks
+from models import draft_chain
 from models.linear import DRAFT_WEIGHTS, PackedWeight, use_draft_weights
 from models.tree import TokenTree, ragged_tree_forward
 
 
 class ModelProposer:
+    chains_in_c = True   # greedy chains' levels below the root in one C call, where it runs the model
+
     def __init__(self, model, cache, spec_len: int, tree_width: int = 1, max_nodes: int | None = None,
                  logit_rows: Sequence[int] | None = None, vocab_size: int | None = None,
                  weights: str | None = DRAFT_WEIGHTS) -> None:
@@ -66,14 +69,10 @@ class ModelProposer:
             root_logits = self._catch_up([batch[b] for b in live])            # n x [1, V] (V': a reduced head)
             for b, logits in zip(live, root_logits):
                 builders[b].expand([ROOT], logits)
-        for level in range(1, max(depth, default=0)):
-            frontier = {b: builders[b].frontier(level, depth[b]) for b in live if level < depth[b]}
-            frontier = {b: f for b, f in frontier.items() if f}
-            if not frontier:
-                break
-            logits = self._forward_frontier({batch[b].seq_id: (builders[b], f) for b, f in frontier.items()})
-            for b, node_logits in zip(frontier, logits):
-                builders[b].expand(frontier[b], node_logits)
+        if self._chains_in_one_call(batch, live, depth, builders):
+            self._draft_chains([batch[b].seq_id for b in live], [builders[b] for b in live], depth[live[0]] - 1)
+        else:
+            self._grow(batch, live, depth, builders)
         trees = []
         for b, r in enumerate(batch):
             if b not in builders:
@@ -83,6 +82,41 @@ class ModelProposer:
             self._node_ids[r.seq_id] = node_ids
             trees.append(tree)
         return trees
+
+    def _grow(self, batch, live, depth, builders) -> None:
+        """The levels below the root, one draft forward each over every tree's frontier."""
+        for level in range(1, max(depth, default=0)):
+            frontier = {b: builders[b].frontier(level, depth[b]) for b in live if level < depth[b]}
+            frontier = {b: f for b, f in frontier.items() if f}
+            if not frontier:
+                break
+            logits = self._forward_frontier({batch[b].seq_id: (builders[b], f) for b, f in frontier.items()})
+            for b, node_logits in zip(frontier, logits):
+                builders[b].expand(frontier[b], node_logits)
+
+    def _chains_in_one_call(self, batch, live, depth, builders) -> bool:
+        """Whether the levels below the root go to one C call (`models.draft_chain`): greedy
+        chains of one depth, each with its first token, transforms that read no history, and
+        a model the call runs."""
+        if not live or len({depth[b] for b in live}) != 1 or depth[live[0]] < 2 or not self.chains_in_c:
+            return False
+        for b in live:
+            r, builder = batch[b], builders[b]
+            if builder.width != 1 or not r.params.greedy or r.params.reads_history or len(builder.token_ids) != 1:
+                return False
+        return draft_chain.applies(self.model, len(live), depth[live[0]] - 1)
+
+    def _draft_chains(self, seq_ids: list, builders: list[TreeBuilder], levels: int) -> None:
+        """Each chain's levels 1 .. `levels` in one call; the nodes it fed are cached, in order."""
+        for seq_id in seq_ids:
+            self.cache.truncate(seq_id, self._committed[seq_id])       # nothing of the tree is cached yet
+        tokens, log_q = draft_chain.greedy_chains(self.model, self.cache, seq_ids,
+                                                  [b.token_ids[0] for b in builders], levels,
+                                                  self.lm_head, self.head_pack, self._rows_cpu)
+        for seq_id, builder, toks, lqs in zip(seq_ids, builders, tokens.tolist(), log_q.tolist()):
+            for node, (token, token_log_q) in enumerate(zip(toks, lqs)):
+                builder.add_children(node, [(token, token_log_q)])
+            self._layout[seq_id] = list(range(levels))
 
     def _builder(self, r: DraftRequest, depth: int) -> TreeBuilder:
         width = r.tree_width or self.tree_width

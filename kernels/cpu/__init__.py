@@ -26,7 +26,9 @@ layer's work between its matmuls in four calls instead of ~40 torch operators
 matmuls and those operators, in the same order, the same bits) in one call
 (kernels/cpu/decoder_layer.c), with what its layers share built once per
 forward (`DecoderStep`); `visible_slots` lays out what each row of a forward
-sees in one call. The decoder-layer half lives in kernels/cpu/decoder.py.
+sees in one call, and `draft_chains` runs a greedy draft chain's levels in one
+call (models/draft_chain.py). The decoder-layer half lives in
+kernels/cpu/decoder.py.
 
 The shared library is compiled once per source version into
 `<cache>/cpu-kernels/<digest>/` (`$SPECFLASH_CACHE`, as for the embedded
@@ -172,6 +174,10 @@ def open_library(path: Path) -> ctypes.CDLL:
     if hasattr(lib, "sf_decoder_layer"):
         lib.sf_decoder_layer.restype = ctypes.c_int
         lib.sf_decoder_layer.argtypes = [ctypes.c_void_p] * 3
+    if hasattr(lib, "sf_draft_chains"):
+        lib.sf_draft_chains.restype = ctypes.c_int
+        lib.sf_draft_chains.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+                                        + [ctypes.c_void_p] * 8 + [ctypes.c_int64] + [ctypes.c_void_p] * 7)
     return lib
 
 
@@ -367,10 +373,10 @@ def visible_slots(block_tables: torch.Tensor, prefix_lens: torch.Tensor, tree_ma
 
 # the whole-layer call and the chain call (kernels/cpu/decoder.py) need the loader above
 from kernels.cpu.decoder import (DecoderStep, SfForward, SfLayer, SfWeight, decoder_layer_available,  # noqa: E402
-                                 layer_operand, panel_operand, weight_operand)
+                                 draft_chains, layer_operand, panel_operand, weight_operand)
 
 __all__ = ["CpuKernelError", "DecoderStep", "MAX_ROWS", "PANEL", "SOURCE", "SfForward", "SfLayer", "SfWeight",
-           "available", "build", "decoder_layer_available", "layer_operand",
+           "available", "build", "decoder_layer_available", "draft_chains", "layer_operand",
            "layer_ops_apply", "library_path", "open_library", "panel_isa", "panel_linear", "panel_operand",
            "panel_pack", "rms_norm", "rope_store", "silu_mul", "skinny_linear", "tree_attention",
            "unavailable_reason", "visible_slots", "weight_operand"]

@@ -1,5 +1,6 @@
-"""A whole decoder layer in one call (kernels/cpu/decoder_layer.c): the ctypes structures the
-C side reads and `DecoderStep` (what a forward's layers share). Re-exported by `kernels.cpu`."""
+"""A whole decoder layer in one call (kernels/cpu/decoder_layer.c), and a greedy draft chain's
+levels in one call: the ctypes structures the C side reads, `DecoderStep` (what a forward's
+layers share) and `draft_chains`. Re-exported by `kernels.cpu`."""
 from __future__ import annotations
 
 import ctypes
@@ -129,3 +130,37 @@ class DecoderStep:
             raise CpuKernelError(f"sf_decoder_layer failed ({rc})")
         return h
 
+
+def draft_chains(step: DecoderStep, layers: list[SfLayer], first: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor, counts: torch.Tensor,
+                 embed: torch.Tensor, norm: torch.Tensor, head: SfWeight, vocab: int,
+                 rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`levels` greedy draft forwards of `step.rows` rows in one call (sf_draft_chains): row r
+    feeds first[r] at level 0, then the token its last level chose. Level d reads cos, sin
+    [levels, N, D/2], slots [levels, N], visible [levels, N, S] and counts [levels, N]; `step`
+    (built on level 0's) holds the shapes and scratch; embed [V_all, H] and norm [H] float32,
+    the head [vocab, H] as an SfWeight, `rows` [vocab] int64 its rows' token ids or None →
+    (tokens [levels, N] int64: each level's choice, log q [levels, N] float32)."""
+    levels, N = slots.shape
+    H = step.hidden
+    tensors = [t.contiguous() for t in (cos, sin, slots, visible, counts, embed, norm)]
+    cos, sin, slots, visible, counts, embed, norm = tensors
+    if not (first.shape == (N,) and N == step.rows and visible.shape[:2] == (levels, N)
+            and visible.shape[2] == step._f.S[0] and counts.shape == (levels, N) and embed.shape[1] == H
+            and norm.shape == (H,) and (rows is None or rows.shape == (vocab,))):
+        raise ValueError("draft_chains: the levels' rows do not match the step")
+    tokens = torch.empty(levels + 1, N, dtype=torch.long)
+    tokens[0] = first
+    log_q = torch.empty(levels, N, dtype=torch.float32)
+    h, hn = torch.empty(N, H), torch.empty(N, H)
+    logits, picked = torch.empty(N, vocab), torch.empty(N, dtype=torch.long)
+    table = (SfLayer * len(layers))(*layers)
+    rows_c = None if rows is None else rows.to(torch.long).contiguous()
+    rc = _load().sf_draft_chains(table, len(layers), ctypes.byref(step._f), levels, cos.data_ptr(), sin.data_ptr(),
+                                 slots.data_ptr(), visible.data_ptr(), counts.data_ptr(), embed.data_ptr(),
+                                 norm.data_ptr(), ctypes.byref(head), vocab,
+                                 None if rows_c is None else rows_c.data_ptr(), tokens.data_ptr(), log_q.data_ptr(),
+                                 h.data_ptr(), hn.data_ptr(), logits.data_ptr(), picked.data_ptr())
+    if rc != 0:
+        raise CpuKernelError(f"sf_draft_chains failed ({rc})")
+    return tokens[1:], log_q

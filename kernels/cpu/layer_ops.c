@@ -227,3 +227,20 @@ void sf_visible_slots(const int32_t *block_tables, int64_t W, const int64_t *pre
         }
     }
 }
+
+/* Each of N rows of logits [N, V]: the index of its largest entry (the first of equals) and that
+ * entry's log-softmax, -log(sum_j exp(x_j - max)) (a greedy draft's choice and its log q). */
+void sf_greedy_pick(const float *logits, int64_t N, int64_t V, int64_t *index, float *log_q) {
+    for (int64_t r = 0; r < N; r++) {
+        const float *x = logits + r * V;
+        int64_t best = 0;
+        for (int64_t j = 1; j < V; j++)
+            if (x[j] > x[best]) best = j;
+        const __m256 mv = _mm256_set1_ps(x[best]);
+        __m256 sumv = _mm256_setzero_ps();
+        for (int64_t j = 0; j < V; j += 8)
+            sumv = _mm256_add_ps(sumv, exp8(_mm256_sub_ps(load_tail(x, j, V, -INFINITY), mv)));
+        index[r] = best;
+        log_q[r] = -logf(hsum8(sumv));
+    }
+}

@@ -86,3 +86,63 @@ def test_ngram_proposer_point_masses():
     assert tree.draft_probs.sum() == 3
     empty, = ngram.propose([DraftRequest("n", [1, 2, 3], SAMPLING, torch.Generator(), 5)])
     assert empty.num_nodes == 0
+
+
+@pytest.mark.parametrize("logit_rows", [None, list(range(32, 127))])
+def test_greedy_chains_in_one_call_draft_what_the_level_by_level_path_drafts(draft_model, logit_rows):
+    """models.draft_chain: a batch of greedy chains drafted in one C call gives the trees, the
+    scores and the draft K/V the level-by-level forwards give, through accepts and rollbacks."""
+    from kernels import cpu as cpu_kernels
+    from models import draft_chain
+
+    if not cpu_kernels.decoder_layer_available():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    one_call, by_level = proposer(draft_model, logit_rows=logit_rows), proposer(draft_model, logit_rows=logit_rows)
+    by_level.chains_in_c = False
+    calls = []
+    real = draft_chain.greedy_chains
+    draft_chain.greedy_chains = lambda *a, **k: calls.append(a[4]) or real(*a, **k)
+    try:
+        prompts = {"a": list(b"hello world, "), "b": list(b"The quick brown fox")}
+        for round_, accept in enumerate([4, 0, 2, 1, 4, 3]):
+            reqs = [DraftRequest(s, list(t), GREEDY, torch.Generator(), 4) for s, t in prompts.items()]
+            got, want = one_call.propose(reqs), by_level.propose(reqs)
+            for s, g, w in zip(prompts, got, want):
+                assert g.token_ids.tolist() == w.token_ids.tolist(), (round_, s)
+                assert g.parent_ids.tolist() == w.parent_ids.tolist() and g.depths.tolist() == w.depths.tolist()
+                for p in (one_call, by_level):
+                    p.on_verified(s, g, list(range(accept)))
+                prompts[s] = prompts[s] + g.token_ids[:accept].tolist() + [40 + round_]
+            if round_ == 3:                                  # an epoch change: both roll back
+                for p in (one_call, by_level):
+                    p.rollback("a", len(prompts["a"]) - 3)
+                prompts["a"] = prompts["a"][:-2]
+    finally:
+        draft_chain.greedy_chains = real
+    assert calls and all(c == 3 for c in calls)           # the one-call path ran, three levels a pass
+    for s in prompts:
+        n = one_call.cache.seq_len(s)
+        assert n == by_level.cache.seq_len(s) and n > 0
+        for layer in range(len(draft_model.layers)):
+            slots_a, slots_b = one_call.cache.slots(s, range(n)), by_level.cache.slots(s, range(n))
+            for kv in ("k", "v"):
+                mine, theirs = getattr(one_call.cache, kv)[layer], getattr(by_level.cache, kv)[layer]
+                assert torch.equal(mine.flatten(0, 1)[slots_a], theirs.flatten(0, 1)[slots_b])
+
+
+def test_chains_of_several_depths_or_sampled_take_the_level_by_level_path(draft_model):
+    from models import draft_chain
+
+    calls = []
+    real = draft_chain.greedy_chains
+    draft_chain.greedy_chains = lambda *a, **k: calls.append(a[4]) or real(*a, **k)
+    try:
+        p = proposer(draft_model)
+        deep, shallow = p.propose([DraftRequest("a", list(b"abc"), GREEDY, torch.Generator(), 4),
+                                   DraftRequest("b", list(b"xyz"), GREEDY, torch.Generator(), 2)])
+        sampled, = p.propose([request(b"hello", SAMPLING, depth=4)])
+        wide, = proposer(draft_model, width=2).propose([request(b"hello", GREEDY, depth=4)])
+    finally:
+        draft_chain.greedy_chains = real
+    assert calls == [] and deep.num_nodes == 4 and shallow.num_nodes == 2 and sampled.num_nodes == 4
+    assert wide.num_nodes > 4
