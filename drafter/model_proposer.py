@@ -65,13 +65,13 @@ class ModelProposer:
         depth = [min(self.spec_len, r.max_depth) for r in batch]
         live = [b for b, r in enumerate(batch) if depth[b] > 0]
         builders = {b: self._builder(batch[b], depth[b]) for b in live}
-        if live:
-            root_logits = self._catch_up([batch[b] for b in live])            # n x [1, V] (V': a reduced head)
+        reqs = [batch[b] for b in live]
+        if self._chains_in_one_call(reqs, [depth[b] for b in live]):
+            self._draft_chains(reqs, [builders[b] for b in live], depth[live[0]] - 1)
+        elif live:
+            root_logits = self._catch_up(reqs)                                # n x [1, V] (V': a reduced head)
             for b, logits in zip(live, root_logits):
                 builders[b].expand([ROOT], logits)
-        if self._chains_in_one_call(batch, live, depth, builders):
-            self._draft_chains([batch[b].seq_id for b in live], [builders[b] for b in live], depth[live[0]] - 1)
-        else:
             self._grow(batch, live, depth, builders)
         trees = []
         for b, r in enumerate(batch):
@@ -94,29 +94,30 @@ class ModelProposer:
             for b, node_logits in zip(frontier, logits):
                 builders[b].expand(frontier[b], node_logits)
 
-    def _chains_in_one_call(self, batch, live, depth, builders) -> bool:
-        """Whether the levels below the root go to one C call (`models.draft_chain`): greedy
-        chains of one depth, each with its first token, transforms that read no history, and
-        a model the call runs."""
-        if not live or len({depth[b] for b in live}) != 1 or depth[live[0]] < 2 or not self.chains_in_c:
+    def _chains_in_one_call(self, reqs: Sequence[DraftRequest], depth: list[int]) -> bool:
+        """Whether the whole pass goes to one C call (`models.draft_chain`): greedy chains of one
+        depth of sequences the draft has seen, 16 catch-up rows at most in all, transforms
+        that read no history, and a model the call runs."""
+        if not reqs or not self.chains_in_c or len(set(depth)) != 1:
             return False
-        for b in live:
-            r, builder = batch[b], builders[b]
-            if builder.width != 1 or not r.params.greedy or r.params.reads_history or len(builder.token_ids) != 1:
+        for r in reqs:
+            if (r.tree_width or self.tree_width) != 1 or not r.params.greedy or r.params.reads_history \
+                    or r.seq_id not in self._committed:
                 return False
-        return draft_chain.applies(self.model, len(live), depth[live[0]] - 1)
+        rows = sum(len(r.token_ids) - self._committed[r.seq_id] for r in reqs)
+        return draft_chain.applies(self.model, len(reqs), rows, depth[0] - 1)
 
-    def _draft_chains(self, seq_ids: list, builders: list[TreeBuilder], levels: int) -> None:
-        """Each chain's levels 1 .. `levels` in one call; the nodes it fed are cached, in order."""
-        for seq_id in seq_ids:
-            self.cache.truncate(seq_id, self._committed[seq_id])       # nothing of the tree is cached yet
-        tokens, log_q = draft_chain.greedy_chains(self.model, self.cache, seq_ids,
-                                                  [b.token_ids[0] for b in builders], levels,
+    def _draft_chains(self, reqs: Sequence[DraftRequest], builders: list[TreeBuilder], levels: int) -> None:
+        """The catch-up and `levels` levels below it in one call; the chain's nodes it fed are
+        cached after the committed tokens, in order."""
+        ids = self._catch_up_rows(reqs)[0]
+        tokens, log_q = draft_chain.greedy_chains(self.model, self.cache, [r.seq_id for r in reqs], ids, levels,
                                                   self.lm_head, self.head_pack, self._rows_cpu)
-        for seq_id, builder, toks, lqs in zip(seq_ids, builders, tokens.tolist(), log_q.tolist()):
-            for node, (token, token_log_q) in enumerate(zip(toks, lqs)):
+        self._cache_prefixes(reqs)
+        for r, builder, toks, lqs in zip(reqs, builders, tokens.tolist(), log_q.tolist()):
+            for node, (token, token_log_q) in enumerate(zip(toks, lqs), start=ROOT):
                 builder.add_children(node, [(token, token_log_q)])
-            self._layout[seq_id] = list(range(levels))
+            self._layout[r.seq_id] = list(range(levels))
 
     def _builder(self, r: DraftRequest, depth: int) -> TreeBuilder:
         width = r.tree_width or self.tree_width

@@ -383,13 +383,14 @@ class Transformer(nn.Module):
         return self._lm_head_pack.matmul(hidden, self.lm_head_weight, None).float()
 
 
-def _reserve_all(cache: PagedKVCache, seq_ids: Sequence[Hashable], n: int) -> None:
-    """Reserve n slots in every sequence, or in none (OutOfBlocks re-raised)."""
+def _reserve_all(cache: PagedKVCache, seq_ids: Sequence[Hashable], n: int | Sequence[int]) -> None:
+    """Reserve n slots (or n[i] in sequence i) in every sequence, or in none (OutOfBlocks re-raised)."""
+    counts = [n] * len(seq_ids) if isinstance(n, int) else list(n)
     done: list[tuple[Hashable, int]] = []
     try:
-        for s in seq_ids:
+        for s, count in zip(seq_ids, counts):
             length = cache.seq_len(s)
-            cache.reserve(s, n)
+            cache.reserve(s, count)
             done.append((s, length))
     except (OutOfBlocks, KeyError):
         for s, length in done:

@@ -176,8 +176,9 @@ def open_library(path: Path) -> ctypes.CDLL:
         lib.sf_decoder_layer.argtypes = [ctypes.c_void_p] * 3
     if hasattr(lib, "sf_draft_chains"):
         lib.sf_draft_chains.restype = ctypes.c_int
-        lib.sf_draft_chains.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-                                        + [ctypes.c_void_p] * 8 + [ctypes.c_int64] + [ctypes.c_void_p] * 7)
+        lib.sf_draft_chains.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2
+                                        + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 8
+                                        + [ctypes.c_int64] + [ctypes.c_void_p] * 8)
     return lib
 
 

@@ -131,36 +131,39 @@ class DecoderStep:
         return h
 
 
-def draft_chains(step: DecoderStep, layers: list[SfLayer], first: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor, counts: torch.Tensor,
-                 embed: torch.Tensor, norm: torch.Tensor, head: SfWeight, vocab: int,
+
+def draft_chains(step: DecoderStep, layers: list[SfLayer], first_tokens: torch.Tensor, first_pick: torch.Tensor,
+                 levels: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
+                 counts: torch.Tensor, embed: torch.Tensor, norm: torch.Tensor, head: SfWeight, vocab: int,
                  rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`levels` greedy draft forwards of `step.rows` rows in one call (sf_draft_chains): row r
-    feeds first[r] at level 0, then the token its last level chose. Level d reads cos, sin
-    [levels, N, D/2], slots [levels, N], visible [levels, N, S] and counts [levels, N]; `step`
-    (built on level 0's) holds the shapes and scratch; embed [V_all, H] and norm [H] float32,
-    the head [vocab, H] as an SfWeight, `rows` [vocab] int64 its rows' token ids or None →
-    (tokens [levels, N] int64: each level's choice, log q [levels, N] float32)."""
-    levels, N = slots.shape
-    H = step.hidden
-    tensors = [t.contiguous() for t in (cos, sin, slots, visible, counts, embed, norm)]
-    cos, sin, slots, visible, counts, embed, norm = tensors
-    if not (first.shape == (N,) and N == step.rows and visible.shape[:2] == (levels, N)
-            and visible.shape[2] == step._f.S[0] and counts.shape == (levels, N) and embed.shape[1] == H
-            and norm.shape == (H,) and (rows is None or rows.shape == (vocab,))):
-        raise ValueError("draft_chains: the levels' rows do not match the step")
-    tokens = torch.empty(levels + 1, N, dtype=torch.long)
-    tokens[0] = first
-    log_q = torch.empty(levels, N, dtype=torch.float32)
-    h, hn = torch.empty(N, H), torch.empty(N, H)
-    logits, picked = torch.empty(N, vocab), torch.empty(N, dtype=torch.long)
+    """A greedy draft pass of B chains in one call (sf_draft_chains): the catch-up's rows feed
+    first_tokens [R] (R = step.rows >= B), chain b's root at row first_pick[b], and choose each
+    chain's first token; then `levels` levels of one row a chain each choose the next. cos,
+    sin [R + levels * B, D/2], slots [..], visible [.., S] and counts [..] are the rows', the
+    catch-up's first, then level by level; embed [V_all, H] and norm [H] float32, the head
+    [vocab, H] as an SfWeight, `rows` [vocab] int64 its rows' token ids or None →
+    (tokens [levels + 1, B] int64: each level's choice, log q [levels + 1, B] float32)."""
+    R, B, H = step.rows, first_pick.shape[0], step.hidden
+    total = R + levels * B
+    tensors = [t.contiguous() for t in (first_tokens, first_pick, cos, sin, slots, visible, counts, embed, norm)]
+    first_tokens, first_pick, cos, sin, slots, visible, counts, embed, norm = tensors
+    if not (first_tokens.shape == (R,) and 1 <= B <= R and slots.shape == (total,) and counts.shape == (total,)
+            and visible.shape == (total, step._f.S[0]) and cos.numel() == sin.numel() == total * step._f.D // 2
+            and embed.shape[1] == H and norm.shape == (H,) and (rows is None or rows.shape == (vocab,))
+            and 0 <= int(first_pick.min()) and int(first_pick.max()) < R):
+        raise ValueError("draft_chains: the rows do not match the step")
+    tokens = torch.empty(levels + 1, B, dtype=torch.long)
+    log_q = torch.empty(levels + 1, B, dtype=torch.float32)
+    h, picked_h, hn = torch.empty(R, H), torch.empty(B, H), torch.empty(B, H)
+    logits, picked = torch.empty(B, vocab), torch.empty(B, dtype=torch.long)
     table = (SfLayer * len(layers))(*layers)
     rows_c = None if rows is None else rows.to(torch.long).contiguous()
-    rc = _load().sf_draft_chains(table, len(layers), ctypes.byref(step._f), levels, cos.data_ptr(), sin.data_ptr(),
-                                 slots.data_ptr(), visible.data_ptr(), counts.data_ptr(), embed.data_ptr(),
-                                 norm.data_ptr(), ctypes.byref(head), vocab,
-                                 None if rows_c is None else rows_c.data_ptr(), tokens.data_ptr(), log_q.data_ptr(),
-                                 h.data_ptr(), hn.data_ptr(), logits.data_ptr(), picked.data_ptr())
+    rc = _load().sf_draft_chains(table, len(layers), ctypes.byref(step._f), B, R, first_tokens.data_ptr(),
+                                 first_pick.data_ptr(), levels, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                                 visible.data_ptr(), counts.data_ptr(), embed.data_ptr(), norm.data_ptr(),
+                                 ctypes.byref(head), vocab, None if rows_c is None else rows_c.data_ptr(),
+                                 tokens.data_ptr(), log_q.data_ptr(), h.data_ptr(), picked_h.data_ptr(),
+                                 hn.data_ptr(), logits.data_ptr(), picked.data_ptr())
     if rc != 0:
         raise CpuKernelError(f"sf_draft_chains failed ({rc})")
-    return tokens[1:], log_q
+    return tokens, log_q

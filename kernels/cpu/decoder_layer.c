@@ -96,37 +96,52 @@ int sf_decoder_layer(const sf_layer *L, const sf_forward *F, float *h) {
 
 void sf_greedy_pick(const float *logits, int64_t N, int64_t V, int64_t *index, float *log_q);
 
-/* `levels` greedy draft forwards of F->N rows in one call (models/draft_chain.py): at level d
- * row r feeds tokens[d, r] (row 0 given) through the embedding [V_all, H], every layer, the
- * final norm and the head [V, H] (`rows`: the token id of each of its V rows, or NULL for all),
- * and its largest logit's token becomes tokens[d + 1, r], its log-softmax log_q[d, r]. Level d
- * reads its rows' RoPE (cos, sin: [levels, N, D/2]), cache slots [levels, N] and visible slots
- * [levels, N, F->S[0]] with their counts [levels, N]. Each step is the function the one-level
- * path calls (the decoder layer, sf_rms_norm, the head's matmul), so the logits are the same
- * bits. scratch: h, hn [N, H], logits [N, V]. Returns 0 or the failing matmul's code. */
-int sf_draft_chains(const sf_layer *layers, int64_t num_layers, sf_forward *F, int64_t levels,
+/* A greedy draft pass of `chains` chains in one call (models/draft_chain.py). First the catch-up:
+ * `first_rows` rows (each chain's committed tokens the draft has not seen, root last: its
+ * row first_pick[r]) feed first_tokens through the embedding [V_all, H] and every layer; the
+ * picked rows go through the final norm and the head [V, H] (`rows`: the token id of each of
+ * its V rows, or NULL for all), and each chain's largest logit's token is tokens[0, r], its
+ * log-softmax log_q[0, r]. Then `levels` more levels of one row a chain: level d feeds
+ * tokens[d - 1, r] and chooses tokens[d, r]. The rows read their RoPE (cos, sin: [rows, D/2]),
+ * cache slot [rows] and visible slots [rows, F->S[0]] with counts [rows] in that order (the
+ * catch-up's, then level after level). Each step is the function the one-level path calls
+ * (the decoder layer, sf_rms_norm, the head's matmul), so the logits are the same bits.
+ * F's scratch holds first_rows >= chains rows (F->N); h [first_rows, H], picked_h, hn
+ * [chains, H] and logits [chains, V] are scratch too. Returns 0 or the failing matmul's code. */
+int sf_draft_chains(const sf_layer *layers, int64_t num_layers, sf_forward *F, int64_t chains, int64_t first_rows,
+                    const int64_t *first_tokens, const int64_t *first_pick, int64_t levels,
                     const float *cos, const float *sin, const int64_t *slots, const int64_t *vis,
                     const int64_t *counts, const float *embed, const float *norm, const sf_weight *head,
-                    int64_t V, const int64_t *rows, int64_t *tokens, float *log_q, float *h, float *hn,
-                    float *logits, int64_t *picked) {
-    const int64_t N = F->N, H = F->H, half = F->D / 2, S = F->S[0];
+                    int64_t V, const int64_t *rows, int64_t *tokens, float *log_q, float *h, float *picked_h,
+                    float *hn, float *logits, int64_t *picked) {
+    const int64_t N = chains, H = F->H, half = F->D / 2, S = F->S[0], scratch_rows = F->N;
+    int64_t at = 0;                               /* the level's first row among all rows */
+    if (first_rows > scratch_rows || N > first_rows) return -3;
     int rc;
-    for (int64_t d = 0; d < levels; d++) {
-        F->cos = cos + d * N * half;
-        F->sin = sin + d * N * half;
-        F->slots = slots + d * N;
-        F->vis[0] = F->vis[1] = vis + d * N * S;
-        F->counts[0] = F->counts[1] = counts + d * N;
-        for (int64_t r = 0; r < N; r++) {
-            const float *e = embed + tokens[d * N + r] * H;
+    for (int64_t d = 0; d <= levels; d++) {
+        const int64_t n = d == 0 ? first_rows : N;
+        F->N = n;
+        F->cos = cos + at * half;
+        F->sin = sin + at * half;
+        F->slots = slots + at;
+        F->vis[0] = F->vis[1] = vis + at * S;
+        F->counts[0] = F->counts[1] = counts + at;
+        for (int64_t r = 0; r < n; r++) {
+            const float *e = embed + (d == 0 ? first_tokens[r] : tokens[(d - 1) * N + r]) * H;
             for (int64_t i = 0; i < H; i++) h[r * H + i] = e[i];
         }
         for (int64_t l = 0; l < num_layers; l++)
             if ((rc = sf_decoder_layer(&layers[l], F, h))) return rc;
-        sf_rms_norm(h, norm, hn, N, H, F->eps);
+        for (int64_t r = 0; r < N; r++) {
+            const float *src = h + (d == 0 ? first_pick[r] : r) * H;
+            for (int64_t i = 0; i < H; i++) picked_h[r * H + i] = src[i];
+        }
+        sf_rms_norm(picked_h, norm, hn, N, H, F->eps);
         if ((rc = linear(head, hn, logits, N, H, V, (int)F->threads))) return rc;
         sf_greedy_pick(logits, N, V, picked, log_q + d * N);
-        for (int64_t r = 0; r < N; r++) tokens[(d + 1) * N + r] = rows ? rows[picked[r]] : picked[r];
+        for (int64_t r = 0; r < N; r++) tokens[d * N + r] = rows ? rows[picked[r]] : picked[r];
+        at += n;
     }
+    F->N = scratch_rows;
     return 0;
 }

@@ -130,19 +130,28 @@ def test_greedy_chains_in_one_call_draft_what_the_level_by_level_path_drafts(dra
                 assert torch.equal(mine.flatten(0, 1)[slots_a], theirs.flatten(0, 1)[slots_b])
 
 
-def test_chains_of_several_depths_or_sampled_take_the_level_by_level_path(draft_model):
+def test_only_greedy_chains_of_one_depth_take_the_one_call_path(draft_model):
     from models import draft_chain
 
     calls = []
     real = draft_chain.greedy_chains
     draft_chain.greedy_chains = lambda *a, **k: calls.append(a[4]) or real(*a, **k)
+
+    def twice(p, reqs):          # the second pass: sequences the draft has seen, a short catch-up
+        trees = p.propose(reqs)
+        for r, t in zip(reqs, trees):
+            p.on_verified(r.seq_id, t, [])
+        return p.propose([DraftRequest(r.seq_id, list(r.token_ids) + [7], r.params, r.generator, r.max_depth,
+                                       tree_width=r.tree_width) for r in reqs])
     try:
         p = proposer(draft_model)
-        deep, shallow = p.propose([DraftRequest("a", list(b"abc"), GREEDY, torch.Generator(), 4),
-                                   DraftRequest("b", list(b"xyz"), GREEDY, torch.Generator(), 2)])
-        sampled, = p.propose([request(b"hello", SAMPLING, depth=4)])
-        wide, = proposer(draft_model, width=2).propose([request(b"hello", GREEDY, depth=4)])
+        deep, shallow = twice(p, [DraftRequest("a", list(b"abc"), GREEDY, torch.Generator(), 4),
+                                  DraftRequest("b", list(b"xyz"), GREEDY, torch.Generator(), 2)])
+        sampled, = twice(proposer(draft_model), [request(b"hello", SAMPLING, depth=4)])
+        wide, = twice(proposer(draft_model, width=2), [request(b"hello", GREEDY, depth=4)])
+        assert calls == [] and deep.num_nodes == 4 and shallow.num_nodes == 2 and sampled.num_nodes == 4
+        assert wide.num_nodes > 4
+        chain, = twice(proposer(draft_model), [request(b"hello", GREEDY, depth=4)])
+        assert calls == [3] and chain.num_nodes == 4                  # mutation control: this one does
     finally:
         draft_chain.greedy_chains = real
-    assert calls == [] and deep.num_nodes == 4 and shallow.num_nodes == 2 and sampled.num_nodes == 4
-    assert wide.num_nodes > 4
