@@ -104,8 +104,8 @@ class ModelProposer:
             if (r.tree_width or self.tree_width) != 1 or not r.params.greedy or r.params.reads_history \
                     or r.seq_id not in self._committed:
                 return False
-        rows = sum(len(r.token_ids) - self._committed[r.seq_id] for r in reqs)
-        return draft_chain.applies(self.model, len(reqs), rows, depth[0] - 1)
+        rows = [len(r.token_ids) - self._committed[r.seq_id] for r in reqs]   # the root at least
+        return min(rows) >= 1 and draft_chain.applies(self.model, len(reqs), sum(rows), depth[0] - 1)
 
     def _draft_chains(self, reqs: Sequence[DraftRequest], builders: list[TreeBuilder], levels: int) -> None:
         """The catch-up and `levels` levels below it in one call; the chain's nodes it fed are
