@@ -155,3 +155,24 @@ def test_only_greedy_chains_of_one_depth_take_the_one_call_path(draft_model):
         assert calls == [3] and chain.num_nodes == 4                  # mutation control: this one does
     finally:
         draft_chain.greedy_chains = real
+
+
+def test_a_one_call_pass_without_room_leaves_every_cache_as_it_was(draft_model):
+    """models.draft_chain.greedy_chains reserves every row first: out of blocks, it raises and
+    no sequence keeps a slot of the pass (the packed path's contract)."""
+    from kernels import cpu as cpu_kernels
+    from models import OutOfBlocks, draft_chain
+
+    if not cpu_kernels.decoder_layer_available():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    cache = draft_model.new_cache(3, 16)
+    for seq, n in (("a", 10), ("b", 20)):          # their (zero) K/V stand for a prompt's
+        cache.add_sequence(seq)
+        cache.reserve(seq, n)
+    ids = [torch.tensor([5, 6]), torch.tensor([7])]
+    with pytest.raises(OutOfBlocks):
+        draft_chain.greedy_chains(draft_model, cache, ["a", "b"], ids, 14)   # "b" would need a fourth block
+    assert (cache.seq_len("a"), cache.seq_len("b")) == (10, 20)
+    tokens, log_q = draft_chain.greedy_chains(draft_model, cache, ["a", "b"], ids, 3)   # room for this one
+    assert tokens.shape == log_q.shape == (2, 4) and (log_q <= 0).all()
+    assert (cache.seq_len("a"), cache.seq_len("b")) == (15, 24)
