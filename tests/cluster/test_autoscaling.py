@@ -3,6 +3,8 @@ the drafter autoscaler acting on a live pipeline (drafter count changes, output 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -131,10 +133,12 @@ def test_drafter_autoscaler_adds_and_removes_drafters_of_a_live_pipeline(make_en
     seen, outputs = {}, []
 
     async def traffic(stop: asyncio.Event):
-        """Requests back to back, the prompts in turn, until told to stop (at most 5 rounds of
-        them): a new drafter's start may take longer than one round of requests."""
-        for k in range(5 * len(ps)):
-            if stop.is_set():
+        """Requests back to back, the prompts in turn, until told to stop (within 300 s): a new
+        drafter's start may take many rounds of requests, and the removal must still find
+        traffic running (a cap of 30 requests ran out between the two once drafting got faster)."""
+        deadline = time.monotonic() + 300
+        for k in itertools.count():
+            if stop.is_set() or time.monotonic() > deadline:
                 return
             prompt = ps[k % len(ps)]
             tokens, last = await collect(engine, request(f"scaled-{k}", prompt, 200, "chain", 4))
@@ -164,6 +168,7 @@ def test_drafter_autoscaler_adds_and_removes_drafters_of_a_live_pipeline(make_en
     assert [c for _, _, c in scaler.actions] == [+1, -1]
     assert len(pipe.drafters) == 1 and pipe.drafter_indices == [0]
     assert outputs
+    want = {tuple(p): hf_greedy(hf_target, p, 200) for p in ps}     # the prompts repeat
     for prompt, tokens, reason in outputs:
-        assert tokens == hf_greedy(hf_target, prompt, 200) and reason == "length"
+        assert tokens == want[tuple(prompt)] and reason == "length"
     assert ray.get(pipe.verifier.health.remote(), timeout=10)["ok"]
