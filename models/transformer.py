@@ -27,6 +27,7 @@ from kernels import cpu as cpu_kernels
 from models.attention import CpuAttentionContext, tree_attention
 from models.config import ModelConfig, rope_inv_freq
 from models.kv_cache import OutOfBlocks, PagedKVCache
+from models import linear as linear_module
 from models.linear import Linear, PackedWeight
 
 
@@ -55,8 +56,8 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = nn.Parameter(torch.ones(c.hidden_size))
         self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=c.mlp_bias)
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
-        self._c_key: tuple | None = None
         self._c_layer: cpu_kernels.SfLayer | None = None
+        self._c_seen: tuple | None = None    # what `_c_layer` was last found built from (`_c_watched`)
 
     def forward(
         self,
@@ -98,22 +99,42 @@ class DecoderLayer(nn.Module):
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the C operand behind (raw pointers into this layer's tensors)."""
-        return {**self.__dict__, "_c_key": None, "_c_layer": None}
+        return {**self.__dict__, "_c_layer": None, "_c_seen": None}
 
     def _c_operand(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> "cpu_kernels.SfLayer":
-        """This layer for `kernels.cpu.DecoderStep.layer`, built again when a norm, the copy of a
-        weight the few-row kernels read (`PackedWeight._few_row_copy`) or the cache changes."""
+        """This layer for `kernels.cpu.DecoderStep.layer`, built again when a norm, a weight or a
+        bias (changed in place or replaced), the format of a weight's few-row copy
+        (`PackedWeight._few_row_copy`) or the cache pages change. Every forward asks each
+        layer: while the same tensors at the same versions, the same formats and the same pages
+        are found (`_c_watched`, no `nn.Module` lookups), the operand is the one found last."""
+        tensors, formats = self._c_watched()
+        seen = (k_cache.data_ptr(), v_cache.data_ptr(), formats, [t._version for t in tensors])
+        last = self._c_seen
+        if last is not None and last[0] == seen and all(a is b for a, b in zip(last[1], tensors)):
+            return self._c_layer
+        self._c_layer = self._c_build(k_cache, v_cache)
+        self._c_seen = (seen, tensors)
+        return self._c_layer
+
+    def _c_watched(self) -> tuple[list[torch.Tensor], tuple]:
+        """What the C operand is built from, read from the modules' dicts: the norms and the
+        four linears' weights and biases, and the formats their few-row copies take."""
+        params, modules = self.__dict__["_parameters"], self.__dict__["_modules"]
+        tensors, formats = [params["attn_norm"], params["mlp_norm"]], [linear_module.FP32_PANELS]
+        for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+            m = modules[name].__dict__
+            tensors.append(m["_parameters"]["weight"])
+            if m["_parameters"]["bias"] is not None:
+                tensors.append(m["_parameters"]["bias"])
+            formats.append(m["_pack"].low)
+        return tensors, tuple(formats)
+
+    def _c_build(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> "cpu_kernels.SfLayer":
         linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         copies = [m._pack._few_row_copy(m.weight) for m in linears]   # what the operands point into
-        norms = (self.attn_norm, self.mlp_norm)
-        key = (k_cache.data_ptr(), v_cache.data_ptr(), *((p.data_ptr(), p._version) for p in norms),
-               *((c.data_ptr(), c.dim()) for c, _ in copies))
-        if key != self._c_key:
-            weights = [m._pack.operand(m.weight, m.bias, c) for m, c in zip(linears, copies)]
-            self._c_layer = cpu_kernels.layer_operand(self.attn_norm, self.mlp_norm, weights, k_cache, v_cache,
-                                                      self.sliding_window is not None)
-            self._c_key = key
-        return self._c_layer
+        weights = [m._pack.operand(m.weight, m.bias, c) for m, c in zip(linears, copies)]
+        return cpu_kernels.layer_operand(self.attn_norm, self.mlp_norm, weights, k_cache, v_cache,
+                                         self.sliding_window is not None)
 
     def _rope_store(self, qkv, rope, k_cache, v_cache, slots, fused: bool) -> torch.Tensor:   # [N, Hq, D]
         """RoPE on the rows' q and k, their k and v written to their cache slots; returns q."""

@@ -185,6 +185,37 @@ def test_a_whole_layer_in_one_c_call_gives_the_bits_of_its_steps_from_python(ove
     assert torch.equal(whole, one_by_one)
 
 
+def test_the_whole_layer_call_follows_its_weights_and_its_cache(monkeypatch):
+    """A layer's C operand is kept while what it points into stays; changed in place, replaced,
+    or read from another cache, the whole-layer call computes with the new values (the bits of
+    the steps called one by one)."""
+    model = _random_model(attention_bias=True)
+    monkeypatch.setattr(cpu.DecoderStep, "layer", cpu.DecoderStep.layer)   # undone after the test
+
+    def both():
+        with_c = _packed_step(model, 3)
+        monkeypatch.setattr(transformer.cpu_kernels, "decoder_layer_available", lambda: False)
+        without = _packed_step(model, 3)
+        monkeypatch.undo()
+        return with_c, without
+
+    first, _ = both()
+    layer = model.layers[1]
+    with torch.no_grad():
+        changes = [lambda: layer.mlp_norm.mul_(1.5),
+                   lambda: layer.o_proj.weight.mul_(-1.0),
+                   lambda: setattr(layer.gate_up_proj, "weight",
+                                   torch.nn.Parameter(layer.gate_up_proj.weight * 0.5, requires_grad=False)),
+                   lambda: setattr(layer.qkv_proj, "bias",
+                                   torch.nn.Parameter(layer.qkv_proj.bias + 0.25, requires_grad=False))]
+        for change in changes:
+            before = _packed_step(model, 3)
+            change()
+            with_c, without = both()
+            assert torch.equal(with_c, without) and not torch.equal(with_c, before)
+    assert not torch.equal(first, with_c)
+
+
 def test_the_whole_layer_call_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="contiguous 2-D"):
         cpu.weight_operand(torch.zeros(4, 8, dtype=torch.float64))
