@@ -87,11 +87,10 @@ def _run(model, cache, seq_ids, catch_up, levels, lm_head, head_pack, rows, pref
     step = cpu_kernels.DecoderStep(R, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                                    c.rms_norm_eps, 1.0 / math.sqrt(c.head_dim), cos[:R], sin[:R], slots[:R],
                                    {False: (visible[:R], counts[:R])})
-    operands = [layer._c_operand(cache.k[i], cache.v[i]) for i, layer in enumerate(model.layers)]
     if lm_head is None:
         lm_head, head_pack = model.lm_head_weight, model._lm_head_pack
     pick = torch.tensor(sizes).cumsum(0) - 1                                     # each root's row
-    tokens, log_q = cpu_kernels.draft_chains(step, operands, torch.cat(list(catch_up)).long(), pick, levels, cos,
+    tokens, log_q = cpu_kernels.draft_chains(step, model._c_layers(cache), torch.cat(list(catch_up)).long(), pick, levels, cos,
                                              sin, slots, visible, counts, model.embed_tokens.weight, model.norm,
                                              head_pack.operand(lm_head, None), lm_head.shape[0], rows)
     return tokens.t(), log_q.t()

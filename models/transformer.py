@@ -67,15 +67,12 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,     # [N_blocks, block_size, Hkv, D]
         slots: torch.Tensor,       # [N] int64 cache slot of each row
         groups: "Sequence[AttentionGroup]",
-        step: "cpu_kernels.DecoderStep | None" = None,   # the forward's whole-layer C call
     ) -> torch.Tensor:             # [N, hidden]
         """Token-wise work (norms, projections, MLP) on all N rows at once; attention per group.
         On a CPU in fp32 the work between the matmuls takes the C layer operators
-        (kernels/cpu/layer_ops.c): four calls instead of ~40 torch operators; with `step`
-        (1 to 16 rows, `Transformer._decoder_step`) the whole layer is one C call that runs the
-        same steps in the same order, updating h in place."""
-        if step is not None:
-            return step.layer(self._c_operand(k_cache, v_cache), h)
+        (kernels/cpu/layer_ops.c): four calls instead of ~40 torch operators. For 1 to 16 rows
+        `Transformer._packed_layers` runs the layers in C instead (`kernels.cpu.DecoderStep.layers`
+        over `_c_operand`s: the same steps in the same order)."""
         c = self.c
         Hq, D = c.num_heads, c.head_dim
         fused = all(g.context is not None for g in groups) and cpu_kernels.layer_ops_apply(h, D)
@@ -102,7 +99,7 @@ class DecoderLayer(nn.Module):
         return {**self.__dict__, "_c_layer": None, "_c_seen": None}
 
     def _c_operand(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> "cpu_kernels.SfLayer":
-        """This layer for `kernels.cpu.DecoderStep.layer`, built again when a norm, a weight or a
+        """This layer for `kernels.cpu.DecoderStep.layers`, built again when a norm, a weight or a
         bias (changed in place or replaced), the format of a weight's few-row copy
         (`PackedWeight._few_row_copy`) or the cache pages change. Every forward asks each
         layer: while the same tensors at the same versions, the same formats and the same pages
@@ -201,6 +198,10 @@ class Transformer(nn.Module):
         self._dynamic_rope = rope_type == "dynamic"
         inv_freq, self._rope_scale = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)   # [D/2] float32
+
+    def __getstate__(self) -> dict:
+        """Copies and pickles leave the C layer table behind (raw pointers, `_c_layers`)."""
+        return {k: v for k, v in super().__getstate__().items() if k != "_c_table"}
 
     def set_feature_layers(self, layers) -> None:
         """Return the outputs of `layers` (0-based, increasing) beside the final-norm state from now on."""
@@ -358,16 +359,31 @@ class Transformer(nn.Module):
         rope = self.rope(positions)
         h = self._inputs(input_ids, features)
         step = self._decoder_step(h, rope, slots, groups, cache)
-        if step is not None:
-            h = h.contiguous().clone()          # updated in place, layer by layer
         taken = []
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope, cache.k[i], cache.v[i], slots, groups, step)
-            if i in self.feature_layers:
-                taken.append(h.clone())         # (the next layer may update h in place)
+        if step is not None:                    # the layers in C, h updated in place, one call a run
+            h, table, start = h.contiguous().clone(), self._c_layers(cache), 0
+            for stop in sorted({i + 1 for i in self.feature_layers} | {len(table)}):
+                step.layers(table, h, start, stop)
+                if stop - 1 in self.feature_layers:
+                    taken.append(h.clone())
+                start = stop
+        else:
+            for i, layer in enumerate(self.layers):
+                h = layer(h, rope, cache.k[i], cache.v[i], slots, groups)
+                if i in self.feature_layers:
+                    taken.append(h.clone())
         norm = cpu_kernels.rms_norm if cpu_kernels.layer_ops_apply(h, self.config.head_dim) else rms_norm
         out = norm(h, self.norm, self.config.rms_norm_eps)
         return torch.cat(taken + [out], dim=-1) if taken else out
+
+    def _c_layers(self, cache):
+        """Every layer's C operand (`DecoderLayer._c_operand`) as one ctypes array
+        (`kernels.cpu.layer_table`), built again when one of them is."""
+        operands = [layer._c_operand(cache.k[i], cache.v[i]) for i, layer in enumerate(self.layers)]
+        last = self.__dict__.get("_c_table")
+        if last is None or len(last[0]) != len(operands) or any(a is not b for a, b in zip(last[0], operands)):
+            self.__dict__["_c_table"] = last = (operands, cpu_kernels.layer_table(operands))
+        return last[1]
 
     def _decoder_step(self, h, rope, slots, groups, cache) -> "cpu_kernels.DecoderStep | None":
         """The whole-layer C call's per-forward half, where it applies: a CPU fp32 forward of 1 to

@@ -174,6 +174,9 @@ def open_library(path: Path) -> ctypes.CDLL:
     if hasattr(lib, "sf_decoder_layer"):
         lib.sf_decoder_layer.restype = ctypes.c_int
         lib.sf_decoder_layer.argtypes = [ctypes.c_void_p] * 3
+    if hasattr(lib, "sf_decoder_layers"):
+        lib.sf_decoder_layers.restype = ctypes.c_int
+        lib.sf_decoder_layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     if hasattr(lib, "sf_draft_chains"):
         lib.sf_draft_chains.restype = ctypes.c_int
         lib.sf_draft_chains.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2
@@ -374,10 +377,10 @@ def visible_slots(block_tables: torch.Tensor, prefix_lens: torch.Tensor, tree_ma
 
 # the whole-layer call and the chain call (kernels/cpu/decoder.py) need the loader above
 from kernels.cpu.decoder import (DecoderStep, SfForward, SfLayer, SfWeight, decoder_layer_available,  # noqa: E402
-                                 draft_chains, layer_operand, panel_operand, weight_operand)
+                                 draft_chains, layer_operand, layer_table, panel_operand, weight_operand)
 
 __all__ = ["CpuKernelError", "DecoderStep", "MAX_ROWS", "PANEL", "SOURCE", "SfForward", "SfLayer", "SfWeight",
-           "available", "build", "decoder_layer_available", "draft_chains", "layer_operand",
+           "available", "build", "decoder_layer_available", "draft_chains", "layer_operand", "layer_table",
            "layer_ops_apply", "library_path", "open_library", "panel_isa", "panel_linear", "panel_operand",
            "panel_pack", "rms_norm", "rope_store", "silu_mul", "skinny_linear", "tree_attention",
            "unavailable_reason", "visible_slots", "weight_operand"]

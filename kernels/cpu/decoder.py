@@ -48,7 +48,7 @@ class SfForward(ctypes.Structure):
 
 def decoder_layer_available() -> bool:
     lib = _load()
-    return lib is not None and hasattr(lib, "sf_decoder_layer")
+    return lib is not None and hasattr(lib, "sf_decoder_layers")
 
 
 def weight_operand(weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -121,22 +121,33 @@ class DecoderStep:
         self._ref = ctypes.byref(self._f)
         self.rows, self.hidden = N, hidden
 
-    def layer(self, layer: SfLayer, h: torch.Tensor) -> torch.Tensor:
-        """h [N, H] float32 contiguous, updated in place by one decoder layer; returns h."""
+    def layers(self, table, h: torch.Tensor, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """h [N, H] float32 contiguous, updated in place by the decoder layers table[start:stop]
+        in turn (`table`: a ctypes array of SfLayer, `layer_table`), in one call; returns h."""
+        stop = len(table) if stop is None else stop
         if h.shape != (self.rows, self.hidden) or not h.is_contiguous():
             raise ValueError(f"decoder_layer: h must be contiguous [{self.rows}, {self.hidden}]")
-        rc = _load().sf_decoder_layer(ctypes.byref(layer), self._ref, h.data_ptr())
+        if not 0 <= start <= stop <= len(table):
+            raise ValueError(f"decoder_layer: layers {start}..{stop} of {len(table)}")
+        rc = _load().sf_decoder_layers(ctypes.byref(table, start * ctypes.sizeof(SfLayer)), stop - start,
+                                       self._ref, h.data_ptr())
         if rc != 0:
             raise CpuKernelError(f"sf_decoder_layer failed ({rc})")
         return h
 
 
+def layer_table(layers: list[SfLayer]):
+    """The layers' operands as the contiguous ctypes array `DecoderStep.layers` and
+    `draft_chains` read."""
+    return (SfLayer * len(layers))(*layers)
 
-def draft_chains(step: DecoderStep, layers: list[SfLayer], first_tokens: torch.Tensor, first_pick: torch.Tensor,
+
+def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pick: torch.Tensor,
                  levels: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
                  counts: torch.Tensor, embed: torch.Tensor, norm: torch.Tensor, head: SfWeight, vocab: int,
                  rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A greedy draft pass of B chains in one call (sf_draft_chains): the catch-up's rows feed
+    """A greedy draft pass of B chains in one call (sf_draft_chains), through the layers of
+    `table` (`layer_table`): the catch-up's rows feed
     first_tokens [R] (R = step.rows >= B), chain b's root at row first_pick[b], and choose each
     chain's first token; then `levels` levels of one row a chain each choose the next. cos,
     sin [R + levels * B, D/2], slots [..], visible [.., S] and counts [..] are the rows', the
@@ -156,9 +167,8 @@ def draft_chains(step: DecoderStep, layers: list[SfLayer], first_tokens: torch.T
     log_q = torch.empty(levels + 1, B, dtype=torch.float32)
     h, picked_h, hn = torch.empty(R, H), torch.empty(B, H), torch.empty(B, H)
     logits, picked = torch.empty(B, vocab), torch.empty(B, dtype=torch.long)
-    table = (SfLayer * len(layers))(*layers)
     rows_c = None if rows is None else rows.to(torch.long).contiguous()
-    rc = _load().sf_draft_chains(table, len(layers), ctypes.byref(step._f), B, R, first_tokens.data_ptr(),
+    rc = _load().sf_draft_chains(table, len(table), ctypes.byref(step._f), B, R, first_tokens.data_ptr(),
                                  first_pick.data_ptr(), levels, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                                  visible.data_ptr(), counts.data_ptr(), embed.data_ptr(), norm.data_ptr(),
                                  ctypes.byref(head), vocab, None if rows_c is None else rows_c.data_ptr(),

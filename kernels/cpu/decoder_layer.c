@@ -96,6 +96,15 @@ int sf_decoder_layer(const sf_layer *L, const sf_forward *F, float *h) {
 
 void sf_greedy_pick(const float *logits, int64_t N, int64_t V, int64_t *index, float *log_q);
 
+/* Layers L[0 .. n) of one forward in turn on h (sf_decoder_layer each): a forward's layers in
+ * one call. Returns 0 or the first failing layer's code. */
+int sf_decoder_layers(const sf_layer *L, int64_t n, const sf_forward *F, float *h) {
+    int rc;
+    for (int64_t l = 0; l < n; l++)
+        if ((rc = sf_decoder_layer(&L[l], F, h))) return rc;
+    return 0;
+}
+
 /* A greedy draft pass of `chains` chains in one call (models/draft_chain.py). First the catch-up:
  * `first_rows` rows (each chain's committed tokens the draft has not seen, root last: its
  * row first_pick[r]) feed first_tokens through the embedding [V_all, H] and every layer; the
@@ -130,8 +139,7 @@ int sf_draft_chains(const sf_layer *layers, int64_t num_layers, sf_forward *F, i
             const float *e = embed + (d == 0 ? first_tokens[r] : tokens[(d - 1) * N + r]) * H;
             for (int64_t i = 0; i < H; i++) h[r * H + i] = e[i];
         }
-        for (int64_t l = 0; l < num_layers; l++)
-            if ((rc = sf_decoder_layer(&layers[l], F, h))) return rc;
+        if ((rc = sf_decoder_layers(layers, num_layers, F, h))) return rc;
         for (int64_t r = 0; r < N; r++) {
             const float *src = h + (d == 0 ? first_pick[r] : r) * H;
             for (int64_t i = 0; i < H; i++) picked_h[r * H + i] = src[i];

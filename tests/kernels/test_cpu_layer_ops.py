@@ -173,11 +173,13 @@ def test_a_whole_layer_in_one_c_call_gives_the_bits_of_its_steps_from_python(ove
     if draft_weights:
         linear.use_draft_weights(model, draft_weights)
     steps = []
-    real = cpu.DecoderStep.layer
-    monkeypatch.setattr(cpu.DecoderStep, "layer", lambda self, *a: steps.append(1) or real(self, *a))
+    real = cpu.DecoderStep.layers
+    monkeypatch.setattr(cpu.DecoderStep, "layers",
+                        lambda self, table, h, start=0, stop=None: steps.append((start, stop)) or real(self, table, h,
+                                                                                                      start, stop))
     whole = _packed_step(model, 3)
-    # the 13-token prompt and the 4-row step (not the 30-token prompt): a C call per layer each
-    assert len(steps) == 2 * 3, "the few-row forwards did not run their layers in one C call each"
+    # the 13-token prompt and the 4-row step (not the 30-token prompt): one C call for all 3 layers each
+    assert steps == [(0, 3)] * 2, "the few-row forwards did not run their layers in one C call each"
     monkeypatch.setattr(transformer.cpu_kernels, "decoder_layer_available", lambda: False)
     steps.clear()
     one_by_one = _packed_step(model, 3)
@@ -185,12 +187,31 @@ def test_a_whole_layer_in_one_c_call_gives_the_bits_of_its_steps_from_python(ove
     assert torch.equal(whole, one_by_one)
 
 
+@pytest.mark.parametrize("feature_layers", [(0,), (1, 2), (0, 1, 2)])
+def test_feature_layers_split_the_one_call_and_keep_its_bits(feature_layers, monkeypatch):
+    """A target whose features an EAGLE-3 head reads returns the outputs of some layers beside
+    its final state: the C call stops after each of them (the last layer's included) and the
+    states are those of the steps called one by one."""
+    model = _random_model()
+    model.set_feature_layers(feature_layers)
+    runs = []
+    real = cpu.DecoderStep.layers
+    monkeypatch.setattr(cpu.DecoderStep, "layers",
+                        lambda self, table, h, start=0, stop=None: runs.append((start, stop)) or real(self, table, h,
+                                                                                                     start, stop))
+    whole = _packed_step(model, 4)
+    stops = sorted({i + 1 for i in feature_layers} | {3})
+    assert runs == [(a, b) for a, b in zip([0] + stops[:-1], stops)] * 2
+    monkeypatch.setattr(transformer.cpu_kernels, "decoder_layer_available", lambda: False)
+    one_by_one = _packed_step(model, 4)
+    assert whole.shape[-1] == (len(feature_layers) + 1) * 64 and torch.equal(whole, one_by_one)
+
+
 def test_the_whole_layer_call_follows_its_weights_and_its_cache(monkeypatch):
     """A layer's C operand is kept while what it points into stays; changed in place, replaced,
     or read from another cache, the whole-layer call computes with the new values (the bits of
     the steps called one by one)."""
     model = _random_model(attention_bias=True)
-    monkeypatch.setattr(cpu.DecoderStep, "layer", cpu.DecoderStep.layer)   # undone after the test
 
     def both():
         with_c = _packed_step(model, 3)
@@ -230,5 +251,8 @@ def test_the_whole_layer_call_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="must match the rows"):
         cpu.DecoderStep(3, *args, ordered)
     step = cpu.DecoderStep(2, *args, ordered)
+    table = cpu.layer_table([cpu.SfLayer()])
     with pytest.raises(ValueError, match="contiguous \\[2, 64\\]"):
-        step.layer(cpu.SfLayer(), torch.zeros(3, 64))
+        step.layers(table, torch.zeros(3, 64))
+    with pytest.raises(ValueError, match="layers 0..2 of 1"):
+        step.layers(table, torch.zeros(2, 64), 0, 2)
