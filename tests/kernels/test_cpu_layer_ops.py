@@ -158,6 +158,18 @@ def _packed_step(model, seed: int):
         return model.forward_packed([tree, decode], cache)
 
 
+def _layer_calls(monkeypatch) -> list[tuple[int, int | None]]:
+    """The (start, stop) of every `DecoderStep.layers` call from now on."""
+    calls = []
+    real = cpu.DecoderStep.layers
+
+    def counted(self, table, h, start=0, stop=None):
+        calls.append((start, stop))
+        return real(self, table, h, start, stop)
+    monkeypatch.setattr(cpu.DecoderStep, "layers", counted)
+    return calls
+
+
 @pytest.mark.parametrize("overrides,draft_weights", [
     ({}, None),
     ({"arch": "mistral", "sliding_window": 6, "window_layers": [0, 2]}, None),
@@ -172,11 +184,7 @@ def test_a_whole_layer_in_one_c_call_gives_the_bits_of_its_steps_from_python(ove
     model = _random_model(**overrides)
     if draft_weights:
         linear.use_draft_weights(model, draft_weights)
-    steps = []
-    real = cpu.DecoderStep.layers
-    monkeypatch.setattr(cpu.DecoderStep, "layers",
-                        lambda self, table, h, start=0, stop=None: steps.append((start, stop)) or real(self, table, h,
-                                                                                                      start, stop))
+    steps = _layer_calls(monkeypatch)
     whole = _packed_step(model, 3)
     # the 13-token prompt and the 4-row step (not the 30-token prompt): one C call for all 3 layers each
     assert steps == [(0, 3)] * 2, "the few-row forwards did not run their layers in one C call each"
@@ -194,11 +202,7 @@ def test_feature_layers_split_the_one_call_and_keep_its_bits(feature_layers, mon
     states are those of the steps called one by one."""
     model = _random_model()
     model.set_feature_layers(feature_layers)
-    runs = []
-    real = cpu.DecoderStep.layers
-    monkeypatch.setattr(cpu.DecoderStep, "layers",
-                        lambda self, table, h, start=0, stop=None: runs.append((start, stop)) or real(self, table, h,
-                                                                                                     start, stop))
+    runs = _layer_calls(monkeypatch)
     whole = _packed_step(model, 4)
     stops = sorted({i + 1 for i in feature_layers} | {3})
     assert runs == [(a, b) for a, b in zip([0] + stops[:-1], stops)] * 2
