@@ -159,12 +159,13 @@ def open_library(path: Path) -> ctypes.CDLL:
                       "sf_silu_mul": [ptr] * 2 + [i64] * 2,
                       "sf_rope_store": [ptr] * 6 + [i64] * 4,
                       "sf_tree_attention": [ptr, i64] + [ptr] * 4 + [i64, ptr] + [i64] * 4
-                                           + [ctypes.c_float, ptr, ctypes.c_int],
-                      "sf_visible_slots": [ptr, i64, ptr, ptr] + [i64] * 5 + [ptr] * 3}
+                                           + [ctypes.c_float, ptr, ctypes.c_int]}
         for name, args in signatures.items():
-            if hasattr(lib, name):         # an earlier build may lack the later ones
-                getattr(lib, name).restype = None
-                getattr(lib, name).argtypes = args
+            getattr(lib, name).restype = None
+            getattr(lib, name).argtypes = args
+        if hasattr(lib, "sf_visible_slots"):   # an earlier build may lack it
+            lib.sf_visible_slots.restype = ctypes.c_int
+            lib.sf_visible_slots.argtypes = [ptr, i64, ptr, ptr] + [i64] * 5 + [ptr] * 3
     if hasattr(lib, "sf_panel_linear"):
         lib.sf_panel_linear.restype = ctypes.c_int
         lib.sf_panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
@@ -370,8 +371,9 @@ def visible_slots(block_tables: torch.Tensor, prefix_lens: torch.Tensor, tree_ma
     vis = torch.empty(B * T, S, dtype=torch.long)
     counts = torch.empty(B * T, dtype=torch.long)
     rows = torch.empty(B * T, dtype=torch.long)
-    _load().sf_visible_slots(tables.data_ptr(), tables.shape[1], lens.data_ptr(), mask.data_ptr(), B, T, block_size,
-                             window or 0, S, vis.data_ptr(), counts.data_ptr(), rows.data_ptr())
+    if _load().sf_visible_slots(tables.data_ptr(), tables.shape[1], lens.data_ptr(), mask.data_ptr(), B, T, block_size,
+                                window or 0, S, vis.data_ptr(), counts.data_ptr(), rows.data_ptr()) != 0:
+        raise CpuKernelError("sf_visible_slots: out of memory for the window's scratch")
     return vis, counts, rows
 
 

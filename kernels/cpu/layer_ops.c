@@ -196,27 +196,29 @@ void sf_tree_attention(const float *q, int64_t q_stride, const float *k_cache, c
  * position prefix + j): vis[(b T + i), :counts[..]] their cache slots, the rest of the row
  * (S wide) repeating the last. With window > 0 (a sliding window) node i, at position
  * prefix + depth i, sees prefix positions above that less window and ancestors less than
- * window levels up. rows[b T + i]: the cache slot node i itself is written to. */
-void sf_visible_slots(const int32_t *block_tables, int64_t W, const int64_t *prefix_lens, const uint8_t *tree_mask,
+ * window levels up. rows[b T + i]: the cache slot node i itself is written to. Returns 0, or -1
+ * when the window's scratch cannot be allocated. */
+int sf_visible_slots(const int32_t *block_tables, int64_t W, const int64_t *prefix_lens, const uint8_t *tree_mask,
                       int64_t B, int64_t T, int64_t block_size, int64_t window, int64_t S, int64_t *vis,
                       int64_t *counts, int64_t *rows) {
+    /* with a window, each node's depth (its ancestors), counted once a sequence */
+    int64_t *depth = window > 0 && T > 0 ? (int64_t *)malloc((size_t)T * sizeof(int64_t)) : NULL;
+    if (window > 0 && T > 0 && !depth) return -1;
     for (int64_t b = 0; b < B; b++) {
         const int32_t *table = block_tables + b * W;
         const int64_t P = prefix_lens[b];
         const uint8_t *mask = tree_mask + b * T * T;
+        if (depth)
+            for (int64_t i = 0; i < T; i++) {
+                depth[i] = -1;
+                for (int64_t j = 0; j < T; j++) depth[i] += mask[i * T + j] != 0;
+            }
         for (int64_t i = 0; i < T; i++) {
             int64_t *out = vis + (b * T + i) * S, n = 0, first = 0;
-            int64_t depth_i = -1;
-            for (int64_t j = 0; j < T; j++) depth_i += mask[i * T + j] != 0;
-            if (window > 0 && P + depth_i - window + 1 > 0) first = P + depth_i - window + 1;
+            if (depth && P + depth[i] - window + 1 > 0) first = P + depth[i] - window + 1;
             for (int64_t p = first; p < P; p++) out[n++] = (int64_t)table[p / block_size] * block_size + p % block_size;
             for (int64_t j = 0; j < T; j++) {
-                if (!mask[i * T + j]) continue;
-                if (window > 0) {
-                    int64_t depth_j = -1;
-                    for (int64_t k = 0; k < T; k++) depth_j += mask[j * T + k] != 0;
-                    if (depth_i - depth_j >= window) continue;
-                }
+                if (!mask[i * T + j] || (depth && depth[i] - depth[j] >= window)) continue;
                 const int64_t p = P + j;
                 out[n++] = (int64_t)table[p / block_size] * block_size + p % block_size;
             }
@@ -226,6 +228,8 @@ void sf_visible_slots(const int32_t *block_tables, int64_t W, const int64_t *pre
             for (int64_t k = n; k < S; k++) out[k] = n ? out[n - 1] : rows[b * T + i];
         }
     }
+    free(depth);
+    return 0;
 }
 
 /* Each of N rows of logits [N, V]: the index of its largest entry (the first of equals) and that
