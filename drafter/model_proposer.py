@@ -66,7 +66,7 @@ class ModelProposer:
         live = [b for b, r in enumerate(batch) if depth[b] > 0]
         builders = {b: self._builder(batch[b], depth[b]) for b in live}
         reqs = [batch[b] for b in live]
-        if self._chains_in_one_call(reqs, [depth[b] for b in live]):
+        if self._chains_in_one_call(reqs, [builders[b] for b in live], [depth[b] for b in live]):
             self._draft_chains(reqs, [builders[b] for b in live], depth[live[0]] - 1)
         elif live:
             root_logits = self._catch_up(reqs)                                # n x [1, V] (V': a reduced head)
@@ -94,18 +94,17 @@ class ModelProposer:
             for b, node_logits in zip(frontier, logits):
                 builders[b].expand(frontier[b], node_logits)
 
-    def _chains_in_one_call(self, reqs: Sequence[DraftRequest], depth: list[int]) -> bool:
+    def _chains_in_one_call(self, reqs: Sequence[DraftRequest], builders: list[TreeBuilder], depth: list[int]) -> bool:
         """Whether the whole pass goes to one C call (`models.draft_chain`): greedy chains of one
         depth of sequences the draft has seen, 16 catch-up rows at most in all, transforms
         that read no history, and a model the call runs."""
         if not reqs or not self.chains_in_c or len(set(depth)) != 1:
             return False
-        for r in reqs:
-            if (r.tree_width or self.tree_width) != 1 or not r.params.greedy or r.params.reads_history \
-                    or r.seq_id not in self._committed:
+        for r, builder in zip(reqs, builders):
+            if builder.width != 1 or not r.params.greedy or r.params.reads_history or r.seq_id not in self._committed:
                 return False
         rows = [len(r.token_ids) - self._committed[r.seq_id] for r in reqs]   # the root at least
-        return min(rows) >= 1 and draft_chain.applies(self.model, len(reqs), sum(rows), depth[0] - 1)
+        return min(rows) >= 1 and draft_chain.applies(self.model, self.cache, len(reqs), sum(rows), depth[0] - 1)
 
     def _draft_chains(self, reqs: Sequence[DraftRequest], builders: list[TreeBuilder], levels: int) -> None:
         """The catch-up and `levels` levels below it in one call; the chain's nodes it fed are

@@ -27,16 +27,13 @@ from kernels import cpu as cpu_kernels
 from models.transformer import Transformer, _reserve_all, causal_mask
 
 
-def applies(model, chains: int, catch_up_rows: int, levels: int) -> bool:
+def applies(model, cache, chains: int, catch_up_rows: int, levels: int) -> bool:
     """Whether `greedy_chains` runs this pass: a plain `Transformer` (not a feature-conditioned
-    draft) in CPU float32 without a sliding window, the C decoder layer built, 1 to 16
-    catch-up rows in all."""
-    c = model.config
-    weight = model.embed_tokens.weight
-    return (type(model) is Transformer and levels >= 0 and 1 <= chains <= catch_up_rows <= cpu_kernels.MAX_ROWS
-            and c.sliding_window is None and model.graphs is None and not model.feature_layers
-            and model.layers[0].qkv_proj.weight.dtype == torch.float32
-            and cpu_kernels.layer_ops_apply(weight, c.head_dim) and cpu_kernels.decoder_layer_available())
+    draft) without a sliding window whose catch-up (1 to 16 rows in all) runs its layers in C
+    (`Transformer.runs_layers_in_c`)."""
+    return (type(model) is Transformer and levels >= 0 and 1 <= chains <= catch_up_rows
+            and model.config.sliding_window is None and model.graphs is None and not model.feature_layers
+            and model.runs_layers_in_c(catch_up_rows, model.embed_tokens.weight, cache))
 
 
 @torch.inference_mode()

@@ -198,10 +198,11 @@ class Transformer(nn.Module):
         self._dynamic_rope = rope_type == "dynamic"
         inv_freq, self._rope_scale = rope_inv_freq(config)
         self.register_buffer("inv_freq", inv_freq, persistent=False)   # [D/2] float32
+        self._c_table: tuple | None = None   # (the layers' C operands, their ctypes array): `_c_layers`
 
     def __getstate__(self) -> dict:
         """Copies and pickles leave the C layer table behind (raw pointers, `_c_layers`)."""
-        return {k: v for k, v in super().__getstate__().items() if k != "_c_table"}
+        return {**super().__getstate__(), "_c_table": None}
 
     def set_feature_layers(self, layers) -> None:
         """Return the outputs of `layers` (0-based, increasing) beside the final-norm state from now on."""
@@ -376,13 +377,21 @@ class Transformer(nn.Module):
         out = norm(h, self.norm, self.config.rms_norm_eps)
         return torch.cat(taken + [out], dim=-1) if taken else out
 
+    def runs_layers_in_c(self, rows: int, x: torch.Tensor, cache) -> bool:
+        """Whether a forward of `rows` rows (its activations like `x`) runs its decoder layers in
+        the whole-layer C call: 1 to 16 rows, CPU float32 weights, activations and cache, no
+        gradient, the C library built."""
+        return (1 <= rows <= cpu_kernels.MAX_ROWS and cache.k[0].dtype == torch.float32
+                and self.layers[0].qkv_proj.weight.dtype == torch.float32
+                and cpu_kernels.layer_ops_apply(x, self.config.head_dim) and cpu_kernels.decoder_layer_available())
+
     def _c_layers(self, cache):
         """Every layer's C operand (`DecoderLayer._c_operand`) as one ctypes array
         (`kernels.cpu.layer_table`), built again when one of them is."""
         operands = [layer._c_operand(cache.k[i], cache.v[i]) for i, layer in enumerate(self.layers)]
-        last = self.__dict__.get("_c_table")
+        last = self._c_table
         if last is None or len(last[0]) != len(operands) or any(a is not b for a, b in zip(last[0], operands)):
-            self.__dict__["_c_table"] = last = (operands, cpu_kernels.layer_table(operands))
+            self._c_table = last = (operands, cpu_kernels.layer_table(operands))
         return last[1]
 
     def _decoder_step(self, h, rope, slots, groups, cache) -> "cpu_kernels.DecoderStep | None":
@@ -390,12 +399,10 @@ class Transformer(nn.Module):
         16 rows (the few-row matmul's), every group with its CPU attention context, the C
         library built; else None (each layer runs its steps from Python)."""
         c, N = self.config, h.shape[0]
-        if not (1 <= N <= cpu_kernels.MAX_ROWS and groups and all(g.context is not None for g in groups)
-                and cache.k[0].dtype == torch.float32 and self.layers[0].qkv_proj.weight.dtype == torch.float32
-                and cpu_kernels.layer_ops_apply(h, c.head_dim) and cpu_kernels.decoder_layer_available()):
+        if not (groups and all(g.context is not None for g in groups) and self.runs_layers_in_c(N, h, cache)):
             return None
         ordered = {w: CpuAttentionContext.ordered_rows([g.context for g in groups], w)
-                   for w in ((False, True) if c.sliding_window is not None else (False,))}
+                   for w in groups[0].context.windows}
         return cpu_kernels.DecoderStep(N, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim,
                                        c.intermediate_size, c.rms_norm_eps, 1.0 / math.sqrt(c.head_dim),
                                        rope[0], rope[1], slots, ordered)
