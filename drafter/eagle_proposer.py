@@ -18,6 +18,7 @@ import torch
 from speculation.proposal import DraftRequest
 from drafter.model_proposer import ModelProposer
 from drafter.tree_search import ROOT, TreeBuilder
+from models import draft_chain
 from models.tree import TokenTree, ragged_tree_forward
 
 
@@ -78,9 +79,28 @@ class EagleProposer(ModelProposer):
 
     # -- forwards -----------------------------------------------------------------------
     def _catch_up(self, batch: Sequence[DraftRequest]) -> list[torch.Tensor]:   # n x [1, V] (V': a reduced head)
+        ids, positions, masks, last, feats = self._catch_up_features(batch)
+        logits, hidden = self._forward_with_features([r.seq_id for r in batch], ids, positions, masks, last, feats)
+        for r, h in zip(batch, hidden):
+            self._pred[r.seq_id] = {ROOT: h[-1]}
+        return logits      # no prefix caching: the K/V read features (drafter.draft_side.model_proposer)
+
+    def _chain_pass(self, reqs: Sequence[DraftRequest], levels: int) -> draft_chain.DraftChains:
+        """The one-call pass (`ModelProposer._draft_chains`) with the catch-up's features; each
+        node's final-norm state is kept as its predicted feature, as `_forward_frontier` keeps it."""
+        ids, _, _, _, feats = self._catch_up_features(reqs)
+        chains = draft_chain.greedy_chains(self.model, self.cache, [r.seq_id for r in reqs], ids, levels,
+                                           self.lm_head, self.head_pack, self._rows_cpu, features=feats)
+        for r, states in zip(reqs, chains.features):       # [levels + 1, H]: the root's, then node d's
+            self._pred[r.seq_id] = {node: states[node - ROOT] for node in range(ROOT, levels)}
+        return chains
+
+    def _catch_up_features(self, batch: Sequence[DraftRequest]):
+        """`_catch_up_rows`, and each sequence's row features: committed token j reads the
+        target's f_{j-1} (position 0 reads zeros). Checked before any state changes."""
         width = self.model.config.hidden_size
         prev = []                                   # per sequence: f_{j-1} for j = 0..n-1
-        for r in batch:                             # checked before any state changes
+        for r in batch:
             n = len(r.token_ids)
             known = self._features.get(r.seq_id, torch.zeros(0, width))
             if known.shape[0] < n - 1:
@@ -90,10 +110,7 @@ class EagleProposer(ModelProposer):
             prev.append(torch.cat([torch.zeros(1, width), known[: n - 1]]))
         ids, positions, masks, last = self._catch_up_rows(batch)
         feats = [p[int(pos[0]):] if len(pos) else p[:0] for p, pos in zip(prev, positions)]
-        logits, hidden = self._forward_with_features([r.seq_id for r in batch], ids, positions, masks, last, feats)
-        for r, h in zip(batch, hidden):
-            self._pred[r.seq_id] = {ROOT: h[-1]}
-        return logits      # no prefix caching: the K/V read features (drafter.draft_side.model_proposer)
+        return ids, positions, masks, last, feats
 
     def _forward_frontier(self, work: dict[Hashable, tuple[TreeBuilder, list[int]]]) -> list[torch.Tensor]:
         seq_ids, ids, positions, masks, picks, news = self._frontier_rows(work)

@@ -109,14 +109,19 @@ class ModelProposer:
     def _draft_chains(self, reqs: Sequence[DraftRequest], builders: list[TreeBuilder], levels: int) -> None:
         """The catch-up and `levels` levels below it in one call; the chain's nodes it fed are
         cached after the committed tokens, in order."""
-        ids = self._catch_up_rows(reqs)[0]
-        tokens, log_q = draft_chain.greedy_chains(self.model, self.cache, [r.seq_id for r in reqs], ids, levels,
-                                                  self.lm_head, self.head_pack, self._rows_cpu)
-        self._cache_prefixes(reqs)
-        for r, builder, toks, lqs in zip(reqs, builders, tokens.tolist(), log_q.tolist()):
+        chains = self._chain_pass(reqs, levels)
+        for r, builder, toks, lqs in zip(reqs, builders, chains.tokens.tolist(), chains.log_q.tolist()):
             for node, (token, token_log_q) in enumerate(zip(toks, lqs), start=ROOT):
                 builder.add_children(node, [(token, token_log_q)])
             self._layout[r.seq_id] = list(range(levels))
+
+    def _chain_pass(self, reqs: Sequence[DraftRequest], levels: int) -> draft_chain.DraftChains:
+        """`_draft_chains`' call: the catch-up's rows, then the pass (node d's token at column d + 1)."""
+        ids = self._catch_up_rows(reqs)[0]
+        chains = draft_chain.greedy_chains(self.model, self.cache, [r.seq_id for r in reqs], ids, levels,
+                                           self.lm_head, self.head_pack, self._rows_cpu)
+        self._cache_prefixes(reqs)
+        return chains
 
     def _builder(self, r: DraftRequest, depth: int) -> TreeBuilder:
         width = r.tree_width or self.tree_width

@@ -11,27 +11,46 @@ RoPE call) and the C loop runs the catch-up, then level after level: embedding, 
 decoder layer, the final norm and the head on one row a chain, and the choice of the
 largest logit, which becomes the next level's token.
 
+A feature-conditioned draft (EAGLE, `models.eagle.EagleDraft`) runs the same way: each row
+reads fc([embedding; feature]) instead of the embedding, the catch-up's rows the features
+the caller holds (the target's), each level's row its parent's final-norm state, which the
+pass returns beside the tokens (what the proposer keeps as the nodes' predicted features).
+
 Each step is the function the one-level path runs (`Transformer.forward_packed` on 1 to 16
-rows: the whole-layer C call, the C final norm, the head's few-row matmul), so the logits
-are the same bits; the choice is the first largest logit where the one-level path takes
+rows: the whole-layer C call, fc's and the head's few-row matmuls, the C final norm), so the
+logits are the same bits; the choice is the first largest logit where the one-level path takes
 the first largest log-probability (equal but for logits a rounding apart).
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kernels import cpu as cpu_kernels
+from models.eagle import EagleDraft
 from models.transformer import Transformer, _reserve_all, causal_mask
 
 
+@dataclass
+class DraftChains:
+    """What `greedy_chains` drafted: B chains of levels + 1 tokens, each level's choice."""
+
+    tokens: torch.Tensor                     # [B, levels + 1] int64: the token chosen at each depth
+    log_q: torch.Tensor                      # [B, levels + 1] float32: its log-softmax under the draft
+    features: torch.Tensor | None = None     # [B, levels + 1, H] float32: an EAGLE draft's final-norm state
+                                             # at the row that chose it (None for a plain draft)
+
+
 def applies(model, cache, chains: int, catch_up_rows: int, levels: int) -> bool:
-    """Whether `greedy_chains` runs this pass: a plain `Transformer` (not a feature-conditioned
-    draft) without a sliding window whose catch-up (1 to 16 rows in all) runs its layers in C
+    """Whether `greedy_chains` runs this pass: a plain `Transformer` or an EAGLE head (fp32 `fc`),
+    without a sliding window, whose catch-up (1 to 16 rows in all) runs its layers in C
     (`Transformer.runs_layers_in_c`)."""
-    return (type(model) is Transformer and levels >= 0 and 1 <= chains <= catch_up_rows
+    kind = type(model)
+    return ((kind is Transformer or (kind is EagleDraft and model.fc.weight.dtype == torch.float32))
+            and levels >= 0 and 1 <= chains <= catch_up_rows
             and model.config.sliding_window is None and model.graphs is None and not model.feature_layers
             and model.runs_layers_in_c(catch_up_rows, model.embed_tokens.weight, cache))
 
@@ -46,23 +65,27 @@ def greedy_chains(
     lm_head: torch.Tensor | None = None,      # [V', hidden]: a reduced head's rows (the caller's)
     head_pack=None,                           # models.linear.PackedWeight kept with `lm_head` (with it)
     rows: torch.Tensor | None = None,         # [V'] int64: the token id of each of its rows
-) -> tuple[torch.Tensor, torch.Tensor]:       # tokens [B, levels + 1] int64, log q [B, levels + 1] float32
+    features: Sequence[torch.Tensor] | None = None,   # B x [n_b, H] float32: an EAGLE draft's catch-up features
+) -> DraftChains:
     """B greedy chains drafted in one call (`applies` must hold): each sequence feeds its
     `catch_up` tokens after its cache, as a chain (the root's row chooses the first token),
     then `levels` more levels of one row, each feeding the token the last one chose at the
-    position after it. Each sequence grows by n_b + `levels` (the fed tokens' K/V); on any
-    error every cache is left as it was."""
+    position after it. An EAGLE draft's catch-up rows read `features` (its own: the fused
+    features its rows read on the one-level path). Each sequence grows by n_b + `levels` (the
+    fed tokens' K/V); on any error every cache is left as it was."""
+    if (features is None) != (type(model) is not EagleDraft):
+        raise ValueError("greedy_chains: an EAGLE draft's catch-up reads features, and only it")
     prefix = [cache.seq_len(s) for s in seq_ids]
     _reserve_all(cache, seq_ids, [len(ids) + levels for ids in catch_up])
     try:
-        return _run(model, cache, seq_ids, catch_up, levels, lm_head, head_pack, rows, prefix)
+        return _run(model, cache, seq_ids, catch_up, levels, lm_head, head_pack, rows, prefix, features)
     except BaseException:
         for s, p in zip(seq_ids, prefix):
             cache.truncate(s, p)
         raise
 
 
-def _run(model, cache, seq_ids, catch_up, levels, lm_head, head_pack, rows, prefix):
+def _run(model, cache, seq_ids, catch_up, levels, lm_head, head_pack, rows, prefix, features):
     c, B = model.config, len(seq_ids)
     sizes = [len(ids) for ids in catch_up]
     S = max(p + n for p, n in zip(prefix, sizes)) + levels
@@ -87,7 +110,11 @@ def _run(model, cache, seq_ids, catch_up, levels, lm_head, head_pack, rows, pref
     if lm_head is None:
         lm_head, head_pack = model.lm_head_weight, model._lm_head_pack
     pick = torch.tensor(sizes).cumsum(0) - 1                                     # each root's row
-    tokens, log_q = cpu_kernels.draft_chains(step, model._c_layers(cache), torch.cat(list(catch_up)).long(), pick, levels, cos,
-                                             sin, slots, visible, counts, model.embed_tokens.weight, model.norm,
-                                             head_pack.operand(lm_head, None), lm_head.shape[0], rows)
-    return tokens.t(), log_q.t()
+    fc = first_features = None
+    if features is not None:
+        fc = model.fc._pack.operand(model.fc.weight, model.fc.bias)
+        first_features = torch.cat([f.reshape(-1, c.hidden_size) for f in features]).float()
+    out = cpu_kernels.draft_chains(step, model._c_layers(cache), torch.cat(list(catch_up)).long(), pick, levels, cos,
+                                   sin, slots, visible, counts, model.embed_tokens.weight, model.norm,
+                                   head_pack.operand(lm_head, None), lm_head.shape[0], rows, fc, first_features)
+    return DraftChains(out[0].t(), out[1].t(), None if fc is None else out[2].transpose(0, 1))

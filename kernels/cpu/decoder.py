@@ -145,7 +145,8 @@ def layer_table(layers: list[SfLayer]):
 def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pick: torch.Tensor,
                  levels: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
                  counts: torch.Tensor, embed: torch.Tensor, norm: torch.Tensor, head: SfWeight, vocab: int,
-                 rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                 rows: torch.Tensor | None, fc: SfWeight | None = None,
+                 first_features: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """A greedy draft pass of B chains in one call (sf_draft_chains), through the layers of
     `table` (`layer_table`): the catch-up's rows feed
     first_tokens [R] (R = step.rows >= B), chain b's root at row first_pick[b], and choose each
@@ -153,7 +154,12 @@ def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pic
     sin [R + levels * B, D/2], slots [..], visible [.., S] and counts [..] are the rows', the
     catch-up's first, then level by level; embed [V_all, H] and norm [H] float32, the head
     [vocab, H] as an SfWeight, `rows` [vocab] int64 its rows' token ids or None →
-    (tokens [levels + 1, B] int64: each level's choice, log q [levels + 1, B] float32)."""
+    (tokens [levels + 1, B] int64: each level's choice, log q [levels + 1, B] float32).
+
+    A feature-conditioned draft (EAGLE) passes its `fc` [H, 2H] as an SfWeight and the
+    catch-up's features `first_features` [R, H] float32; each level's rows read their parent's
+    final-norm state, and a third tensor comes back: those states [levels + 1, B, H] float32
+    (level d's: what chain b's node at depth d predicted)."""
     R, B, H = step.rows, first_pick.shape[0], step.hidden
     total = R + levels * B
     tensors = [t.contiguous() for t in (first_tokens, first_pick, cos, sin, slots, visible, counts, embed, norm)]
@@ -163,17 +169,27 @@ def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pic
             and embed.shape[1] == H and norm.shape == (H,) and (rows is None or rows.shape == (vocab,))
             and 0 <= int(first_pick.min()) and int(first_pick.max()) < R):
         raise ValueError("draft_chains: the rows do not match the step")
+    if (fc is None) != (first_features is None):
+        raise ValueError("draft_chains: a feature-conditioned draft passes fc and the catch-up's features together")
+    features = x2 = None
+    if fc is not None:
+        first_features = first_features.contiguous()
+        if first_features.shape != (R, H) or first_features.dtype != torch.float32:
+            raise ValueError(f"draft_chains: the catch-up's features must be float32 [{R}, {H}]")
+        features, x2 = torch.empty(levels + 1, B, H), torch.empty(R, 2 * H)
     tokens = torch.empty(levels + 1, B, dtype=torch.long)
     log_q = torch.empty(levels + 1, B, dtype=torch.float32)
     h, picked_h, hn = torch.empty(R, H), torch.empty(B, H), torch.empty(B, H)
     logits, picked = torch.empty(B, vocab), torch.empty(B, dtype=torch.long)
     rows_c = None if rows is None else rows.to(torch.long).contiguous()
+    ptr = lambda t: None if t is None else t.data_ptr()   # noqa: E731
     rc = _load().sf_draft_chains(table, len(table), ctypes.byref(step._f), B, R, first_tokens.data_ptr(),
                                  first_pick.data_ptr(), levels, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                                  visible.data_ptr(), counts.data_ptr(), embed.data_ptr(), norm.data_ptr(),
-                                 ctypes.byref(head), vocab, None if rows_c is None else rows_c.data_ptr(),
-                                 tokens.data_ptr(), log_q.data_ptr(), h.data_ptr(), picked_h.data_ptr(),
-                                 hn.data_ptr(), logits.data_ptr(), picked.data_ptr())
+                                 ctypes.byref(head), vocab, ptr(rows_c), tokens.data_ptr(), log_q.data_ptr(),
+                                 h.data_ptr(), picked_h.data_ptr(), hn.data_ptr(), logits.data_ptr(),
+                                 picked.data_ptr(), None if fc is None else ctypes.byref(fc), ptr(first_features),
+                                 ptr(features), ptr(x2))
     if rc != 0:
         raise CpuKernelError(f"sf_draft_chains failed ({rc})")
-    return tokens, log_q
+    return (tokens, log_q) if fc is None else (tokens, log_q, features)

@@ -105,6 +105,20 @@ int sf_decoder_layers(const sf_layer *L, int64_t n, const sf_forward *F, float *
     return 0;
 }
 
+/* A row's input: the token's embedding, or with `fc` (a feature-conditioned draft, models/eagle.py)
+ * fc([embedding; feature]) through x2 [n, 2H] scratch. */
+static int draft_inputs(const float *embed, const int64_t *tok, const sf_weight *fc, const float *feat,
+                        float *x2, float *h, int64_t n, int64_t H, int threads) {
+    for (int64_t r = 0; r < n; r++) {
+        const float *e = embed + tok[r] * H;
+        float *dst = fc ? x2 + r * 2 * H : h + r * H;
+        for (int64_t i = 0; i < H; i++) dst[i] = e[i];
+        if (fc)
+            for (int64_t i = 0; i < H; i++) dst[H + i] = feat[r * H + i];
+    }
+    return fc ? linear(fc, x2, h, n, 2 * H, H, threads) : 0;
+}
+
 /* A greedy draft pass of `chains` chains in one call (models/draft_chain.py). First the catch-up:
  * `first_rows` rows (each chain's committed tokens the draft has not seen, root last: its
  * row first_pick[r]) feed first_tokens through the embedding [V_all, H] and every layer; the
@@ -113,17 +127,23 @@ int sf_decoder_layers(const sf_layer *L, int64_t n, const sf_forward *F, float *
  * log-softmax log_q[0, r]. Then `levels` more levels of one row a chain: level d feeds
  * tokens[d - 1, r] and chooses tokens[d, r]. The rows read their RoPE (cos, sin: [rows, D/2]),
  * cache slot [rows] and visible slots [rows, F->S[0]] with counts [rows] in that order (the
- * catch-up's, then level after level). Each step is the function the one-level path calls
- * (the decoder layer, sf_rms_norm, the head's matmul), so the logits are the same bits.
- * F's scratch holds first_rows >= chains rows (F->N); h [first_rows, H], picked_h, hn
- * [chains, H] and logits [chains, V] are scratch too. Returns 0 or the failing matmul's code. */
+ * catch-up's, then level after level). A feature-conditioned draft (`fc` not NULL) reads
+ * fc([embedding; feature]) instead of the embedding: the catch-up's rows first_features
+ * [first_rows, H], each level's row its parent's final-norm state, which features [levels + 1,
+ * chains, H] returns (NULL: not wanted; x2 [first_rows, 2H] is scratch). Each step is the
+ * function the one-level path calls (the decoder layer, sf_rms_norm, the head's matmul, fc's),
+ * so the logits are the same bits. F's scratch holds first_rows >= chains rows (F->N); h
+ * [first_rows, H], picked_h, hn [chains, H] and logits [chains, V] are scratch too. Returns 0
+ * or the failing matmul's code. */
 int sf_draft_chains(const sf_layer *layers, int64_t num_layers, sf_forward *F, int64_t chains, int64_t first_rows,
                     const int64_t *first_tokens, const int64_t *first_pick, int64_t levels,
                     const float *cos, const float *sin, const int64_t *slots, const int64_t *vis,
                     const int64_t *counts, const float *embed, const float *norm, const sf_weight *head,
                     int64_t V, const int64_t *rows, int64_t *tokens, float *log_q, float *h, float *picked_h,
-                    float *hn, float *logits, int64_t *picked) {
+                    float *hn, float *logits, int64_t *picked, const sf_weight *fc, const float *first_features,
+                    float *features, float *x2) {
     const int64_t N = chains, H = F->H, half = F->D / 2, S = F->S[0], scratch_rows = F->N;
+    const int th = (int)F->threads;
     int64_t at = 0;                               /* the level's first row among all rows */
     if (first_rows > scratch_rows || N > first_rows) return -3;
     int rc;
@@ -135,17 +155,17 @@ int sf_draft_chains(const sf_layer *layers, int64_t num_layers, sf_forward *F, i
         F->slots = slots + at;
         F->vis[0] = F->vis[1] = vis + at * S;
         F->counts[0] = F->counts[1] = counts + at;
-        for (int64_t r = 0; r < n; r++) {
-            const float *e = embed + (d == 0 ? first_tokens[r] : tokens[(d - 1) * N + r]) * H;
-            for (int64_t i = 0; i < H; i++) h[r * H + i] = e[i];
-        }
+        if ((rc = draft_inputs(embed, d == 0 ? first_tokens : tokens + (d - 1) * N, fc,
+                               d == 0 ? first_features : hn, x2, h, n, H, th))) return rc;
         if ((rc = sf_decoder_layers(layers, num_layers, F, h))) return rc;
         for (int64_t r = 0; r < N; r++) {
             const float *src = h + (d == 0 ? first_pick[r] : r) * H;
             for (int64_t i = 0; i < H; i++) picked_h[r * H + i] = src[i];
         }
         sf_rms_norm(picked_h, norm, hn, N, H, F->eps);
-        if ((rc = linear(head, hn, logits, N, H, V, (int)F->threads))) return rc;
+        if (features)
+            for (int64_t i = 0; i < N * H; i++) features[d * N * H + i] = hn[i];
+        if ((rc = linear(head, hn, logits, N, H, V, th))) return rc;
         sf_greedy_pick(logits, N, V, picked, log_q + d * N);
         for (int64_t r = 0; r < N; r++) tokens[d * N + r] = rows ? rows[picked[r]] : picked[r];
         at += n;

@@ -61,21 +61,33 @@ def test_auto_mode_and_mixed_batches_stay_exact(eagle_engine, references):
     assert [o.token_ids for o in eagle_engine.generate(requests)] == references
 
 
+@pytest.mark.parametrize("one_call", [False, True])
 @pytest.mark.parametrize("head", ["eagle_draft", "fused_eagle_draft"])
-def test_committed_tokens_read_the_targets_previous_feature(tiny_target, head, request, monkeypatch):
+def test_committed_tokens_read_the_targets_previous_feature(tiny_target, head, one_call, request, monkeypatch):
     """Every catch-up row j reads f_{j-1}, the target's final hidden state at position j-1 (a
-    fused head: its fusion of the target's layer outputs and final state there)."""
+    fused head: its fusion of the target's layer outputs and final state there), on the
+    level-by-level path and in the one-call pass (`models.draft_chain`) alike."""
+    from models import draft_chain
+
     target, draft = load_model(tiny_target), load_model(request.getfixturevalue(head))
     engine = InProcessEngine(target, draft)
+    engine.proposer.chains_in_c = one_call
     assert target.feature_layers == draft.aux_layers       # the engine asked the target for them
     seen = []            # (positions, ids, features) of every group of every draft forward
-    real = EagleDraft.forward_packed
+    real, real_chains = EagleDraft.forward_packed, draft_chain.greedy_chains
 
     def spy(self, groups, cache):
         seen.extend((g.positions.clone(), g.input_ids.clone(), g.features.clone()) for g in groups)
         return real(self, groups, cache)
 
+    def spy_chains(model, cache, seq_ids, catch_up, *args, features=None, **kwargs):
+        for s, ids, f in zip(seq_ids, catch_up, features):
+            start = cache.seq_len(s)
+            seen.append((torch.arange(start, start + len(ids)), ids.clone(), f.clone()))
+        return real_chains(model, cache, seq_ids, catch_up, *args, features=features, **kwargs)
+
     monkeypatch.setattr(EagleDraft, "forward_packed", spy)
+    monkeypatch.setattr(draft_chain, "greedy_chains", spy_chains)
     prompt = PROMPTS[0]
     out = greedy(engine, [prompt], speculation_for("sync", 3, 1))[0]
     full = prompt + out.token_ids
@@ -95,6 +107,60 @@ def test_committed_tokens_read_the_targets_previous_feature(tiny_target, head, r
     assert set(range(1, len(full) - 4)) <= fed
     first = seen[0]
     assert torch.equal(first[2][0, 0], torch.zeros(target.config.hidden_size))   # position 0: no feature
+
+
+@pytest.mark.parametrize("head", ["eagle_draft", "fused_eagle_draft"])
+def test_greedy_chains_in_one_call_draft_what_the_level_by_level_path_drafts(tiny_target, head, request):
+    """An EAGLE head's greedy chains in one C call (`models.draft_chain`): the same trees, the
+    same predicted features kept for each node and the same draft K/V as the level-by-level
+    forwards, through accepts, features arriving after them, and a rollback."""
+    from kernels import cpu as cpu_kernels
+    from models import draft_chain
+    from speculation.proposal import DraftRequest
+    from tests.drafter.test_model_proposer import assert_same_cached_kv
+
+    if not cpu_kernels.decoder_layer_available():
+        pytest.skip(f"CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+    draft = load_model(request.getfixturevalue(head))
+    one_call, by_level = (EagleProposer(draft, draft.new_cache(64, 16), 4, logit_rows=range(32, 127))
+                          for _ in range(2))
+    by_level.chains_in_c = False
+    calls, real = [], draft_chain.greedy_chains
+    draft_chain.greedy_chains = lambda *a, **k: calls.append(a[4]) or real(*a, **k)
+    g, width = torch.Generator().manual_seed(0), draft.target_feature_width
+    prompts = {"a": list(b"hello world, "), "b": list(b"The quick brown fox")}
+    try:
+        for s, t in prompts.items():
+            feats = torch.randn(len(t) - 1, width, generator=g)
+            for p in (one_call, by_level):
+                p.observe_features(s, 0, feats)
+        for round_, accept in enumerate([4, 0, 2, 1, 4, 3]):
+            reqs = [DraftRequest(s, list(t), SamplingParams(temperature=0.0), torch.Generator(), 4)
+                    for s, t in prompts.items()]
+            got, want = one_call.propose(reqs), by_level.propose(reqs)
+            for s, mine, theirs in zip(prompts, got, want):
+                assert mine.token_ids.tolist() == theirs.token_ids.tolist(), (round_, s)
+                assert mine.parent_ids.tolist() == theirs.parent_ids.tolist()
+                pred_a, pred_b = one_call._pred[s], by_level._pred[s]
+                assert pred_a.keys() == pred_b.keys() and all(torch.equal(pred_a[k], pred_b[k]) for k in pred_a)
+                for p in (one_call, by_level):
+                    p.on_verified(s, mine, list(range(accept)))
+                assert torch.equal(one_call._features[s], by_level._features[s])
+                n = len(prompts[s])
+                prompts[s] = prompts[s] + mine.token_ids[:accept].tolist() + [40 + round_]
+                feats = torch.randn(len(prompts[s]) - n, width, generator=g)   # the target's, arriving
+                for p in (one_call, by_level):
+                    p.observe_features(s, n - 1, feats)
+            if round_ == 3:                # an epoch change: both roll back, a new root's feature arrives
+                keep, feats = len(prompts["a"]) - 3, torch.randn(1, width, generator=g)
+                for p in (one_call, by_level):
+                    p.rollback("a", keep)
+                    p.observe_features("a", keep - 1, feats)
+                prompts["a"] = prompts["a"][:keep + 1]
+    finally:
+        draft_chain.greedy_chains = real
+    assert len(calls) == 5 and all(c == 3 for c in calls)   # every pass but the first, three levels each
+    assert_same_cached_kv(one_call.cache, by_level.cache, prompts)
 
 
 def test_missing_features_are_a_clear_error(tiny_target, eagle_draft):

@@ -120,13 +120,17 @@ def test_greedy_chains_in_one_call_draft_what_the_level_by_level_path_drafts(dra
     finally:
         draft_chain.greedy_chains = real
     assert calls and all(c == 3 for c in calls)           # the one-call path ran, three levels a pass
-    for s in prompts:
-        n = one_call.cache.seq_len(s)
-        assert n == by_level.cache.seq_len(s) and n > 0
-        for layer in range(len(draft_model.layers)):
-            slots_a, slots_b = one_call.cache.slots(s, range(n)), by_level.cache.slots(s, range(n))
-            for kv in ("k", "v"):
-                mine, theirs = getattr(one_call.cache, kv)[layer], getattr(by_level.cache, kv)[layer]
+    assert_same_cached_kv(one_call.cache, by_level.cache, prompts)
+
+
+def assert_same_cached_kv(cache, other, seq_ids) -> None:
+    """Each sequence holds as many tokens in both caches, with bitwise the same K/V in every layer."""
+    for s in seq_ids:
+        n = cache.seq_len(s)
+        assert n == other.seq_len(s) and n > 0
+        slots_a, slots_b = cache.slots(s, range(n)), other.slots(s, range(n))
+        for layer in range(len(cache.k)):
+            for mine, theirs in ((cache.k[layer], other.k[layer]), (cache.v[layer], other.v[layer])):
                 assert torch.equal(mine.flatten(0, 1)[slots_a], theirs.flatten(0, 1)[slots_b])
 
 
@@ -173,6 +177,7 @@ def test_a_one_call_pass_without_room_leaves_every_cache_as_it_was(draft_model):
     with pytest.raises(OutOfBlocks):
         draft_chain.greedy_chains(draft_model, cache, ["a", "b"], ids, 14)   # "b" would need a fourth block
     assert (cache.seq_len("a"), cache.seq_len("b")) == (10, 20)
-    tokens, log_q = draft_chain.greedy_chains(draft_model, cache, ["a", "b"], ids, 3)   # room for this one
-    assert tokens.shape == log_q.shape == (2, 4) and (log_q <= 0).all()
+    chains = draft_chain.greedy_chains(draft_model, cache, ["a", "b"], ids, 3)   # room for this one
+    assert chains.tokens.shape == chains.log_q.shape == (2, 4) and (chains.log_q <= 0).all()
+    assert chains.features is None
     assert (cache.seq_len("a"), cache.seq_len("b")) == (15, 24)
