@@ -47,7 +47,7 @@ class TreeBuilder:
         self.parent_ids: list[int] = []
         self.depths: list[int] = []
         self.scores: list[float] = []                    # cumulative draft log-probability
-        self.q_rows: dict[int, torch.Tensor] = {}        # node (ROOT = -1) -> [V] q its children came from
+        self.q_rows: dict[int, torch.Tensor] = {}        # node (ROOT = -1) -> [V] q its children came from ([V'] over `rows`)
 
     def output_position(self, node: int) -> int:
         """The output position (0 = the first generated token) of `node`'s children."""
@@ -70,11 +70,12 @@ class TreeBuilder:
     def expand(self, nodes: list[int], draft_logits: torch.Tensor) -> None:   # [n, V], or [n, V'] over `rows`
         """Give each node its children, drawn from the draft distribution after it.
 
-        Over a reduced head's rows a greedy tree is grown on those logits alone (every other token's
-        q is 0, so its top tokens and log-probabilities are the same); sampling and the transforms
-        that read the history work on the whole vocabulary."""
+        Over a reduced head's rows a tree is grown on those logits alone: every other token's q
+        is 0, so its top tokens, its draws and its log-probabilities are the same, and a sampled
+        node's q is kept over the rows (`finish` scatters it into the vocabulary). Only the
+        transforms that read the history work on the whole vocabulary."""
         rows = self.rows
-        if rows is not None and (self.params.reads_history or not self.params.greedy):
+        if rows is not None and self.params.reads_history:
             full = torch.full((draft_logits.shape[0], self.vocab_size), float("-inf"), dtype=draft_logits.dtype)
             full[:, rows] = draft_logits
             draft_logits, rows = full, None
@@ -91,20 +92,21 @@ class TreeBuilder:
                 kept = [(t, v) for t, v in zip(children, child_log_q) if v > float("-inf")]   # a grammar's mask
                 self.add_children(node, kept)
             return
-        for node, logits in zip(nodes, draft_logits):
-            q = logits_to_probs(logits, self.params)                          # [V], as p will be
-            self.q_rows[node] = q
-            budget = self.max_nodes - len(self.token_ids)
-            k = min(self.width, int((q > 0).sum()), budget)                   # fixed before the draw
+        q = logits_to_probs(draft_logits, self.params)                         # [n, V or V'], as p will be
+        log_q = q.log()
+        if self.params.coupled:    # the target's own noise at the children's positions
+            perturbed = coupled_scores(q, self.params, [self.output_position(node) for node in nodes], rows)
+        else:
+            perturbed = log_q - torch.empty_like(q).exponential_(generator=self.generator).log()
+        support = (q > 0).sum(-1).tolist()
+        for i, node in enumerate(nodes):
+            self.q_rows[node] = q[i]
+            k = min(self.width, support[i], self.max_nodes - len(self.token_ids))   # fixed before the draw
             if k <= 0:
                 continue
-            log_q = q.log()
-            if self.params.coupled:    # the target's own noise at the children's position
-                perturbed = coupled_scores(q[None], self.params, [self.output_position(node)])[0]
-            else:
-                perturbed = log_q - torch.empty_like(q).exponential_(generator=self.generator).log()
-            children = perturbed.topk(k).indices                              # draw order
-            self.add_children(node, list(zip(children.tolist(), log_q[children].tolist())))
+            children = perturbed[i].topk(k).indices                                  # draw order
+            tokens = children if rows is None else rows[children]
+            self.add_children(node, list(zip(tokens.tolist(), log_q[i, children].tolist())))
 
     def add_children(self, node: int, children: list[tuple[int, float]]) -> None:
         """Children of `node`, in order: (token id, its log q) each."""
@@ -146,7 +148,10 @@ class TreeBuilder:
             draft_probs = torch.zeros(len(kept) + 1, self.vocab_size)            # [T+1, V]
             for node, q in self.q_rows.items():
                 if node in new_index:
-                    draft_probs[new_index[node] + 1] = q
+                    if q.shape[-1] == self.vocab_size:
+                        draft_probs[new_index[node] + 1] = q
+                    else:                                                    # over a reduced head's rows
+                        draft_probs[new_index[node] + 1, self.rows] = q
         tree = TokenTree(
             torch.tensor([self.token_ids[i] for i in kept], dtype=torch.long),
             torch.tensor([new_index[self.parent_ids[i]] for i in kept], dtype=torch.long),

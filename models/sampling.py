@@ -256,20 +256,26 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
-def gumbel_noise(seed: int, positions: Sequence[int], vocab: int) -> torch.Tensor:   # -> [N, V] float32
+def gumbel_noise(seed: int, positions: Sequence[int], vocab: int,
+                 token_ids: torch.Tensor | None = None) -> torch.Tensor:   # -> [N, V] float32 ([N, V'])
     """Standard Gumbel noise for output positions `positions` of the request seeded `seed`: a
     counter-based generator (SplitMix64 over (seed, position, token)), so the noise of position
-    t is the same however many draws came before, on either side, in any batch."""
+    t is the same however many draws came before, on either side, in any batch. `token_ids`
+    [V'] int64: only those tokens' columns (a reduced head's rows), each the same value the
+    full [N, vocab] noise holds at that token."""
+    tokens = torch.arange(vocab, dtype=torch.long) if token_ids is None else token_ids.long().cpu()
     key = _splitmix64(torch.tensor([_signed(seed)], dtype=torch.long))                  # [1]
     pos = _splitmix64(key ^ torch.tensor(list(positions), dtype=torch.long))            # [N]
-    bits = _splitmix64(pos[:, None] ^ torch.arange(vocab, dtype=torch.long)[None, :])   # [N, V]
+    bits = _splitmix64(pos[:, None] ^ tokens[None, :])                                  # [N, V or V']
     u = (_shr(bits, 11).double() + 0.5) * 2.0 ** -53                                     # (0, 1)
     return (-torch.log(-torch.log(u))).float()
 
 
-def coupled_scores(probs: torch.Tensor, params: SamplingParams, positions: Sequence[int]) -> torch.Tensor:
+def coupled_scores(probs: torch.Tensor, params: SamplingParams, positions: Sequence[int],
+                   token_ids: torch.Tensor | None = None) -> torch.Tensor:
     """probs [N, V] (after `logits_to_probs`) at output positions [N] -> `log p + G` [N, V]: its
     argmax is an exact sample of p, a function of the seed alone (Daliri, Musco and Suresh,
-    "Coupling without communication and drafter-invariant speculative decoding")."""
-    noise = gumbel_noise(params.seed, positions, probs.shape[-1]).to(probs.device)
+    "Coupling without communication and drafter-invariant speculative decoding"). With
+    `token_ids` [V']: probs [N, V'] over those tokens alone (zero at every other token)."""
+    noise = gumbel_noise(params.seed, positions, probs.shape[-1], token_ids).to(probs.device)
     return probs.log() + noise

@@ -103,6 +103,21 @@ def test_sampled_tokens_follow_the_target(engine, small_vocab_pair, case):
     assert chi_square_p_value(samples, draft_joint) < 1e-6
 
 
+@pytest.mark.parametrize("spec", [speculation_for("sync", 3, 1), speculation_for("sync", 3, 2)])
+def test_a_reduced_draft_head_keeps_sampling_exact(small_vocab_pair, spec):
+    """A draft whose head reads 10 of the 16 tokens (`specflash_draft.json`'s `logit_rows`) draws
+    over those rows alone; the tokens it never proposes come from the residual, so the pairs
+    still follow the target."""
+    target, draft = small_vocab_pair
+    engine = InProcessEngine(load_model(target), load_model(draft), draft_logit_rows=[0, 2, 3, 5, 6, 8, 9, 11, 12, 14])
+    params = SamplingParams(temperature=1.0, top_p=0.95)
+    samples, acceptance = sample_pairs(engine, params, spec, range(NUM_SAMPLES))
+    p = chi_square_p_value(samples, exact_joint(target, params))
+    assert p > P_VALUE_FLOOR, f"sampled pairs do not follow the target (p = {p:.2e})"
+    assert 0.1 < acceptance < 0.8
+    assert samples.unique().numel() > 10             # tokens outside the rows come out too
+
+
 def test_chi_square_catches_a_residual_bug(engine, small_vocab_pair, monkeypatch):
     """Control: sampling the correction from p instead of norm(max(p - q, 0)) is caught."""
     import verifier.verifier as verifier_module

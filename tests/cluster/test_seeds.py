@@ -68,7 +68,8 @@ def test_the_test_catches_noise_not_keyed_by_position(small_engine, small_vocab_
     import models.sampling as sampling
 
     real = sampling.gumbel_noise
-    monkeypatch.setattr(sampling, "gumbel_noise", lambda seed, positions, vocab: real(seed, [0] * len(positions), vocab))
+    monkeypatch.setattr(sampling, "gumbel_noise", lambda seed, positions, vocab, token_ids=None:
+                        real(seed, [0] * len(positions), vocab, token_ids))
     params = SamplingParams(temperature=1.0, top_p=0.9)
     samples, _ = sample_pairs(small_engine, params, speculation_for("sync", 3, 1), range(NUM_SAMPLES), seeded=True)
     assert chi_square_p_value(samples, exact_joint(small_vocab_pair[0], params)) < P_VALUE_FLOOR

@@ -79,8 +79,9 @@ def _grown(params: SamplingParams, rows: torch.Tensor | None, logits: list[torch
 
 def test_a_reduced_head_grows_the_tree_its_full_vocabulary_scatter_grows():
     """Logits over a reduced head's rows, expanded as they are, give the tree (tokens, parents,
-    scores up to rounding, q) of the same logits scattered into the whole vocabulary with -inf elsewhere: greedy
-    on the rows alone, sampling and history-reading transforms over the scatter."""
+    scores up to rounding, q) of the same logits scattered into the whole vocabulary with -inf
+    elsewhere: greedy and seeded sampling (its noise keyed by token) on the rows alone,
+    history-reading transforms over the scatter."""
     rows = torch.tensor([9, 2, 7, 4, 11])
     g = torch.Generator().manual_seed(0)
     reduced = [torch.randn(2, len(rows), generator=g) for _ in range(3)]
@@ -89,7 +90,7 @@ def test_a_reduced_head_grows_the_tree_its_full_vocabulary_scatter_grows():
         f = torch.full((x.shape[0], V), float("-inf"))
         f[:, rows] = x
         full.append(f)
-    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8),
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=5),
                    SamplingParams(temperature=0.0, repetition_penalty=1.3)):
         got, got_scores = _grown(params, rows, reduced)
         want, want_scores = _grown(params, None, full)
@@ -99,3 +100,23 @@ def test_a_reduced_head_grows_the_tree_its_full_vocabulary_scatter_grows():
         torch.testing.assert_close(torch.tensor(got_scores), torch.tensor(want_scores), rtol=1e-6, atol=1e-6)
         if not params.greedy:
             torch.testing.assert_close(got.draft_probs, want.draft_probs)
+
+
+def test_unseeded_sampling_over_a_reduced_head_draws_from_q_over_its_rows():
+    """An unseeded sampled node over a reduced head draws (over the rows alone) from q, the
+    temperature's softmax of those logits, and the tree carries that q scattered into the
+    vocabulary, zero at every other token."""
+    rows = torch.tensor([9, 2, 7, 4, 11])
+    logits = torch.tensor([[1.5, 0.0, 0.7, -1.0, 0.3]])
+    q = torch.softmax(logits[0] / 0.8, -1)
+    first, g = torch.zeros(len(rows)), torch.Generator().manual_seed(0)
+    for _ in range(3000):
+        b = TreeBuilder(SamplingParams(temperature=0.8), g, width=2, max_nodes=4, vocab_size=V, rows=rows)
+        b.expand([ROOT], logits)
+        assert len(set(b.token_ids)) == 2 and set(b.token_ids) <= set(rows.tolist())
+        first[rows.tolist().index(b.token_ids[0])] += 1
+    assert (first / first.sum() - q).abs().sum() / 2 < 0.04     # sampling noise about 0.01
+    tree, _ = b.finish(prefix_len=2, epoch=0)
+    want = torch.zeros(V)
+    want[rows] = q
+    torch.testing.assert_close(tree.draft_probs[0], want)
