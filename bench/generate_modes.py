@@ -3,6 +3,7 @@
     python bench/generate_modes.py                           # off, sync, async; 32 and 160 tokens; 3 rounds
     python bench/generate_modes.py --rounds 1 --short 8 --long 24 --modes off,sync   # a smoke run
     python bench/generate_modes.py --modes off,async,async-eagle     # the pipeline with the EAGLE head
+    python bench/generate_modes.py --temperature 1                   # seeded sampling (the API's default temperature)
 
 What a user sees: each run is a whole `specflash generate` process (`python -m cluster.cli
 generate --ignore-eos --json`) on the embedded pair and one code prompt, both cores for every
@@ -18,8 +19,10 @@ request's first step (its prefill, and in `sync` an engine's first, cold forward
 the warmed-up pipeline's 0.16 on the embedded pair) enters it: the decoding rate between the two
 lengths, without the start-up's noise. One discarded warm-up run of each mode comes first
 (`--warmup`). A mode named `<mode>-eagle` drafts with the embedded EAGLE head (`--proposer eagle`)
-instead of the layered draft. Every run's tokens are checked equal to `off`'s (greedy). Writes
-generate_modes-<time>.json under bench/results/.
+instead of the layered draft. Every run's tokens are checked equal to `off`'s: greedy, or with
+`--temperature` seeded sampling (`--seed`, 0 by default), whose tokens are the seed's whatever
+drafted them (`models.sampling.coupled_scores`). Writes generate_modes-<time>.json under
+bench/results/.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ def run_once(mode: str, max_tokens: int, args) -> tuple[float, list[int], float]
            "--max-tokens", str(max_tokens), "--ignore-eos", "--json", "--spec-len", str(args.spec_len),
            "--tree-width", str(args.tree_width)]
     cmd += [] if args.raw_prompt else ["--chat"]
+    cmd += ["--temperature", str(args.temperature), "--seed", str(args.seed)] if args.temperature > 0 else []
     cmd += [f for flag, value in (("--target", args.target), ("--draft", args.draft)) if value
             for f in (flag, str(value))]
     start = time.perf_counter()
@@ -127,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec-len", type=common.positive_int, default=4)
     p.add_argument("--tree-width", type=common.positive_int, default=1)
     p.add_argument("--prompt", default=PROMPT)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; above: seeded sampling")
+    p.add_argument("--seed", type=int, default=0, help="the sampled runs' seed (with --temperature)")
     p.add_argument("--raw-prompt", action="store_true", help="the prompt as it is, without the chat template")
     p.add_argument("--timeout", type=common.positive_float, default=600.0, help="seconds per process")
     p.add_argument("--out", type=Path, default=common.RESULTS)
