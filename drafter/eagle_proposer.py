@@ -85,12 +85,13 @@ class EagleProposer(ModelProposer):
             self._pred[r.seq_id] = {ROOT: h[-1]}
         return logits      # no prefix caching: the K/V read features (drafter.draft_side.model_proposer)
 
-    def _chain_pass(self, reqs: Sequence[DraftRequest], levels: int) -> draft_chain.DraftChains:
+    def _chain_pass(self, reqs: Sequence[DraftRequest], levels: int,
+                    sampling: draft_chain.ChainSampling | None) -> draft_chain.DraftChains:
         """The one-call pass (`ModelProposer._draft_chains`) with the catch-up's features; each
         node's final-norm state is kept as its predicted feature, as `_forward_frontier` keeps it."""
         ids, _, _, _, feats = self._catch_up_features(reqs)
-        chains = draft_chain.greedy_chains(self.model, self.cache, [r.seq_id for r in reqs], ids, levels,
-                                           self.lm_head, self.head_pack, self._rows_cpu, features=feats)
+        chains = draft_chain.run_chains(self.model, self.cache, [r.seq_id for r in reqs], ids, levels,
+                                        self.lm_head, self.head_pack, self._rows_cpu, features=feats, sampling=sampling)
         for r, states in zip(reqs, chains.features):       # [levels + 1, H]: the root's, then node d's
             self._pred[r.seq_id] = {node: states[node - ROOT] for node in range(ROOT, levels)}
         return chains

@@ -30,6 +30,7 @@ from drafter.tree_search import ROOT, TreeBuilder
 from models.kv_cache import OutOfBlocks
 from models import draft_chain
 from models.linear import DRAFT_WEIGHTS, PackedWeight, use_draft_weights
+from models.sampling import gumbel_noise
 from models.tree import TokenTree, ragged_tree_forward
 
 
@@ -95,31 +96,55 @@ class ModelProposer:
                 builders[b].expand(frontier[b], node_logits)
 
     def _chains_in_one_call(self, reqs: Sequence[DraftRequest], builders: list[TreeBuilder], depth: list[int]) -> bool:
-        """Whether the whole pass goes to one C call (`models.draft_chain`): greedy chains of one
-        depth of sequences the draft has seen, 16 catch-up rows at most in all, transforms
-        that read no history, and a model the call runs."""
+        """Whether the whole pass goes to one C call (`models.draft_chain`): chains of one depth,
+        greedy or drawn at a temperature alone (`draft_chain.draws`), of sequences the draft has
+        seen, 16 catch-up rows at most in all, and a model the call runs."""
         if not reqs or not self.chains_in_c or len(set(depth)) != 1:
             return False
         for r, builder in zip(reqs, builders):
-            if builder.width != 1 or not r.params.greedy or r.params.reads_history or r.seq_id not in self._committed:
+            if builder.width != 1 or not draft_chain.draws(r.params) or r.seq_id not in self._committed:
                 return False
         rows = [len(r.token_ids) - self._committed[r.seq_id] for r in reqs]   # the root at least
         return min(rows) >= 1 and draft_chain.applies(self.model, self.cache, len(reqs), sum(rows), depth[0] - 1)
 
     def _draft_chains(self, reqs: Sequence[DraftRequest], builders: list[TreeBuilder], levels: int) -> None:
         """The catch-up and `levels` levels below it in one call; the chain's nodes it fed are
-        cached after the committed tokens, in order."""
-        chains = self._chain_pass(reqs, levels)
-        for r, builder, toks, lqs in zip(reqs, builders, chains.tokens.tolist(), chains.log_q.tolist()):
-            for node, (token, token_log_q) in enumerate(zip(toks, lqs), start=ROOT):
+        cached after the committed tokens, in order. A sampled node keeps the q its child was
+        drawn from, as `TreeBuilder.expand` keeps it."""
+        chains = self._chain_pass(reqs, levels, self._chain_sampling(reqs, builders, levels))
+        for b, (r, builder) in enumerate(zip(reqs, builders)):
+            for node, (token, token_log_q) in enumerate(zip(chains.tokens[b].tolist(), chains.log_q[b].tolist()),
+                                                        start=ROOT):
+                if not r.params.greedy:
+                    builder.q_rows[node] = chains.q[b, node - ROOT]
                 builder.add_children(node, [(token, token_log_q)])
             self._layout[r.seq_id] = list(range(levels))
 
-    def _chain_pass(self, reqs: Sequence[DraftRequest], levels: int) -> draft_chain.DraftChains:
+    def _chain_sampling(self, reqs: Sequence[DraftRequest], builders: list[TreeBuilder],
+                        levels: int) -> draft_chain.ChainSampling | None:
+        """The temperatures and Gumbel noise of a pass with sampled chains (None: all greedy), over
+        the head's rows: a seeded request's is its seed's at each depth's output position
+        (`models.sampling.coupled_scores`), another's drawn from its generator as
+        `TreeBuilder.expand` draws it, one level after the other."""
+        if all(r.params.greedy for r in reqs):
+            return None
+        head = self.model.lm_head_weight if self.lm_head is None else self.lm_head
+        noise = torch.zeros(len(reqs), levels + 1, head.shape[0])
+        for b, (r, builder) in enumerate(zip(reqs, builders)):
+            if r.params.coupled:
+                start = builder.output_position(ROOT)
+                noise[b] = gumbel_noise(r.params.seed, range(start, start + levels + 1), head.shape[0], self._rows_cpu)
+            elif not r.params.greedy:
+                noise[b] = -torch.empty(levels + 1, head.shape[0]).exponential_(generator=r.generator).log()
+        temps = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
+        return draft_chain.ChainSampling(temps, noise)
+
+    def _chain_pass(self, reqs: Sequence[DraftRequest], levels: int,
+                    sampling: draft_chain.ChainSampling | None) -> draft_chain.DraftChains:
         """`_draft_chains`' call: the catch-up's rows, then the pass (node d's token at column d + 1)."""
         ids = self._catch_up_rows(reqs)[0]
-        chains = draft_chain.greedy_chains(self.model, self.cache, [r.seq_id for r in reqs], ids, levels,
-                                           self.lm_head, self.head_pack, self._rows_cpu)
+        chains = draft_chain.run_chains(self.model, self.cache, [r.seq_id for r in reqs], ids, levels,
+                                        self.lm_head, self.head_pack, self._rows_cpu, sampling=sampling)
         self._cache_prefixes(reqs)
         return chains
 

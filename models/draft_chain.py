@@ -1,15 +1,18 @@
-"""A greedy draft pass in one C call (kernels/cpu/decoder_layer.c, `sf_draft_chains`).
+"""A draft pass of chains in one C call (kernels/cpu/decoder_layer.c, `sf_draft_chains`).
 
 Drafting a chain level by level from Python costs, per level, a forward's worth of per-call
 work (packing the rows, the attention layout, the RoPE, the C operands, the logits' trip
 back, the builder's top-1) around a few-row forward that itself takes about as long on a
-2-core CPU. For a greedy chain every row of the pass is known but for its token: the
+2-core CPU. For a chain every row of the pass is known but for its token: the
 catch-up's rows (the committed tokens the draft has not seen, root last) and, below them,
 one row a level, whose position and cache slot follow the last and which sees its prefix
 and the chain above it. So all rows are laid out at once (`kernels.cpu.visible_slots`, one
 RoPE call) and the C loop runs the catch-up, then level after level: embedding, every
 decoder layer, the final norm and the head on one row a chain, and the choice of the
-largest logit, which becomes the next level's token.
+largest logit, which becomes the next level's token. A sampled chain (temperature only: no
+top-k, top-p or min-p, nothing read from the history) draws it instead as the largest
+logit / temperature + Gumbel noise the caller drew (Gumbel-max: an exact draw from the
+temperature's softmax), and that softmax comes back as the draw's q.
 
 A feature-conditioned draft (EAGLE, `models.eagle.EagleDraft`) runs the same way: each row
 reads fc([embedding; feature]) instead of the embedding, the catch-up's rows the features
@@ -19,7 +22,8 @@ pass returns beside the tokens (what the proposer keeps as the nodes' predicted 
 Each step is the function the one-level path runs (`Transformer.forward_packed` on 1 to 16
 rows: the whole-layer C call, fc's and the head's few-row matmuls, the C final norm), so the
 logits are the same bits; the choice is the first largest logit where the one-level path takes
-the first largest log-probability (equal but for logits a rounding apart).
+the first largest log-probability (equal but for logits a rounding apart; a draw likewise
+compares logit / temperature + noise where the one-level path compares log q + noise).
 """
 from __future__ import annotations
 
@@ -35,17 +39,35 @@ from models.transformer import Transformer, _reserve_all, causal_mask
 
 
 @dataclass
+class ChainSampling:
+    """How `run_chains` draws each chain's tokens when some are sampled."""
+
+    temperatures: torch.Tensor               # [B] float32: each chain's temperature (0: greedy)
+    noise: torch.Tensor                      # [B, levels + 1, V'] float32: the Gumbel noise of each draw
+                                             # over the head's rows (a greedy chain's is not read)
+
+
+@dataclass
 class DraftChains:
-    """What `greedy_chains` drafted: B chains of levels + 1 tokens, each level's choice."""
+    """What `run_chains` drafted: B chains of levels + 1 tokens, each level's choice."""
 
     tokens: torch.Tensor                     # [B, levels + 1] int64: the token chosen at each depth
     log_q: torch.Tensor                      # [B, levels + 1] float32: its log-softmax under the draft
     features: torch.Tensor | None = None     # [B, levels + 1, H] float32: an EAGLE draft's final-norm state
                                              # at the row that chose it (None for a plain draft)
+    q: torch.Tensor | None = None            # [B, levels + 1, V'] float32: a sampled chain's q at each
+                                             # depth over the head's rows (None unless sampled)
+
+
+def draws(params) -> bool:
+    """Whether a chain of these `models.SamplingParams` is drawn in the one-call pass: greedy, or
+    sampled at a temperature alone (no top-k, top-p or min-p), nothing read from its history."""
+    return not params.reads_history and (params.greedy or (params.top_k == 0 and params.top_p >= 1.0
+                                                           and params.min_p == 0))
 
 
 def applies(model, cache, chains: int, catch_up_rows: int, levels: int) -> bool:
-    """Whether `greedy_chains` runs this pass: a plain `Transformer` or an EAGLE head (fp32 `fc`),
+    """Whether `run_chains` runs this pass: a plain `Transformer` or an EAGLE head (fp32 `fc`),
     without a sliding window, whose catch-up (1 to 16 rows in all) runs its layers in C
     (`Transformer.runs_layers_in_c`)."""
     kind = type(model)
@@ -56,7 +78,7 @@ def applies(model, cache, chains: int, catch_up_rows: int, levels: int) -> bool:
 
 
 @torch.inference_mode()
-def greedy_chains(
+def run_chains(
     model: Transformer,
     cache,                                    # models.PagedKVCache
     seq_ids: Sequence[Hashable],
@@ -66,26 +88,29 @@ def greedy_chains(
     head_pack=None,                           # models.linear.PackedWeight kept with `lm_head` (with it)
     rows: torch.Tensor | None = None,         # [V'] int64: the token id of each of its rows
     features: Sequence[torch.Tensor] | None = None,   # B x [n_b, H] float32: an EAGLE draft's catch-up features
+    sampling: ChainSampling | None = None,   # None: every chain greedy
 ) -> DraftChains:
-    """B greedy chains drafted in one call (`applies` must hold): each sequence feeds its
-    `catch_up` tokens after its cache, as a chain (the root's row chooses the first token),
-    then `levels` more levels of one row, each feeding the token the last one chose at the
-    position after it. An EAGLE draft's catch-up rows read `features` (its own: the fused
+    """B chains drafted in one call (`applies` must hold): each sequence feeds its `catch_up`
+    tokens after its cache, as a chain (the root's row chooses the first token), then `levels`
+    more levels of one row, each feeding the token the last one chose at the position after
+    it. A chain chooses its largest logit's token, or with `sampling` at a temperature above 0
+    draws it: the largest logit / temperature + noise (Gumbel-max, an exact draw from the
+    temperature's softmax, which comes back as q). An EAGLE draft's catch-up rows read `features` (its own: the fused
     features its rows read on the one-level path). Each sequence grows by n_b + `levels` (the
     fed tokens' K/V); on any error every cache is left as it was."""
     if (features is None) != (type(model) is not EagleDraft):
-        raise ValueError("greedy_chains: an EAGLE draft's catch-up reads features, and only it")
+        raise ValueError("run_chains: an EAGLE draft's catch-up reads features, and only it")
     prefix = [cache.seq_len(s) for s in seq_ids]
     _reserve_all(cache, seq_ids, [len(ids) + levels for ids in catch_up])
     try:
-        return _run(model, cache, seq_ids, catch_up, levels, lm_head, head_pack, rows, prefix, features)
+        return _run(model, cache, seq_ids, catch_up, levels, lm_head, head_pack, rows, prefix, features, sampling)
     except BaseException:
         for s, p in zip(seq_ids, prefix):
             cache.truncate(s, p)
         raise
 
 
-def _run(model, cache, seq_ids, catch_up, levels, lm_head, head_pack, rows, prefix, features):
+def _run(model, cache, seq_ids, catch_up, levels, lm_head, head_pack, rows, prefix, features, sampling):
     c, B = model.config, len(seq_ids)
     sizes = [len(ids) for ids in catch_up]
     S = max(p + n for p, n in zip(prefix, sizes)) + levels
@@ -114,7 +139,12 @@ def _run(model, cache, seq_ids, catch_up, levels, lm_head, head_pack, rows, pref
     if features is not None:
         fc = model.fc._pack.operand(model.fc.weight, model.fc.bias)
         first_features = torch.cat([f.reshape(-1, c.hidden_size) for f in features]).float()
-    out = cpu_kernels.draft_chains(step, model._c_layers(cache), torch.cat(list(catch_up)).long(), pick, levels, cos,
-                                   sin, slots, visible, counts, model.embed_tokens.weight, model.norm,
-                                   head_pack.operand(lm_head, None), lm_head.shape[0], rows, fc, first_features)
-    return DraftChains(out[0].t(), out[1].t(), None if fc is None else out[2].transpose(0, 1))
+    temps = noise = None
+    if sampling is not None:
+        temps, noise = sampling.temperatures, sampling.noise.transpose(0, 1)
+    tokens, log_q, states, q = cpu_kernels.draft_chains(
+        step, model._c_layers(cache), torch.cat(list(catch_up)).long(), pick, levels, cos, sin, slots, visible, counts,
+        model.embed_tokens.weight, model.norm, head_pack.operand(lm_head, None), lm_head.shape[0], rows, fc,
+        first_features, temps, noise)
+    return DraftChains(tokens.t(), log_q.t(), None if states is None else states.transpose(0, 1),
+                       None if q is None else q.transpose(0, 1))

@@ -146,7 +146,8 @@ def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pic
                  levels: int, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, visible: torch.Tensor,
                  counts: torch.Tensor, embed: torch.Tensor, norm: torch.Tensor, head: SfWeight, vocab: int,
                  rows: torch.Tensor | None, fc: SfWeight | None = None,
-                 first_features: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                 first_features: torch.Tensor | None = None, temps: torch.Tensor | None = None,
+                 noise: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
     """A greedy draft pass of B chains in one call (sf_draft_chains), through the layers of
     `table` (`layer_table`): the catch-up's rows feed
     first_tokens [R] (R = step.rows >= B), chain b's root at row first_pick[b], and choose each
@@ -154,12 +155,16 @@ def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pic
     sin [R + levels * B, D/2], slots [..], visible [.., S] and counts [..] are the rows', the
     catch-up's first, then level by level; embed [V_all, H] and norm [H] float32, the head
     [vocab, H] as an SfWeight, `rows` [vocab] int64 its rows' token ids or None →
-    (tokens [levels + 1, B] int64: each level's choice, log q [levels + 1, B] float32).
+    (tokens [levels + 1, B] int64: each level's choice, log q [levels + 1, B] float32, features,
+    q).
 
     A feature-conditioned draft (EAGLE) passes its `fc` [H, 2H] as an SfWeight and the
     catch-up's features `first_features` [R, H] float32; each level's rows read their parent's
-    final-norm state, and a third tensor comes back: those states [levels + 1, B, H] float32
-    (level d's: what chain b's node at depth d predicted)."""
+    final-norm state, which come back as features [levels + 1, B, H] float32 (level d's: what
+    chain b's node at depth d predicted; else None). Sampled chains pass `temps` [B] float32 (0:
+    that chain greedy) and `noise` [levels + 1, B, vocab] float32 (Gumbel); each level draws its
+    token as the largest logit / temperature + noise, and q [levels + 1, B, vocab] float32 comes
+    back, the softmax each draw came from (else None)."""
     R, B, H = step.rows, first_pick.shape[0], step.hidden
     total = R + levels * B
     tensors = [t.contiguous() for t in (first_tokens, first_pick, cos, sin, slots, visible, counts, embed, norm)]
@@ -171,7 +176,14 @@ def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pic
         raise ValueError("draft_chains: the rows do not match the step")
     if (fc is None) != (first_features is None):
         raise ValueError("draft_chains: a feature-conditioned draft passes fc and the catch-up's features together")
-    features = x2 = None
+    features = x2 = q = None
+    if (temps is None) != (noise is None):
+        raise ValueError("draft_chains: sampled chains pass their temperatures and their noise together")
+    if temps is not None:
+        temps, noise = temps.float().contiguous(), noise.float().contiguous()
+        if temps.shape != (B,) or noise.shape != (levels + 1, B, vocab):
+            raise ValueError(f"draft_chains: temps [{B}] and noise [{levels + 1}, {B}, {vocab}] expected")
+        q = torch.empty(levels + 1, B, vocab)
     if fc is not None:
         first_features = first_features.contiguous()
         if first_features.shape != (R, H) or first_features.dtype != torch.float32:
@@ -189,7 +201,7 @@ def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pic
                                  ctypes.byref(head), vocab, ptr(rows_c), tokens.data_ptr(), log_q.data_ptr(),
                                  h.data_ptr(), picked_h.data_ptr(), hn.data_ptr(), logits.data_ptr(),
                                  picked.data_ptr(), None if fc is None else ctypes.byref(fc), ptr(first_features),
-                                 ptr(features), ptr(x2))
+                                 ptr(features), ptr(x2), ptr(temps), ptr(noise), ptr(q))
     if rc != 0:
         raise CpuKernelError(f"sf_draft_chains failed ({rc})")
-    return (tokens, log_q) if fc is None else (tokens, log_q, features)
+    return tokens, log_q, features, q

@@ -248,3 +248,41 @@ void sf_greedy_pick(const float *logits, int64_t N, int64_t V, int64_t *index, f
         log_q[r] = -logf(hsum8(sumv));
     }
 }
+
+/* Each of N rows of logits [N, V] drawn as a draft node's children are: row r at temperature
+ * temps[r] reads y = x / temps[r] and takes the first largest y_j + noise[r, j] (Gumbel noise:
+ * an exact draw from softmax(y)); index[r], its log-softmax y_best - max y - log(sum_j exp(y_j -
+ * max y)) in log_q[r] and, where q is not NULL, softmax(y) in q[r, :] (the q the draw came from).
+ * A row at temperature 0 is sf_greedy_pick's (its q row left as it was). y is kept in q's row. */
+void sf_sample_pick(const float *logits, int64_t N, int64_t V, const float *temps, const float *noise,
+                    int64_t *index, float *log_q, float *q) {
+    for (int64_t r = 0; r < N; r++) {
+        if (temps[r] == 0.0f) {
+            sf_greedy_pick(logits + r * V, 1, V, index + r, log_q + r);
+            continue;
+        }
+        const float *x = logits + r * V, *g = noise + r * V;
+        float *y = q + r * V, top = -INFINITY, best_score = -INFINITY, best_y = 0.0f;
+        int64_t best = 0;
+        for (int64_t j = 0; j < V; j++) {
+            y[j] = x[j] / temps[r];
+            if (y[j] > top) top = y[j];
+            if (y[j] + g[j] > best_score) {
+                best_score = y[j] + g[j];
+                best = j;
+                best_y = y[j];
+            }
+        }
+        const __m256 mv = _mm256_set1_ps(top);
+        __m256 sumv = _mm256_setzero_ps();
+        for (int64_t j = 0; j < V; j += 8) {
+            __m256 e = exp8(_mm256_sub_ps(load_tail(y, j, V, -INFINITY), mv));
+            store_tail(y, j, V, e);
+            sumv = _mm256_add_ps(sumv, e);
+        }
+        const float sum = hsum8(sumv), inv = 1.0f / sum;
+        index[r] = best;
+        log_q[r] = best_y - top - logf(sum);
+        for (int64_t j = 0; j < V; j++) y[j] *= inv;
+    }
+}

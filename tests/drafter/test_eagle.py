@@ -74,7 +74,7 @@ def test_committed_tokens_read_the_targets_previous_feature(tiny_target, head, o
     engine.proposer.chains_in_c = one_call
     assert target.feature_layers == draft.aux_layers       # the engine asked the target for them
     seen = []            # (positions, ids, features) of every group of every draft forward
-    real, real_chains = EagleDraft.forward_packed, draft_chain.greedy_chains
+    real, real_chains = EagleDraft.forward_packed, draft_chain.run_chains
 
     def spy(self, groups, cache):
         seen.extend((g.positions.clone(), g.input_ids.clone(), g.features.clone()) for g in groups)
@@ -87,7 +87,7 @@ def test_committed_tokens_read_the_targets_previous_feature(tiny_target, head, o
         return real_chains(model, cache, seq_ids, catch_up, *args, features=features, **kwargs)
 
     monkeypatch.setattr(EagleDraft, "forward_packed", spy)
-    monkeypatch.setattr(draft_chain, "greedy_chains", spy_chains)
+    monkeypatch.setattr(draft_chain, "run_chains", spy_chains)
     prompt = PROMPTS[0]
     out = greedy(engine, [prompt], speculation_for("sync", 3, 1))[0]
     full = prompt + out.token_ids
@@ -110,7 +110,7 @@ def test_committed_tokens_read_the_targets_previous_feature(tiny_target, head, o
 
 
 @pytest.mark.parametrize("head", ["eagle_draft", "fused_eagle_draft"])
-def test_greedy_chains_in_one_call_draft_what_the_level_by_level_path_drafts(tiny_target, head, request):
+def test_chains_in_one_call_draft_what_the_level_by_level_path_drafts(tiny_target, head, request):
     """An EAGLE head's greedy chains in one C call (`models.draft_chain`): the same trees, the
     same predicted features kept for each node and the same draft K/V as the level-by-level
     forwards, through accepts, features arriving after them, and a rollback."""
@@ -125,8 +125,8 @@ def test_greedy_chains_in_one_call_draft_what_the_level_by_level_path_drafts(tin
     one_call, by_level = (EagleProposer(draft, draft.new_cache(64, 16), 4, logit_rows=range(32, 127))
                           for _ in range(2))
     by_level.chains_in_c = False
-    calls, real = [], draft_chain.greedy_chains
-    draft_chain.greedy_chains = lambda *a, **k: calls.append(a[4]) or real(*a, **k)
+    calls, real = [], draft_chain.run_chains
+    draft_chain.run_chains = lambda *a, **k: calls.append(a[4]) or real(*a, **k)
     g, width = torch.Generator().manual_seed(0), draft.target_feature_width
     prompts = {"a": list(b"hello world, "), "b": list(b"The quick brown fox")}
     try:
@@ -158,7 +158,7 @@ def test_greedy_chains_in_one_call_draft_what_the_level_by_level_path_drafts(tin
                     p.observe_features("a", keep - 1, feats)
                 prompts["a"] = prompts["a"][:keep + 1]
     finally:
-        draft_chain.greedy_chains = real
+        draft_chain.run_chains = real
     assert len(calls) == 5 and all(c == 3 for c in calls)   # every pass but the first, three levels each
     assert_same_cached_kv(one_call.cache, by_level.cache, prompts)
 

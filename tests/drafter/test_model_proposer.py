@@ -88,10 +88,15 @@ def test_ngram_proposer_point_masses():
     assert empty.num_nodes == 0
 
 
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.7, seed=5), SamplingParams(temperature=1.3)],
+                         ids=["greedy", "seeded", "sampled"])
 @pytest.mark.parametrize("logit_rows", [None, list(range(32, 127))])
-def test_greedy_chains_in_one_call_draft_what_the_level_by_level_path_drafts(draft_model, logit_rows):
-    """models.draft_chain: a batch of greedy chains drafted in one C call gives the trees, the
-    scores and the draft K/V the level-by-level forwards give, through accepts and rollbacks."""
+def test_chains_in_one_call_draft_what_the_level_by_level_path_drafts(draft_model, logit_rows, params):
+    """models.draft_chain: a batch of chains drafted in one C call gives the trees, the q of
+    each sampled draw and the draft K/V the level-by-level forwards give, through accepts and
+    rollbacks: greedy, seeded (the seed's noise) and unseeded (each request's generator, drawn
+    level by level as the builder draws it). The draws compare logit / T + noise where the
+    level-by-level path compares log q + noise: equal but for a rounding-level near tie."""
     from kernels import cpu as cpu_kernels
     from models import draft_chain
 
@@ -100,16 +105,20 @@ def test_greedy_chains_in_one_call_draft_what_the_level_by_level_path_drafts(dra
     one_call, by_level = proposer(draft_model, logit_rows=logit_rows), proposer(draft_model, logit_rows=logit_rows)
     by_level.chains_in_c = False
     calls = []
-    real = draft_chain.greedy_chains
-    draft_chain.greedy_chains = lambda *a, **k: calls.append(a[4]) or real(*a, **k)
+    real = draft_chain.run_chains
+    draft_chain.run_chains = lambda *a, **k: calls.append(a[4]) or real(*a, **k)
     try:
         prompts = {"a": list(b"hello world, "), "b": list(b"The quick brown fox")}
         for round_, accept in enumerate([4, 0, 2, 1, 4, 3]):
-            reqs = [DraftRequest(s, list(t), GREEDY, torch.Generator(), 4) for s, t in prompts.items()]
-            got, want = one_call.propose(reqs), by_level.propose(reqs)
+            got, want = ([p.propose([DraftRequest(s, list(t), params, torch.Generator().manual_seed(round_), 4)
+                                     for s, t in prompts.items()]) for p in (one_call, by_level)])
             for s, g, w in zip(prompts, got, want):
                 assert g.token_ids.tolist() == w.token_ids.tolist(), (round_, s)
                 assert g.parent_ids.tolist() == w.parent_ids.tolist() and g.depths.tolist() == w.depths.tolist()
+                if params.greedy:
+                    assert g.draft_probs is None and w.draft_probs is None
+                else:
+                    torch.testing.assert_close(g.draft_probs, w.draft_probs, rtol=1e-5, atol=1e-7)
                 for p in (one_call, by_level):
                     p.on_verified(s, g, list(range(accept)))
                 prompts[s] = prompts[s] + g.token_ids[:accept].tolist() + [40 + round_]
@@ -118,7 +127,7 @@ def test_greedy_chains_in_one_call_draft_what_the_level_by_level_path_drafts(dra
                     p.rollback("a", len(prompts["a"]) - 3)
                 prompts["a"] = prompts["a"][:-2]
     finally:
-        draft_chain.greedy_chains = real
+        draft_chain.run_chains = real
     assert calls and all(c == 3 for c in calls)           # the one-call path ran, three levels a pass
     assert_same_cached_kv(one_call.cache, by_level.cache, prompts)
 
@@ -134,12 +143,12 @@ def assert_same_cached_kv(cache, other, seq_ids) -> None:
                 assert torch.equal(mine.flatten(0, 1)[slots_a], theirs.flatten(0, 1)[slots_b])
 
 
-def test_only_greedy_chains_of_one_depth_take_the_one_call_path(draft_model):
+def test_only_chains_of_one_depth_drawn_at_a_temperature_alone_take_the_one_call_path(draft_model):
     from models import draft_chain
 
     calls = []
-    real = draft_chain.greedy_chains
-    draft_chain.greedy_chains = lambda *a, **k: calls.append(a[4]) or real(*a, **k)
+    real = draft_chain.run_chains
+    draft_chain.run_chains = lambda *a, **k: calls.append(a[4]) or real(*a, **k)
 
     def twice(p, reqs):          # the second pass: sequences the draft has seen, a short catch-up
         trees = p.propose(reqs)
@@ -151,18 +160,22 @@ def test_only_greedy_chains_of_one_depth_take_the_one_call_path(draft_model):
         p = proposer(draft_model)
         deep, shallow = twice(p, [DraftRequest("a", list(b"abc"), GREEDY, torch.Generator(), 4),
                                   DraftRequest("b", list(b"xyz"), GREEDY, torch.Generator(), 2)])
-        sampled, = twice(proposer(draft_model), [request(b"hello", SAMPLING, depth=4)])
+        truncated = [twice(proposer(draft_model), [request(b"hello", params, depth=4)])[0]
+                     for params in (SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_k=5),
+                                    SamplingParams(temperature=1.0, min_p=0.1),
+                                    SamplingParams(temperature=1.0, presence_penalty=0.5))]
         wide, = twice(proposer(draft_model, width=2), [request(b"hello", GREEDY, depth=4)])
-        assert calls == [] and deep.num_nodes == 4 and shallow.num_nodes == 2 and sampled.num_nodes == 4
-        assert wide.num_nodes > 4
+        assert calls == [] and deep.num_nodes == 4 and shallow.num_nodes == 2
+        assert all(t.num_nodes == 4 for t in truncated) and wide.num_nodes > 4
         chain, = twice(proposer(draft_model), [request(b"hello", GREEDY, depth=4)])
-        assert calls == [3] and chain.num_nodes == 4                  # mutation control: this one does
+        sampled, = twice(proposer(draft_model), [request(b"hello", SAMPLING, depth=4)])
+        assert calls == [3, 3] and chain.num_nodes == sampled.num_nodes == 4    # these two do
     finally:
-        draft_chain.greedy_chains = real
+        draft_chain.run_chains = real
 
 
 def test_a_one_call_pass_without_room_leaves_every_cache_as_it_was(draft_model):
-    """models.draft_chain.greedy_chains reserves every row first: out of blocks, it raises and
+    """models.draft_chain.run_chains reserves every row first: out of blocks, it raises and
     no sequence keeps a slot of the pass (the packed path's contract)."""
     from kernels import cpu as cpu_kernels
     from models import OutOfBlocks, draft_chain
@@ -175,9 +188,9 @@ def test_a_one_call_pass_without_room_leaves_every_cache_as_it_was(draft_model):
         cache.reserve(seq, n)
     ids = [torch.tensor([5, 6]), torch.tensor([7])]
     with pytest.raises(OutOfBlocks):
-        draft_chain.greedy_chains(draft_model, cache, ["a", "b"], ids, 14)   # "b" would need a fourth block
+        draft_chain.run_chains(draft_model, cache, ["a", "b"], ids, 14)   # "b" would need a fourth block
     assert (cache.seq_len("a"), cache.seq_len("b")) == (10, 20)
-    chains = draft_chain.greedy_chains(draft_model, cache, ["a", "b"], ids, 3)   # room for this one
+    chains = draft_chain.run_chains(draft_model, cache, ["a", "b"], ids, 3)   # room for this one
     assert chains.tokens.shape == chains.log_q.shape == (2, 4) and (chains.log_q <= 0).all()
     assert chains.features is None
     assert (cache.seq_len("a"), cache.seq_len("b")) == (15, 24)
