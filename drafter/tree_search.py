@@ -95,7 +95,8 @@ class TreeBuilder:
         q = logits_to_probs(draft_logits, self.params)                         # [n, V or V'], as p will be
         log_q = q.log()
         if self.params.coupled:    # the target's own noise at the children's positions
-            perturbed = coupled_scores(q, self.params, [self.output_position(node) for node in nodes], rows)
+            perturbed = coupled_scores(q, self.params, [self.output_position(node) for node in nodes], rows,
+                                       top=self.width)
         else:
             perturbed = log_q - torch.empty_like(q).exponential_(generator=self.generator).log()
         support = (q > 0).sum(-1).tolist()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kernels import cpu as cpu_kernels
 from models.grammar import GrammarSpec, grammar_mask
 
 MAX_LOGIT_BIAS = 100.0      # OpenAI's range for a logit_bias value
@@ -256,26 +257,42 @@ def _splitmix64(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
+def _position_keys(seed: int, positions: Sequence[int]) -> torch.Tensor:   # -> [N] int64
+    """The key of each output position of the request seeded `seed`: SplitMix64 over (seed, position)."""
+    key = _splitmix64(torch.tensor([_signed(seed)], dtype=torch.long))                  # [1]
+    return _splitmix64(key ^ torch.tensor(list(positions), dtype=torch.long))           # [N]
+
+
 def gumbel_noise(seed: int, positions: Sequence[int], vocab: int,
                  token_ids: torch.Tensor | None = None) -> torch.Tensor:   # -> [N, V] float32 ([N, V'])
     """Standard Gumbel noise for output positions `positions` of the request seeded `seed`: a
     counter-based generator (SplitMix64 over (seed, position, token)), so the noise of position
     t is the same however many draws came before, on either side, in any batch. `token_ids`
     [V'] int64: only those tokens' columns (a reduced head's rows), each the same value the
-    full [N, vocab] noise holds at that token."""
-    tokens = torch.arange(vocab, dtype=torch.long) if token_ids is None else token_ids.long().cpu()
-    key = _splitmix64(torch.tensor([_signed(seed)], dtype=torch.long))                  # [1]
-    pos = _splitmix64(key ^ torch.tensor(list(positions), dtype=torch.long))            # [N]
-    bits = _splitmix64(pos[:, None] ^ tokens[None, :])                                  # [N, V or V']
+    full [N, vocab] noise holds at that token. In C where the CPU kernels are built
+    (`kernels.cpu.gumbel_noise`), else from torch operators (the same up to the logarithms'
+    last bit)."""
+    keys = _position_keys(seed, positions)
+    tokens = None if token_ids is None else token_ids.long().cpu()
+    if cpu_kernels.gumbel_available():
+        return cpu_kernels.gumbel_noise(keys, vocab, tokens)
+    tokens = torch.arange(vocab, dtype=torch.long) if tokens is None else tokens
+    bits = _splitmix64(keys[:, None] ^ tokens[None, :])                                 # [N, V or V']
     u = (_shr(bits, 11).double() + 0.5) * 2.0 ** -53                                     # (0, 1)
     return (-torch.log(-torch.log(u))).float()
 
 
 def coupled_scores(probs: torch.Tensor, params: SamplingParams, positions: Sequence[int],
-                   token_ids: torch.Tensor | None = None) -> torch.Tensor:
+                   token_ids: torch.Tensor | None = None, top: int | None = None) -> torch.Tensor:
     """probs [N, V] (after `logits_to_probs`) at output positions [N] -> `log p + G` [N, V]: its
     argmax is an exact sample of p, a function of the seed alone (Daliri, Musco and Suresh,
     "Coupling without communication and drafter-invariant speculative decoding"). With
-    `token_ids` [V']: probs [N, V'] over those tokens alone (zero at every other token)."""
+    `token_ids` [V']: probs [N, V'] over those tokens alone (zero at every other token). With
+    `top` (1 to 16; CPU probs, the C kernels built): only the scores that can be among each row's
+    `top` largest, -inf elsewhere (`kernels.cpu.coupled_top`: the same largest, without the
+    noise of the tokens too unlikely to reach them)."""
+    if top is not None and 1 <= top <= 16 and probs.device.type == "cpu" and cpu_kernels.gumbel_available():
+        tokens = None if token_ids is None else token_ids.long().cpu()
+        return cpu_kernels.coupled_top(probs, _position_keys(params.seed, positions), tokens, top)
     noise = gumbel_noise(params.seed, positions, probs.shape[-1], token_ids).to(probs.device)
     return probs.log() + noise

@@ -325,10 +325,11 @@ class Verifier:
 
     @staticmethod
     def _coupled(r: VerifyRequest, logits: torch.Tensor) -> torch.Tensor:   # [T+1, V] -> [T+1, V]
-        """`log p + G` of each row, G keyed by (seed, the output position the row samples)."""
+        """`log p + G` of each row, G keyed by (seed, the output position the row samples): the
+        walk reads each row's argmax alone, so only scores that can be it are made (`top=1`)."""
         start = len(r.committed) - r.params.prompt_len          # output tokens committed so far
         positions = [start] + [start + int(d) for d in r.tree.depths]
-        return coupled_scores(logits_to_probs(logits, r.params), r.params, positions)
+        return coupled_scores(logits_to_probs(logits, r.params), r.params, positions, top=1)
 
     @staticmethod
     def _sample_greedy(batch, target_logits) -> list[VerifyResult]:

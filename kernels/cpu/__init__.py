@@ -166,6 +166,10 @@ def open_library(path: Path) -> ctypes.CDLL:
         if hasattr(lib, "sf_visible_slots"):   # an earlier build may lack it
             lib.sf_visible_slots.restype = ctypes.c_int
             lib.sf_visible_slots.argtypes = [ptr, i64, ptr, ptr] + [i64] * 5 + [ptr] * 3
+        if hasattr(lib, "sf_gumbel_noise"):
+            lib.sf_gumbel_noise.restype = lib.sf_coupled_top.restype = None
+            lib.sf_gumbel_noise.argtypes = [ptr, i64, ptr, i64, ptr, ctypes.c_int]
+            lib.sf_coupled_top.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ctypes.c_int]
     if hasattr(lib, "sf_panel_linear"):
         lib.sf_panel_linear.restype = ctypes.c_int
         lib.sf_panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
@@ -377,12 +381,48 @@ def visible_slots(block_tables: torch.Tensor, prefix_lens: torch.Tensor, tree_ma
     return vis, counts, rows
 
 
+def gumbel_noise(keys: torch.Tensor, vocab: int, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """keys [N] int64 (`models.sampling._position_keys`) → the Gumbel noise [N, V] float32 of
+    tokens [V] int64 (0 .. vocab - 1 where None) at each key's position, as
+    `models.sampling.gumbel_noise` defines it (the logarithms in C's double precision)."""
+    keys = keys.long().contiguous()
+    tokens = None if tokens is None else tokens.long().contiguous()
+    V = vocab if tokens is None else tokens.shape[0]
+    out = torch.empty(keys.shape[0], V, dtype=torch.float32)
+    _load().sf_gumbel_noise(keys.data_ptr(), keys.shape[0], None if tokens is None else tokens.data_ptr(), V,
+                            out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def coupled_top(probs: torch.Tensor, keys: torch.Tensor, tokens: torch.Tensor | None, k: int) -> torch.Tensor:
+    """probs [N, V] float32 → log p + G [N, V] (G: `gumbel_noise` under keys [N]) where it can be
+    among its row's k largest (1 <= k <= 16), -inf elsewhere: the same k largest, with the
+    logarithms of a few tokens a row instead of all."""
+    if not 1 <= k <= 16:
+        raise ValueError(f"coupled_top keeps 1 to 16 a row, not {k}")
+    probs, keys = probs.float().contiguous(), keys.long().contiguous()
+    tokens = None if tokens is None else tokens.long().contiguous()
+    if probs.dim() != 2 or keys.shape != (probs.shape[0],) or (tokens is not None and tokens.shape != probs.shape[1:]):
+        raise ValueError("coupled_top: probs [N, V], keys [N], tokens [V] or None")
+    out = torch.empty_like(probs)
+    _load().sf_coupled_top(probs.data_ptr(), keys.data_ptr(), probs.shape[0],
+                           None if tokens is None else tokens.data_ptr(), probs.shape[1], k, out.data_ptr(),
+                           torch.get_num_threads())
+    return out
+
+
+def gumbel_available() -> bool:
+    lib = _load()
+    return lib is not None and hasattr(lib, "sf_gumbel_noise")
+
+
 # the whole-layer call and the chain call (kernels/cpu/decoder.py) need the loader above
 from kernels.cpu.decoder import (DecoderStep, SfForward, SfLayer, SfWeight, decoder_layer_available,  # noqa: E402
                                  draft_chains, layer_operand, layer_table, panel_operand, weight_operand)
 
 __all__ = ["CpuKernelError", "DecoderStep", "MAX_ROWS", "PANEL", "SOURCE", "SfForward", "SfLayer", "SfWeight",
-           "available", "build", "decoder_layer_available", "draft_chains", "layer_operand", "layer_table",
+           "available", "build", "coupled_top", "decoder_layer_available", "draft_chains", "gumbel_available",
+           "gumbel_noise", "layer_operand", "layer_table",
            "layer_ops_apply", "library_path", "open_library", "panel_isa", "panel_linear", "panel_operand",
            "panel_pack", "rms_norm", "rope_store", "silu_mul", "skinny_linear", "tree_attention",
            "unavailable_reason", "visible_slots", "weight_operand"]

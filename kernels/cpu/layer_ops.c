@@ -286,3 +286,67 @@ void sf_sample_pick(const float *logits, int64_t N, int64_t V, const float *temp
         for (int64_t j = 0; j < V; j++) y[j] *= inv;
     }
 }
+
+/* SplitMix64's finaliser (Steele, Lea and Flood 2014), as models/sampling.py's _splitmix64. */
+static inline uint64_t mix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ULL;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+}
+
+/* The Gumbel noise of a token under a position's key: u = (53 random bits + 1/2) / 2^53 in
+ * (0, 1), -log(-log u) (models.sampling.gumbel_noise). */
+static inline double gumbel_of_bits(uint64_t bits53) {
+    return -log(-log(((double)bits53 + 0.5) * 0x1.0p-53));
+}
+
+/* out [N, V]: the Gumbel noise of token tokens[j] (j itself where tokens is NULL) at the position
+ * whose key is keys[r] (models.sampling._position_keys). */
+void sf_gumbel_noise(const int64_t *keys, int64_t N, const int64_t *tokens, int64_t V, float *out, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * V > 16384)
+    for (int64_t i = 0; i < N * V; i++) {
+        const int64_t r = i / V, j = i % V;
+        out[i] = (float)gumbel_of_bits(mix64((uint64_t)keys[r] ^ (uint64_t)(tokens ? tokens[j] : j)) >> 11);
+    }
+}
+
+/* Row r of probs [N, V] perturbed as log p + G (G: sf_gumbel_noise's under keys[r]) where that
+ * can be among the row's k largest, -inf elsewhere: the same k largest, without the logarithms
+ * of the rest. Every G is at most the row's largest, G_max (the largest random bits), and k
+ * tokens of the largest p score at least L, the smallest of their scores; a token with log p <
+ * L - G_max - 1e-3 cannot reach the k largest. k is 1 to 16. */
+void sf_coupled_top(const float *probs, const int64_t *keys, int64_t N, const int64_t *tokens, int64_t V,
+                    int64_t k, float *out, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N > 1)
+    for (int64_t r = 0; r < N; r++) {
+        const float *p = probs + r * V;
+        float *o = out + r * V;
+        const uint64_t key = (uint64_t)keys[r];
+        uint64_t top_bits = 0;
+        for (int64_t j = 0; j < V; j++) {         /* the row's largest random bits: G_max */
+            const uint64_t b = mix64(key ^ (uint64_t)(tokens ? tokens[j] : j)) >> 11;
+            top_bits = b > top_bits ? b : top_bits;
+        }
+        int64_t best[16], n = 0;                  /* the k largest p, largest first */
+        for (int64_t j = 0; j < V; j++) {
+            o[j] = -INFINITY;
+            if (p[j] > 0.0f && (n < k || p[j] > p[best[n - 1]])) {
+                int64_t at = n < k ? n++ : n - 1;
+                while (at > 0 && p[best[at - 1]] < p[j]) { best[at] = best[at - 1]; at--; }
+                best[at] = j;
+            }
+        }
+        if (n == 0) continue;
+        float low = INFINITY;
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t j = best[i];
+            const float s = logf(p[j]) + (float)gumbel_of_bits(mix64(key ^ (uint64_t)(tokens ? tokens[j] : j)) >> 11);
+            low = s < low ? s : low;
+        }
+        const float floor_p = (float)exp((double)low - gumbel_of_bits(top_bits) - 1e-3);
+        for (int64_t j = 0; j < V; j++)
+            if (p[j] > 0.0f && p[j] >= floor_p)
+                o[j] = logf(p[j]) + (float)gumbel_of_bits(mix64(key ^ (uint64_t)(tokens ? tokens[j] : j)) >> 11);
+    }
+}

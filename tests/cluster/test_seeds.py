@@ -67,9 +67,8 @@ def test_coupled_tokens_follow_the_target_over_seeds(small_engine, small_vocab_p
 def test_the_test_catches_noise_not_keyed_by_position(small_engine, small_vocab_pair, monkeypatch):
     import models.sampling as sampling
 
-    real = sampling.gumbel_noise
-    monkeypatch.setattr(sampling, "gumbel_noise", lambda seed, positions, vocab, token_ids=None:
-                        real(seed, [0] * len(positions), vocab, token_ids))
+    real = sampling._position_keys
+    monkeypatch.setattr(sampling, "_position_keys", lambda seed, positions: real(seed, [0] * len(positions)))
     params = SamplingParams(temperature=1.0, top_p=0.9)
     samples, _ = sample_pairs(small_engine, params, speculation_for("sync", 3, 1), range(NUM_SAMPLES), seeded=True)
     assert chi_square_p_value(samples, exact_joint(small_vocab_pair[0], params)) < P_VALUE_FLOOR
