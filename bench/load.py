@@ -4,8 +4,9 @@
     python bench/load.py --start --target DIR --draft DIR       # start one (python -m cluster.serve_cli)
 
 For each concurrency (default 1, 4, 16, 64) and each speculation mode (default `off` and
-`auto`), N clients stream requests back to back for `--duration` seconds (greedy,
-`ignore_eos`, `--max-tokens` each) against the *same* server; the mode goes in the request's
+`auto`), N clients stream requests back to back for `--duration` seconds (greedy, or unseeded
+sampling at `--temperature` as an API client sends by default, `ignore_eos`, `--max-tokens`
+each) against the *same* server; the mode goes in the request's
 `speculation` field. `--workload completions` (default) sends raw prompts to `/v1/completions`;
 `--workload chat-code-math` sends code and math questions to `/v1/chat/completions`. Reported per cell:
 
@@ -73,9 +74,11 @@ CHAT_PROMPTS = [
 WORKLOADS = ("completions", "chat-code-math")
 
 
-def request_body(workload: str, k: int, max_tokens: int, speculation: dict) -> tuple[str, dict]:
-    """(path, body) of the k-th request of a client: greedy, `ignore_eos`, streamed."""
-    body = {"model": "specflash", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+def request_body(workload: str, k: int, max_tokens: int, speculation: dict,
+                 temperature: float = 0.0) -> tuple[str, dict]:
+    """(path, body) of the k-th request of a client: greedy (or unseeded sampling at
+    `temperature`), `ignore_eos`, streamed."""
+    body = {"model": "specflash", "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True,
             "stream": True, "return_token_ids": True, "speculation": speculation}
     if workload == "chat-code-math":
         text = CHAT_PROMPTS[k % len(CHAT_PROMPTS)]
@@ -131,7 +134,7 @@ async def one_request(client: httpx.AsyncClient, url: str, path: str, body: dict
 
 async def run_cell(url: str, concurrency: int, mode: str, duration: float, max_tokens: int,
                    spec_len: int | None, workload: str = "completions",
-                   transport: httpx.AsyncBaseTransport | None = None) -> dict:
+                   transport: httpx.AsyncBaseTransport | None = None, temperature: float = 0.0) -> dict:
     rec = {"tokens": 0, "ttft": [], "itl": [], "tpot": [], "requests": 0, "errors": 0}
     speculation = {"mode": mode}
     if spec_len and mode in ("chain", "tree"):
@@ -142,7 +145,7 @@ async def run_cell(url: str, concurrency: int, mode: str, duration: float, max_t
     async def client_loop(i: int, client: httpx.AsyncClient) -> None:
         j = 0
         while time.perf_counter() < window_end:
-            path, body = request_body(workload, i + j, max_tokens, speculation)
+            path, body = request_body(workload, i + j, max_tokens, speculation, temperature)
             j += 1
             try:
                 await one_request(client, url, path, body, window_end, rec)
@@ -271,6 +274,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=common.positive_int, default=1,
                    help="windows per mode and concurrency, the modes alternating (off, auto, auto, off, ...)")
     p.add_argument("--max-tokens", type=common.positive_int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); above: unseeded sampling, the API's default at 1")
     p.add_argument("--workload", choices=WORKLOADS, default="completions",
                    help="completions: raw prompts on /v1/completions (a mix, continued past the "
                         "answer); chat-code-math: code and math questions on /v1/chat/completions")
@@ -309,7 +314,7 @@ def run_cells(url: str, args) -> list[dict]:
             for mode in (modes if turn % 2 == 0 else modes[::-1]):
                 before = engine_counters(url)
                 cell = asyncio.run(run_cell(url, conc, mode, args.duration, args.max_tokens,
-                                            args.spec_len, args.workload))
+                                            args.spec_len, args.workload, temperature=args.temperature))
                 after = engine_counters(url)
                 cell["round"] = rnd
                 cell["engine"] = {k: after[k] - before.get(k, 0.0) for k in after
@@ -334,7 +339,7 @@ def write_result(args, url: str, health: dict, cells: list[dict], stats: str) ->
                          "config_yaml": Path(args.config).read_text() if args.config else None},
               "settings": {"duration_s": args.duration, "max_tokens": args.max_tokens,
                            "modes": modes, "spec_len": args.spec_len, "rounds": args.rounds,
-                           "workload": args.workload},
+                           "workload": args.workload, "temperature": args.temperature},
               "cells": cells, "summary": summary(cells, on),
               "engine_metrics": [l for l in stats.splitlines() if l.startswith("specflash_spec_")]}
     out = Path(args.out) if args.out else common.RESULTS / f"load-{common.utc(common.STAMP)}.json"

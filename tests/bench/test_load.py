@@ -38,6 +38,17 @@ def test_cell_counts_tokens_of_both_workloads(load, workload):
         assert prompt in load.PROMPTS
 
 
+def test_sampled_cells_send_the_temperature_and_no_seed(load):
+    tok = tiny_byte_tokenizer()
+    engine = FakeEngine(tokenizer=tok, delay_s=0.005)
+    server = OpenAIServer(engine, tok, ServerSettings(max_context=512))
+    transport = httpx.ASGITransport(app=build_fastapi_app(server))
+    cell = asyncio.run(load.run_cell("http://load.test", 1, "auto", 0.5, 8, None, "chat-code-math",
+                                     transport=transport, temperature=1.0))
+    assert cell["errors"] == 0 and engine.requests
+    assert all(r.sampling.temperature == 1.0 and r.sampling.seed is None for r in engine.requests)
+
+
 def test_summary_is_the_geometric_mean_over_rounds(load):
     cells = []
     for rnd, (on, off) in enumerate([(30.0, 20.0), (20.0, 20.0)]):
