@@ -47,7 +47,8 @@ class TreeBuilder:
         self.parent_ids: list[int] = []
         self.depths: list[int] = []
         self.scores: list[float] = []                    # cumulative draft log-probability
-        self.q_rows: dict[int, torch.Tensor] = {}        # node (ROOT = -1) -> [V] q its children came from ([V'] over `rows`)
+        self.q_rows: dict[int, torch.Tensor] = {}        # node (ROOT = -1) -> [V] q its children came from
+        #                                                  ([V'] over `rows`)
 
     def output_position(self, node: int) -> int:
         """The output position (0 = the first generated token) of `node`'s children."""

@@ -88,15 +88,16 @@ def test_ngram_proposer_point_masses():
     assert empty.num_nodes == 0
 
 
-@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.7, seed=5), SamplingParams(temperature=1.3)],
-                         ids=["greedy", "seeded", "sampled"])
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.7, seed=5), SamplingParams(temperature=1.3),
+                                    None], ids=["greedy", "seeded", "sampled", "mixed"])
 @pytest.mark.parametrize("logit_rows", [None, list(range(32, 127))])
 def test_chains_in_one_call_draft_what_the_level_by_level_path_drafts(draft_model, logit_rows, params):
     """models.draft_chain: a batch of chains drafted in one C call gives the trees, the q of
     each sampled draw and the draft K/V the level-by-level forwards give, through accepts and
-    rollbacks: greedy, seeded (the seed's noise) and unseeded (each request's generator, drawn
-    level by level as the builder draws it). The draws compare logit / T + noise where the
-    level-by-level path compares log q + noise: equal but for a rounding-level near tie."""
+    rollbacks: greedy, seeded (the seed's noise), unseeded (each request's generator, drawn
+    level by level as the builder draws it), and a greedy beside a sampled chain in one pass.
+    The draws compare logit / T + noise where the level-by-level path compares log q + noise:
+    equal but for a rounding-level near tie."""
     from kernels import cpu as cpu_kernels
     from models import draft_chain
 
@@ -110,12 +111,14 @@ def test_chains_in_one_call_draft_what_the_level_by_level_path_drafts(draft_mode
     try:
         prompts = {"a": list(b"hello world, "), "b": list(b"The quick brown fox")}
         for round_, accept in enumerate([4, 0, 2, 1, 4, 3]):
-            got, want = ([p.propose([DraftRequest(s, list(t), params, torch.Generator().manual_seed(round_), 4)
-                                     for s, t in prompts.items()]) for p in (one_call, by_level)])
+            per_seq = {"a": GREEDY, "b": SamplingParams(temperature=0.9)} if params is None else {}
+            got, want = ([p.propose([DraftRequest(s, list(t), per_seq.get(s, params),
+                                                  torch.Generator().manual_seed(round_), 4) for s, t in prompts.items()])
+                          for p in (one_call, by_level)])
             for s, g, w in zip(prompts, got, want):
                 assert g.token_ids.tolist() == w.token_ids.tolist(), (round_, s)
                 assert g.parent_ids.tolist() == w.parent_ids.tolist() and g.depths.tolist() == w.depths.tolist()
-                if params.greedy:
+                if per_seq.get(s, params).greedy:
                     assert g.draft_probs is None and w.draft_probs is None
                 else:
                     torch.testing.assert_close(g.draft_probs, w.draft_probs, rtol=1e-5, atol=1e-7)
@@ -161,8 +164,8 @@ def test_only_chains_of_one_depth_drawn_at_a_temperature_alone_take_the_one_call
         deep, shallow = twice(p, [DraftRequest("a", list(b"abc"), GREEDY, torch.Generator(), 4),
                                   DraftRequest("b", list(b"xyz"), GREEDY, torch.Generator(), 2)])
         truncated = [twice(proposer(draft_model), [request(b"hello", params, depth=4)])[0]
-                     for params in (SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_k=5),
-                                    SamplingParams(temperature=1.0, min_p=0.1),
+                     for params in (SamplingParams(temperature=1.0, top_p=0.9),
+                                    SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0, min_p=0.1),
                                     SamplingParams(temperature=1.0, presence_penalty=0.5))]
         wide, = twice(proposer(draft_model, width=2), [request(b"hello", GREEDY, depth=4)])
         assert calls == [] and deep.num_nodes == 4 and shallow.num_nodes == 2
