@@ -112,9 +112,8 @@ class ModelProposer:
         cached after the committed tokens, in order. A sampled node keeps the q its child was
         drawn from, as `TreeBuilder.expand` keeps it."""
         chains = self._chain_pass(reqs, levels, self._chain_sampling(reqs, builders, levels))
-        for b, (r, builder) in enumerate(zip(reqs, builders)):
-            for node, (token, token_log_q) in enumerate(zip(chains.tokens[b].tolist(), chains.log_q[b].tolist()),
-                                                        start=ROOT):
+        for b, (r, builder, toks, lqs) in enumerate(zip(reqs, builders, chains.tokens.tolist(), chains.log_q.tolist())):
+            for node, (token, token_log_q) in enumerate(zip(toks, lqs), start=ROOT):
                 if not r.params.greedy:
                     builder.q_rows[node] = chains.q[b, node - ROOT]
                 builder.add_children(node, [(token, token_log_q)])

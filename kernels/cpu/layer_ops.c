@@ -295,8 +295,13 @@ static inline uint64_t mix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-/* The Gumbel noise of a token under a position's key: u = (53 random bits + 1/2) / 2^53 in
- * (0, 1), -log(-log u) (models.sampling.gumbel_noise). */
+/* The 53 random bits of token tokens[j] (j itself where tokens is NULL) under a position's key. */
+static inline uint64_t token_bits(uint64_t key, const int64_t *tokens, int64_t j) {
+    return mix64(key ^ (uint64_t)(tokens ? tokens[j] : j)) >> 11;
+}
+
+/* The Gumbel noise of 53 random bits: u = (bits + 1/2) / 2^53 in (0, 1), -log(-log u)
+ * (models.sampling.gumbel_noise). */
 static inline double gumbel_of_bits(uint64_t bits53) {
     return -log(-log(((double)bits53 + 0.5) * 0x1.0p-53));
 }
@@ -307,7 +312,7 @@ void sf_gumbel_noise(const int64_t *keys, int64_t N, const int64_t *tokens, int6
     #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && N * V > 16384)
     for (int64_t i = 0; i < N * V; i++) {
         const int64_t r = i / V, j = i % V;
-        out[i] = (float)gumbel_of_bits(mix64((uint64_t)keys[r] ^ (uint64_t)(tokens ? tokens[j] : j)) >> 11);
+        out[i] = (float)gumbel_of_bits(token_bits((uint64_t)keys[r], tokens, j));
     }
 }
 
@@ -325,7 +330,7 @@ void sf_coupled_top(const float *probs, const int64_t *keys, int64_t N, const in
         const uint64_t key = (uint64_t)keys[r];
         uint64_t top_bits = 0;
         for (int64_t j = 0; j < V; j++) {         /* the row's largest random bits: G_max */
-            const uint64_t b = mix64(key ^ (uint64_t)(tokens ? tokens[j] : j)) >> 11;
+            const uint64_t b = token_bits(key, tokens, j);
             top_bits = b > top_bits ? b : top_bits;
         }
         int64_t best[16], n = 0;                  /* the k largest p, largest first */
@@ -341,12 +346,12 @@ void sf_coupled_top(const float *probs, const int64_t *keys, int64_t N, const in
         float low = INFINITY;
         for (int64_t i = 0; i < n; i++) {
             const int64_t j = best[i];
-            const float s = logf(p[j]) + (float)gumbel_of_bits(mix64(key ^ (uint64_t)(tokens ? tokens[j] : j)) >> 11);
+            const float s = logf(p[j]) + (float)gumbel_of_bits(token_bits(key, tokens, j));
             low = s < low ? s : low;
         }
         const float floor_p = (float)exp((double)low - gumbel_of_bits(top_bits) - 1e-3);
         for (int64_t j = 0; j < V; j++)
             if (p[j] > 0.0f && p[j] >= floor_p)
-                o[j] = logf(p[j]) + (float)gumbel_of_bits(mix64(key ^ (uint64_t)(tokens ? tokens[j] : j)) >> 11);
+                o[j] = logf(p[j]) + (float)gumbel_of_bits(token_bits(key, tokens, j));
     }
 }
