@@ -79,20 +79,27 @@ def measure(args) -> dict:
         for mode in args.modes:
             t_short, _, inside_short = run_once(mode, args.short, args)
             t_long, toks, inside = run_once(mode, args.long, args)
-            rates[mode].append((args.long - args.short) / (t_long - t_short))
+            rates[mode].append(_rate(args.long - args.short, t_long - t_short))
             in_run[mode].append(inside)
-            spent = args.long / inside - args.short / inside_short     # the long request's extra seconds
-            segment[mode].append((args.long - args.short) / spent if spent > 0 else None)
+            # the long request's extra seconds in the runs' own times
+            segment[mode].append(_rate(args.long - args.short, args.long / inside - args.short / inside_short))
             tokens.setdefault(mode, toks)
             print(f"round {r + 1} {mode}: {t_short:.1f} s for {args.short}, {t_long:.1f} s for {args.long}: "
-                  f"{rates[mode][-1]:.1f} tokens/s; in the long run's own time {inside:.1f}, between the "
-                  f"two lengths in the runs' own times {common.cell(segment[mode][-1], '.1f')}", flush=True)
+                  f"{common.cell(rates[mode][-1], '.1f')} tokens/s; in the long run's own time {inside:.1f}, "
+                  f"between the two lengths in the runs' own times {common.cell(segment[mode][-1], '.1f')}", flush=True)
     ref = tokens.get("off")
-    return {m: {"rates": rates[m], "tokens_per_s": statistics.median(rates[m]), "in_run_rates": in_run[m],
+    # rates and segment rates: None where the long run took no longer than the short (noise on a
+    # small run), so that no round reports a negative or infinite rate
+    return {m: {"rates": rates[m], "tokens_per_s": _median_of_measured(rates[m]), "in_run_rates": in_run[m],
                 "in_run_tokens_per_s": statistics.median(in_run[m]),
-                "segment_rates": segment[m],      # None: the long request took no longer than the short
+                "segment_rates": segment[m],
                 "segment_tokens_per_s": _median_of_measured(segment[m]),
                 "exact_vs_off": None if ref is None else tokens[m] == ref} for m in args.modes}
+
+
+def _rate(tokens: int, seconds: float) -> float | None:
+    """tokens / seconds, or None where the seconds are not positive: the long run took no longer."""
+    return tokens / seconds if seconds > 0 else None
 
 
 def _median_of_measured(rates: list[float | None]) -> float | None:
@@ -113,7 +120,8 @@ def summary(result: dict) -> str:
                                    "tokens = off"), rows)
     if "async" in result and "sync" in result:
         a, s = result["async"], result["sync"]
-        table += (f"\n\nasync ÷ sync: {a['tokens_per_s'] / s['tokens_per_s']:.2f} from outside, "
+        table += (f"\n\nasync ÷ sync: {common.cell(common.ratio(a['tokens_per_s'], s['tokens_per_s']), '.2f')} "
+                  f"from outside, "
                   f"{a['in_run_tokens_per_s'] / s['in_run_tokens_per_s']:.2f} in the run, "
                   f"{common.cell(common.ratio(a['segment_tokens_per_s'], s['segment_tokens_per_s']), '.2f')} "
                   f"between the lengths in the runs")
