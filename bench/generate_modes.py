@@ -4,6 +4,7 @@
     python bench/generate_modes.py --rounds 1 --short 8 --long 24 --modes off,sync   # a smoke run
     python bench/generate_modes.py --modes off,async,async-eagle     # the pipeline with the EAGLE head
     python bench/generate_modes.py --temperature 1                   # seeded sampling (the API's default temperature)
+    python bench/generate_modes.py --temperature 0.8 --top-p 0.95    # ... through a nucleus
 
 What a user sees: each run is a whole `specflash generate` process (`python -m cluster.cli
 generate --ignore-eos --json`) on the embedded pair and one code prompt, both cores for every
@@ -20,9 +21,9 @@ the warmed-up pipeline's 0.16 on the embedded pair) enters it: the decoding rate
 lengths, without the start-up's noise. One discarded warm-up run of each mode comes first
 (`--warmup`). A mode named `<mode>-eagle` drafts with the embedded EAGLE head (`--proposer eagle`)
 instead of the layered draft. Every run's tokens are checked equal to `off`'s: greedy, or with
-`--temperature` seeded sampling (`--seed`, 0 by default), whose tokens are the seed's whatever
-drafted them (`models.sampling.coupled_scores`). Writes generate_modes-<time>.json under
-bench/results/.
+`--temperature` (and `--top-p`) seeded sampling (`--seed`, 0 by default), whose tokens are the
+seed's whatever drafted them (`models.sampling.coupled_scores`). Writes
+generate_modes-<time>.json under bench/results/.
 """
 from __future__ import annotations
 
@@ -52,6 +53,7 @@ def run_once(mode: str, max_tokens: int, args) -> tuple[float, list[int], float]
            "--tree-width", str(args.tree_width)]
     cmd += [] if args.raw_prompt else ["--chat"]
     cmd += ["--temperature", str(args.temperature), "--seed", str(args.seed)] if args.temperature > 0 else []
+    cmd += ["--top-p", str(args.top_p)] if args.top_p < 1 else []
     cmd += [f for flag, value in (("--target", args.target), ("--draft", args.draft)) if value
             for f in (flag, str(value))]
     start = time.perf_counter()
@@ -141,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; above: seeded sampling")
     p.add_argument("--seed", type=int, default=0, help="the sampled runs' seed (with --temperature)")
+    p.add_argument("--top-p", type=common.positive_float, default=1.0, help="the nucleus (with --temperature)")
     p.add_argument("--raw-prompt", action="store_true", help="the prompt as it is, without the chat template")
     p.add_argument("--timeout", type=common.positive_float, default=600.0, help="seconds per process")
     p.add_argument("--out", type=Path, default=common.RESULTS)
@@ -148,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     args.target, args.draft = common.model_pair(p, args, embedded=False)
     if args.long <= args.short:
         p.error("--long must exceed --short")
+    if args.top_p < 1 and args.temperature <= 0 or args.top_p > 1:
+        p.error("--top-p: in (0, 1], below 1 only with --temperature")
     unknown = set(args.modes) - set(MODES)
     if unknown:
         p.error(f"--modes: some of {', '.join(MODES)}, not {sorted(unknown)}")

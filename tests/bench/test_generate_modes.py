@@ -42,7 +42,7 @@ def test_rates_are_the_difference_of_two_lengths_or_none(bench_script, monkeypat
 def test_generate_modes_refuses_bad_arguments(bench_script):
     bench = bench_script("generate_modes")
     for argv in (["--short", "9", "--long", "9"], ["--modes", "off,fast"], ["--draft", "/x"],
-                 ["--warmup", "-1"]):
+                 ["--warmup", "-1"], ["--top-p", "0.9"], ["--temperature", "1", "--top-p", "1.5"]):
         with pytest.raises(SystemExit) as e:
             bench.main(argv)
         assert e.value.code == 2
@@ -50,7 +50,7 @@ def test_generate_modes_refuses_bad_arguments(bench_script):
 
 def test_sampled_runs_are_seeded_and_still_checked_against_off(tiny_target, close_draft, tmp_path, bench_script,
                                                                monkeypatch):
-    """--temperature runs seeded sampling: every process gets the temperature and the seed, and a
+    """--temperature runs seeded sampling: every process gets the temperature, the nucleus and the seed, and a
     seeded request's tokens are the seed's whatever drafted them, so they still equal `off`'s."""
     bench = bench_script("generate_modes")
     commands, real = [], bench.subprocess.run
@@ -58,8 +58,9 @@ def test_sampled_runs_are_seeded_and_still_checked_against_off(tiny_target, clos
     assert bench.main(["--target", str(tiny_target), "--draft", str(close_draft), "--modes", "off,sync",
                        "--rounds", "1", "--warmup", "0", "--short", "3", "--long", "9", "--raw-prompt",
                        "--prompt", "abc", "--spec-len", "2", "--temperature", "1", "--seed", "3",
-                       "--out", str(tmp_path)]) == 0
+                       "--top-p", "0.9", "--out", str(tmp_path)]) == 0
     assert len(commands) == 4
-    assert all(c[c.index("--temperature") + 1] == "1.0" and c[c.index("--seed") + 1] == "3" for c in commands)
+    assert all(c[c.index("--temperature") + 1] == "1.0" and c[c.index("--seed") + 1] == "3"
+               and c[c.index("--top-p") + 1] == "0.9" for c in commands)
     (out,) = tmp_path.glob("generate_modes-*.json")
     assert all(m["exact_vs_off"] is True for m in json.loads(out.read_text())["modes"].values())

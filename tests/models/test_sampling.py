@@ -65,6 +65,49 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     torch.testing.assert_close(got, torch.tensor([0.0, 1.0, 0.0, 0.0]))
 
 
+def _full_sort_top_p_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The definition: sort each row descending, ties by token id, drop where the mass before ≥ top_p."""
+    drop = torch.zeros_like(probs, dtype=torch.bool)
+    for r, row in enumerate(probs.tolist()):
+        before = 0.0
+        for tok in sorted(range(len(row)), key=lambda t: (-row[t], t)):
+            drop[r, tok] = before >= top_p
+            before += row[tok]
+    return drop
+
+
+def test_top_p_over_candidates_cuts_where_a_full_sort_does(monkeypatch):
+    """`_top_p_drop` sorts only candidates (a row's 64 largest, else the top buckets of a log2
+    histogram, else the whole row): every path, over peaked, flat, tied and zero-filled rows and
+    cuts from 1e-6 to 0.999, drops exactly the tokens the definition drops."""
+    from models import sampling
+    paths = {"top64": 0, "buckets": 0, "sort": 0}
+    real_buckets = sampling._top_p_buckets
+
+    def buckets(probs, top_p):
+        cand = real_buckets(probs, top_p)
+        paths["buckets" if cand is not None else "sort"] += 1
+        return cand
+    monkeypatch.setattr(sampling, "_top_p_buckets", buckets)
+    gen = torch.Generator().manual_seed(0)
+    for case in range(60):
+        vocab, rows = (300, 700, 2048)[case % 3], 1 + case % 4
+        logits = torch.randn(rows, vocab, generator=gen) * (0.3, 1.0, 4.0, 12.0)[case % 4]
+        if case % 5 == 0:
+            logits = (logits * 2).round() / 2                          # ties, at the cut too
+        probs = torch.softmax(logits, -1)
+        if case % 7 == 0:
+            probs[0, : vocab // 2] = 0.0                               # exact zeros
+            probs = probs / probs.sum(-1, keepdim=True)
+        top_p = (1e-6, 0.3, 0.9, 0.95, 0.999)[case % 5]
+        before = dict(paths)
+        got = sampling._top_p_drop(probs, top_p)
+        if paths == before:
+            paths["top64"] += 1
+        assert torch.equal(got, _full_sort_top_p_drop(probs, top_p)), (case, top_p)
+    assert all(paths.values()), paths                                 # each path ran
+
+
 def test_top_k_then_top_p_compose_per_row():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0]])
     got = logits_to_probs(logits, SamplingParams(top_k=3, top_p=0.7, temperature=2.0))
