@@ -97,8 +97,8 @@ class ModelProposer:
 
     def _chains_in_one_call(self, reqs: Sequence[DraftRequest], builders: list[TreeBuilder], depth: list[int]) -> bool:
         """Whether the whole pass goes to one C call (`models.draft_chain`): chains of one depth,
-        greedy or drawn at a temperature alone (`draft_chain.draws`), of sequences the draft has
-        seen, 16 catch-up rows at most in all, and a model the call runs."""
+        greedy or sampled without a history-reading transform (`draft_chain.draws`), of sequences
+        the draft has seen, 16 catch-up rows at most in all, and a model the call runs."""
         if not reqs or not self.chains_in_c or len(set(depth)) != 1:
             return False
         for r, builder in zip(reqs, builders):
@@ -136,7 +136,12 @@ class ModelProposer:
             elif not r.params.greedy:
                 noise[b] = -torch.empty(levels + 1, head.shape[0]).exponential_(generator=r.generator).log()
         temps = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
-        return draft_chain.ChainSampling(temps, noise)
+        cuts = [(r.params.min_p, r.params.top_k, r.params.top_p) for r in reqs]
+        if all(cut == (0, 0, 1) for cut in cuts):
+            return draft_chain.ChainSampling(temps, noise)
+        min_p, top_k, top_p = zip(*cuts)
+        return draft_chain.ChainSampling(temps, noise, torch.tensor(min_p, dtype=torch.float32),
+                                         torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float32))
 
     def _chain_pass(self, reqs: Sequence[DraftRequest], levels: int,
                     sampling: draft_chain.ChainSampling | None) -> draft_chain.DraftChains:

@@ -9,10 +9,11 @@ one row a level, whose position and cache slot follow the last and which sees it
 and the chain above it. So all rows are laid out at once (`kernels.cpu.visible_slots`, one
 RoPE call) and the C loop runs the catch-up, then level after level: embedding, every
 decoder layer, the final norm and the head on one row a chain, and the choice of the
-largest logit, which becomes the next level's token. A sampled chain (temperature only: no
-top-k, top-p or min-p, nothing read from the history) draws it instead as the largest
-logit / temperature + Gumbel noise the caller drew (Gumbel-max: an exact draw from the
-temperature's softmax), and that softmax comes back as the draw's q.
+largest logit, which becomes the next level's token. A sampled chain (nothing read from the
+history) draws it instead as the largest logit / temperature + Gumbel noise the caller drew
+(Gumbel-max: an exact draw from the temperature's softmax), and that softmax comes back as the
+draw's q; under a request's min-p, top-k or top-p, the largest log q + noise over what the cut
+keeps, q the cut's (kernels/cpu/sample_cut.c: `logits_to_probs`' rules).
 
 A feature-conditioned draft (EAGLE, `models.eagle.EagleDraft`) runs the same way: each row
 reads fc([embedding; feature]) instead of the embedding, the catch-up's rows the features
@@ -45,6 +46,9 @@ class ChainSampling:
     temperatures: torch.Tensor               # [B] float32: each chain's temperature (0: greedy)
     noise: torch.Tensor                      # [B, levels + 1, V'] float32: the Gumbel noise of each draw
                                              # over the head's rows (a greedy chain's is not read)
+    min_p: torch.Tensor | None = None        # [B] float32: each chain's min-p (0: none); None: no chain cuts
+    top_k: torch.Tensor | None = None        # [B] int64: its top-k (0: none), with min_p
+    top_p: torch.Tensor | None = None        # [B] float32: its top-p (1: none), with min_p
 
 
 @dataclass
@@ -60,10 +64,9 @@ class DraftChains:
 
 
 def draws(params) -> bool:
-    """Whether a chain of these `models.SamplingParams` is drawn in the one-call pass: greedy, or
-    sampled at a temperature alone (no top-k, top-p or min-p), nothing read from its history."""
-    return not params.reads_history and (params.greedy or (params.top_k == 0 and params.top_p >= 1.0
-                                                           and params.min_p == 0))
+    """Whether a chain of these `models.SamplingParams` is drawn in the one-call pass: greedy or
+    sampled (temperature, min-p, top-k, top-p), nothing read from its history."""
+    return not params.reads_history
 
 
 def applies(model, cache, chains: int, catch_up_rows: int, levels: int) -> bool:
@@ -139,12 +142,13 @@ def _run(model, cache, seq_ids, catch_up, levels, lm_head, head_pack, rows, pref
     if features is not None:
         fc = model.fc._pack.operand(model.fc.weight, model.fc.bias)
         first_features = torch.cat([f.reshape(-1, c.hidden_size) for f in features]).float()
-    temps = noise = None
+    temps = noise = cuts = None
     if sampling is not None:
         temps, noise = sampling.temperatures, sampling.noise.transpose(0, 1)
+        cuts = None if sampling.min_p is None else (sampling.min_p, sampling.top_k, sampling.top_p)
     tokens, log_q, states, q = cpu_kernels.draft_chains(
         step, model._c_layers(cache), torch.cat(list(catch_up)).long(), pick, levels, cos, sin, slots, visible, counts,
         model.embed_tokens.weight, model.norm, head_pack.operand(lm_head, None), lm_head.shape[0], rows, fc,
-        first_features, temps, noise)
+        first_features, temps, noise, cuts)
     return DraftChains(tokens.t(), log_q.t(), None if states is None else states.transpose(0, 1),
                        None if q is None else q.transpose(0, 1))

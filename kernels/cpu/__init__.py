@@ -57,6 +57,7 @@ SOURCE = Path(__file__).with_name("skinny_gemm.c")
 LAYER_SOURCE = Path(__file__).with_name("layer_ops.c")
 DECODER_SOURCE = Path(__file__).with_name("decoder_layer.c")
 PANEL_SOURCE = Path(__file__).with_name("panel_gemm.c")
+CUT_SOURCE = Path(__file__).with_name("sample_cut.c")
 PANEL = 16                                        # output columns a panel (panel_gemm.c)
 HEADER = Path(__file__).with_name("simd.h")     # included by both; an earlier --baseline source may not
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]
@@ -87,7 +88,7 @@ def library_path(source: Path = SOURCE) -> Path:
     from kernels.cache import cache_dir
 
     text = (source.read_bytes() + LAYER_SOURCE.read_bytes() + DECODER_SOURCE.read_bytes()
-            + PANEL_SOURCE.read_bytes() + HEADER.read_bytes() + " ".join(FLAGS).encode())
+            + PANEL_SOURCE.read_bytes() + CUT_SOURCE.read_bytes() + HEADER.read_bytes() + " ".join(FLAGS).encode())
     digest = hashlib.sha256(text).hexdigest()[:16]
     return cache_dir() / "cpu-kernels" / digest / "libspecflash_cpu.so"
 
@@ -106,7 +107,7 @@ def build(force: bool = False, source: Path = SOURCE) -> Path:
     os.close(fd)
     try:
         proc = subprocess.run([cc, *FLAGS, f"-I{HEADER.parent}", str(source), str(LAYER_SOURCE),
-                               str(DECODER_SOURCE), str(PANEL_SOURCE), "-o", tmp, "-lm"],
+                               str(DECODER_SOURCE), str(PANEL_SOURCE), str(CUT_SOURCE), "-o", tmp, "-lm"],
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise CpuKernelError(f"{cc} failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
@@ -170,6 +171,8 @@ def open_library(path: Path) -> ctypes.CDLL:
             lib.sf_gumbel_noise.restype = lib.sf_coupled_top.restype = None
             lib.sf_gumbel_noise.argtypes = [ptr, i64, ptr, i64, ptr, ctypes.c_int]
             lib.sf_coupled_top.argtypes = [ptr, ptr, i64, ptr, i64, i64, ptr, ctypes.c_int]
+            lib.sf_sample_pick.restype = ctypes.c_int
+            lib.sf_sample_pick.argtypes = [ptr, i64, i64] + [ptr] * 8
     if hasattr(lib, "sf_panel_linear"):
         lib.sf_panel_linear.restype = ctypes.c_int
         lib.sf_panel_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
@@ -186,7 +189,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         lib.sf_draft_chains.restype = ctypes.c_int
         lib.sf_draft_chains.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2
                                         + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 8
-                                        + [ctypes.c_int64] + [ctypes.c_void_p] * 15)
+                                        + [ctypes.c_int64] + [ctypes.c_void_p] * 18)
     return lib
 
 
@@ -409,6 +412,26 @@ def coupled_top(probs: torch.Tensor, keys: torch.Tensor, tokens: torch.Tensor | 
                            None if tokens is None else tokens.data_ptr(), probs.shape[1], k, out.data_ptr(),
                            torch.get_num_threads())
     return out
+
+
+def sample_pick(logits: torch.Tensor, temps: torch.Tensor, noise: torch.Tensor,
+                cuts: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A draft pass's draw (sf_sample_pick) on logits [N, V]: each row at temps [N] (0: greedy)
+    with Gumbel noise [N, V], under `cuts` (min-p [N], top-k [N], top-p [N]; 0, 0, 1: none) →
+    (index [N] int64, log q [N] float32, q [N, V] float32: the distribution each draw came from;
+    a greedy row's is not written)."""
+    logits, noise, temps = logits.float().contiguous(), noise.float().contiguous(), temps.float().contiguous()
+    N, V = logits.shape
+    if noise.shape != (N, V) or temps.shape != (N,) or (cuts is not None and any(c.shape != (N,) for c in cuts)):
+        raise ValueError("sample_pick: logits and noise [N, V], temps and each cut [N]")
+    cuts = None if cuts is None else [c.to(dtype).contiguous()
+                                      for c, dtype in zip(cuts, (torch.float32, torch.long, torch.float32))]
+    cut_ptrs = [None] * 3 if cuts is None else [c.data_ptr() for c in cuts]
+    index, log_q, q = torch.empty(N, dtype=torch.long), torch.empty(N), torch.zeros(N, V)
+    if _load().sf_sample_pick(logits.data_ptr(), N, V, temps.data_ptr(), noise.data_ptr(), index.data_ptr(),
+                              log_q.data_ptr(), q.data_ptr(), *cut_ptrs):
+        raise CpuKernelError("sf_sample_pick: no memory for a cut's scratch")
+    return index, log_q, q
 
 
 def gumbel_available() -> bool:

@@ -147,7 +147,8 @@ def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pic
                  counts: torch.Tensor, embed: torch.Tensor, norm: torch.Tensor, head: SfWeight, vocab: int,
                  rows: torch.Tensor | None, fc: SfWeight | None = None,
                  first_features: torch.Tensor | None = None, temps: torch.Tensor | None = None,
-                 noise: torch.Tensor | None = None) -> tuple[torch.Tensor | None, ...]:
+                 noise: torch.Tensor | None = None, cuts: tuple[torch.Tensor, ...] | None = None
+                 ) -> tuple[torch.Tensor | None, ...]:
     """A greedy draft pass of B chains in one call (sf_draft_chains), through the layers of
     `table` (`layer_table`): the catch-up's rows feed
     first_tokens [R] (R = step.rows >= B), chain b's root at row first_pick[b], and choose each
@@ -164,7 +165,9 @@ def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pic
     chain b's node at depth d predicted; else None). Sampled chains pass `temps` [B] float32 (0:
     that chain greedy) and `noise` [levels + 1, B, vocab] float32 (Gumbel); each level draws its
     token as the largest logit / temperature + noise, and q [levels + 1, B, vocab] float32 comes
-    back, the softmax each draw came from (else None)."""
+    back, the softmax each draw came from (else None). `cuts`: each chain's min-p [B] float32,
+    top-k [B] int64 and top-p [B] float32 (0, 0, 1: none), applied to its draws as
+    `models.sampling.logits_to_probs` applies them (sample_cut.c); q is then the cut's."""
     R, B, H = step.rows, first_pick.shape[0], step.hidden
     total = R + levels * B
     tensors = [t.contiguous() for t in (first_tokens, first_pick, cos, sin, slots, visible, counts, embed, norm)]
@@ -184,6 +187,14 @@ def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pic
         if temps.shape != (B,) or noise.shape != (levels + 1, B, vocab):
             raise ValueError(f"draft_chains: temps [{B}] and noise [{levels + 1}, {B}, {vocab}] expected")
         q = torch.empty(levels + 1, B, vocab)
+    min_p = top_k = top_p = None
+    if cuts is not None:
+        if temps is None:
+            raise ValueError("draft_chains: a cut is for sampled chains")
+        min_p, top_k, top_p = (t.to(dtype).contiguous() for t, dtype in zip(cuts, (torch.float32, torch.long,
+                                                                                  torch.float32)))
+        if not min_p.shape == top_k.shape == top_p.shape == (B,):
+            raise ValueError(f"draft_chains: min-p, top-k and top-p [{B}] expected")
     if fc is not None:
         first_features = first_features.contiguous()
         if first_features.shape != (R, H) or first_features.dtype != torch.float32:
@@ -201,7 +212,8 @@ def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pic
                                  ctypes.byref(head), vocab, ptr(rows_c), tokens.data_ptr(), log_q.data_ptr(),
                                  h.data_ptr(), picked_h.data_ptr(), hn.data_ptr(), logits.data_ptr(),
                                  picked.data_ptr(), None if fc is None else ctypes.byref(fc), ptr(first_features),
-                                 ptr(features), ptr(x2), ptr(temps), ptr(noise), ptr(q))
+                                 ptr(features), ptr(x2), ptr(temps), ptr(noise), ptr(q), ptr(min_p), ptr(top_k),
+                                 ptr(top_p))
     if rc != 0:
         raise CpuKernelError(f"sf_draft_chains failed ({rc})")
     return tokens, log_q, features, q

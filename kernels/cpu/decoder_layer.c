@@ -95,8 +95,9 @@ int sf_decoder_layer(const sf_layer *L, const sf_forward *F, float *h) {
 }
 
 void sf_greedy_pick(const float *logits, int64_t N, int64_t V, int64_t *index, float *log_q);
-void sf_sample_pick(const float *logits, int64_t N, int64_t V, const float *temps, const float *noise,
-                    int64_t *index, float *log_q, float *q);
+int sf_sample_pick(const float *logits, int64_t N, int64_t V, const float *temps, const float *noise,
+                   int64_t *index, float *log_q, float *q, const float *min_p, const int64_t *top_k,
+                   const float *top_p);
 
 /* Layers L[0 .. n) of one forward in turn on h (sf_decoder_layer each): a forward's layers in
  * one call. Returns 0 or the first failing layer's code. */
@@ -134,7 +135,8 @@ static int draft_inputs(const float *embed, const int64_t *tok, const sf_weight 
  * [first_rows, H], each level's row its parent's final-norm state, which features [levels + 1,
  * chains, H] returns (NULL: not wanted; x2 [first_rows, 2H] is scratch). Sampled chains
  * (`temps` [chains] not NULL, 0 for a greedy one) draw each level as sf_sample_pick does, with
- * noise [levels + 1, chains, V] and the q of each draw in q [levels + 1, chains, V]. Each step is the
+ * noise [levels + 1, chains, V], each chain's cut (min_p, top_k, top_p [chains], NULL for none)
+ * and the q of each draw in q [levels + 1, chains, V]. Each step is the
  * function the one-level path calls (the decoder layer, sf_rms_norm, the head's matmul, fc's),
  * so the logits are the same bits. F's scratch holds first_rows >= chains rows (F->N); h
  * [first_rows, H], picked_h, hn [chains, H] and logits [chains, V] are scratch too. Returns 0
@@ -145,7 +147,8 @@ int sf_draft_chains(const sf_layer *layers, int64_t num_layers, sf_forward *F, i
                     const int64_t *counts, const float *embed, const float *norm, const sf_weight *head,
                     int64_t V, const int64_t *rows, int64_t *tokens, float *log_q, float *h, float *picked_h,
                     float *hn, float *logits, int64_t *picked, const sf_weight *fc, const float *first_features,
-                    float *features, float *x2, const float *temps, const float *noise, float *q) {
+                    float *features, float *x2, const float *temps, const float *noise, float *q,
+                    const float *min_p, const int64_t *top_k, const float *top_p) {
     const int64_t N = chains, H = F->H, half = F->D / 2, S = F->S[0], scratch_rows = F->N;
     const int th = (int)F->threads;
     int64_t at = 0;                               /* the level's first row among all rows */
@@ -170,9 +173,10 @@ int sf_draft_chains(const sf_layer *layers, int64_t num_layers, sf_forward *F, i
         if (features)
             for (int64_t i = 0; i < N * H; i++) features[d * N * H + i] = hn[i];
         if ((rc = linear(head, hn, logits, N, H, V, th))) return rc;
-        if (temps)
-            sf_sample_pick(logits, N, V, temps, noise + d * N * V, picked, log_q + d * N, q + d * N * V);
-        else
+        if (temps) {
+            if (sf_sample_pick(logits, N, V, temps, noise + d * N * V, picked, log_q + d * N, q + d * N * V,
+                               min_p, top_k, top_p)) return -4;
+        } else
             sf_greedy_pick(logits, N, V, picked, log_q + d * N);
         for (int64_t r = 0; r < N; r++) tokens[d * N + r] = rows ? rows[picked[r]] : picked[r];
         at += n;

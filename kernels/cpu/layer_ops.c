@@ -249,16 +249,28 @@ void sf_greedy_pick(const float *logits, int64_t N, int64_t V, int64_t *index, f
     }
 }
 
+int sf_cut_pick(const float *x, int64_t V, float temp, float min_p, int64_t top_k, float top_p, const float *g,
+                int64_t *index, float *log_q, float *q);
+
 /* Each of N rows of logits [N, V] drawn as a draft node's children are: row r at temperature
  * temps[r] reads y = x / temps[r] and takes the first largest y_j + noise[r, j] (Gumbel noise:
  * an exact draw from softmax(y)); index[r], its log-softmax y_best - max y - log(sum_j exp(y_j -
- * max y)) in log_q[r] and, where q is not NULL, softmax(y) in q[r, :] (the q the draw came from).
- * A row at temperature 0 is sf_greedy_pick's (its q row left as it was). y is kept in q's row. */
-void sf_sample_pick(const float *logits, int64_t N, int64_t V, const float *temps, const float *noise,
-                    int64_t *index, float *log_q, float *q) {
+ * max y)) in log_q[r] and softmax(y) in q[r, :] (the q the draw came from). A row at temperature 0
+ * is sf_greedy_pick's (its q row left as it was). y is kept in q's row. A row with a cut (min_p,
+ * top_k, top_p: per row, NULL for none; 0, 0, 1 for none) is sf_cut_pick's (sample_cut.c). Returns
+ * 0, or -1 where a cut's scratch could not be had. */
+int sf_sample_pick(const float *logits, int64_t N, int64_t V, const float *temps, const float *noise,
+                   int64_t *index, float *log_q, float *q, const float *min_p, const int64_t *top_k,
+                   const float *top_p) {
     for (int64_t r = 0; r < N; r++) {
         if (temps[r] == 0.0f) {
             sf_greedy_pick(logits + r * V, 1, V, index + r, log_q + r);
+            continue;
+        }
+        if ((min_p && min_p[r] > 0.0f) || (top_k && top_k[r] > 0 && top_k[r] < V) || (top_p && top_p[r] < 1.0f)) {
+            if (sf_cut_pick(logits + r * V, V, temps[r], min_p ? min_p[r] : 0.0f, top_k ? top_k[r] : 0,
+                            top_p ? top_p[r] : 1.0f, noise + r * V, index + r, log_q + r, q + r * V))
+                return -1;
             continue;
         }
         const float *x = logits + r * V, *g = noise + r * V;
@@ -285,6 +297,7 @@ void sf_sample_pick(const float *logits, int64_t N, int64_t V, const float *temp
         log_q[r] = best_y - top - logf(sum);
         for (int64_t j = 0; j < V; j++) y[j] *= inv;
     }
+    return 0;
 }
 
 /* SplitMix64's finaliser (Steele, Lea and Flood 2014), as models/sampling.py's _splitmix64. */

@@ -77,6 +77,7 @@ def chi_square_p_value(samples: torch.Tensor, joint: torch.Tensor) -> float:
 
 CASES = {
     "chain-temperature": (SamplingParams(temperature=0.8), speculation_for("sync", 3, 1)),
+    "chain-cuts": (SamplingParams(temperature=1.1, top_k=8, top_p=0.9, min_p=0.02), speculation_for("sync", 3, 1)),
     "tree-top-p": (SamplingParams(temperature=1.2, top_p=0.85), speculation_for("sync", 2, 3)),
     "tree-top-k-top-p": (SamplingParams(temperature=1.0, top_k=6, top_p=0.9), speculation_for("sync", 3, 2)),
 }

@@ -88,16 +88,23 @@ def test_ngram_proposer_point_masses():
     assert empty.num_nodes == 0
 
 
+MIXED = {"a": GREEDY, "b": SamplingParams(temperature=0.9)}
+MIXED_CUTS = {"a": SamplingParams(temperature=0.8, top_p=0.9, seed=2), "b": SamplingParams(temperature=0.9)}
+
+
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.7, seed=5), SamplingParams(temperature=1.3),
-                                    None], ids=["greedy", "seeded", "sampled", "mixed"])
+                                    MIXED, SamplingParams(temperature=0.8, top_p=0.8, seed=5),
+                                    SamplingParams(temperature=1.2, top_k=6),
+                                    SamplingParams(temperature=1.0, min_p=0.05), MIXED_CUTS],
+                         ids=["greedy", "seeded", "sampled", "mixed", "top-p", "top-k", "min-p", "mixed-cuts"])
 @pytest.mark.parametrize("logit_rows", [None, list(range(32, 127))])
 def test_chains_in_one_call_draft_what_the_level_by_level_path_drafts(draft_model, logit_rows, params):
     """models.draft_chain: a batch of chains drafted in one C call gives the trees, the q of
     each sampled draw and the draft K/V the level-by-level forwards give, through accepts and
     rollbacks: greedy, seeded (the seed's noise), unseeded (each request's generator, drawn
-    level by level as the builder draws it), and a greedy beside a sampled chain in one pass.
-    The draws compare logit / T + noise where the level-by-level path compares log q + noise:
-    equal but for a rounding-level near tie."""
+    level by level as the builder draws it), under a top-p, top-k or min-p cut, and a greedy
+    (or a cut) chain beside a sampled one in one pass. The draws compare logit / T + noise where
+    the level-by-level path compares log q + noise: equal but for a rounding-level near tie."""
     from kernels import cpu as cpu_kernels
     from models import draft_chain
 
@@ -111,14 +118,14 @@ def test_chains_in_one_call_draft_what_the_level_by_level_path_drafts(draft_mode
     try:
         prompts = {"a": list(b"hello world, "), "b": list(b"The quick brown fox")}
         for round_, accept in enumerate([4, 0, 2, 1, 4, 3]):
-            per_seq = {"a": GREEDY, "b": SamplingParams(temperature=0.9)} if params is None else {}
-            got, want = ([p.propose([DraftRequest(s, list(t), per_seq.get(s, params),
-                                                  torch.Generator().manual_seed(round_), 4) for s, t in prompts.items()])
+            per_seq = params if isinstance(params, dict) else {s: params for s in prompts}
+            got, want = ([p.propose([DraftRequest(s, list(t), per_seq[s], torch.Generator().manual_seed(round_), 4)
+                                     for s, t in prompts.items()])
                           for p in (one_call, by_level)])
             for s, g, w in zip(prompts, got, want):
                 assert g.token_ids.tolist() == w.token_ids.tolist(), (round_, s)
                 assert g.parent_ids.tolist() == w.parent_ids.tolist() and g.depths.tolist() == w.depths.tolist()
-                if per_seq.get(s, params).greedy:
+                if per_seq[s].greedy:
                     assert g.draft_probs is None and w.draft_probs is None
                 else:
                     torch.testing.assert_close(g.draft_probs, w.draft_probs, rtol=1e-5, atol=1e-7)
@@ -146,7 +153,7 @@ def assert_same_cached_kv(cache, other, seq_ids) -> None:
                 assert torch.equal(mine.flatten(0, 1)[slots_a], theirs.flatten(0, 1)[slots_b])
 
 
-def test_only_chains_of_one_depth_drawn_at_a_temperature_alone_take_the_one_call_path(draft_model):
+def test_only_chains_of_one_depth_without_history_transforms_take_the_one_call_path(draft_model):
     from models import draft_chain
 
     calls = []
@@ -163,16 +170,14 @@ def test_only_chains_of_one_depth_drawn_at_a_temperature_alone_take_the_one_call
         p = proposer(draft_model)
         deep, shallow = twice(p, [DraftRequest("a", list(b"abc"), GREEDY, torch.Generator(), 4),
                                   DraftRequest("b", list(b"xyz"), GREEDY, torch.Generator(), 2)])
-        truncated = [twice(proposer(draft_model), [request(b"hello", params, depth=4)])[0]
-                     for params in (SamplingParams(temperature=1.0, top_p=0.9),
-                                    SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0, min_p=0.1),
-                                    SamplingParams(temperature=1.0, presence_penalty=0.5))]
+        penalised, = twice(proposer(draft_model), [request(b"hello", SamplingParams(presence_penalty=0.5), depth=4)])
         wide, = twice(proposer(draft_model, width=2), [request(b"hello", GREEDY, depth=4)])
         assert calls == [] and deep.num_nodes == 4 and shallow.num_nodes == 2
-        assert all(t.num_nodes == 4 for t in truncated) and wide.num_nodes > 4
-        chain, = twice(proposer(draft_model), [request(b"hello", GREEDY, depth=4)])
-        sampled, = twice(proposer(draft_model), [request(b"hello", SAMPLING, depth=4)])
-        assert calls == [3, 3] and chain.num_nodes == sampled.num_nodes == 4    # these two do
+        assert penalised.num_nodes == 4 and wide.num_nodes > 4
+        chains = [twice(proposer(draft_model), [request(b"hello", params, depth=4)])[0]
+                  for params in (GREEDY, SAMPLING, SamplingParams(temperature=1.0, top_p=0.9),
+                                 SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0, min_p=0.1))]
+        assert calls == [3] * 5 and all(c.num_nodes == 4 for c in chains)     # these do
     finally:
         draft_chain.run_chains = real
 
