@@ -30,7 +30,7 @@ from drafter.tree_search import ROOT, TreeBuilder
 from models.kv_cache import OutOfBlocks
 from models import draft_chain
 from models.linear import DRAFT_WEIGHTS, PackedWeight, use_draft_weights
-from models.sampling import gumbel_noise
+from models.sampling import exponential, gumbel_noise
 from models.tree import TokenTree, ragged_tree_forward
 
 
@@ -134,7 +134,7 @@ class ModelProposer:
                 start = builder.output_position(ROOT)
                 noise[b] = gumbel_noise(r.params.seed, range(start, start + levels + 1), head.shape[0], self._rows_cpu)
             elif not r.params.greedy:
-                noise[b] = -torch.empty(levels + 1, head.shape[0]).exponential_(generator=r.generator).log()
+                noise[b] = -exponential((levels + 1, head.shape[0]), r.generator).log()
         temps = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
         cuts = [(r.params.min_p, r.params.top_k, r.params.top_p) for r in reqs]
         if all(cut == (0, 0, 1) for cut in cuts):

@@ -29,7 +29,8 @@ from collections.abc import Sequence
 
 import torch
 
-from models.sampling import SamplingParams, TokenHistory, coupled_scores, logits_to_probs, process_logits
+from models.sampling import (SamplingParams, TokenHistory, coupled_scores, exponential, logits_to_probs,
+                             process_logits)
 from models.tree import TokenTree, row_paths
 
 ROOT = -1
@@ -99,7 +100,7 @@ class TreeBuilder:
             perturbed = coupled_scores(q, self.params, [self.output_position(node) for node in nodes], rows,
                                        top=self.width)
         else:
-            perturbed = log_q - torch.empty_like(q).exponential_(generator=self.generator).log()
+            perturbed = log_q - exponential(q.shape, self.generator).to(q.device).log()
         support = (q > 0).sum(-1).tolist()
         for i, node in enumerate(nodes):
             self.q_rows[node] = q[i]

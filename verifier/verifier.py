@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from models.kv_cache import chain_hash
-from models.sampling import (SamplingParams, TokenHistory, coupled_scores, logits_to_probs, process_logits,
-                             token_logprobs)
+from models.sampling import (SamplingParams, TokenHistory, coupled_scores, exponential, logits_to_probs,
+                             process_logits, token_logprobs)
 from models.tree import TokenTree, ragged_tree_forward
 
 
@@ -368,7 +368,7 @@ class Verifier:
             if n:
                 draft_probs[b, : n + 1] = r.tree.draft_probs.to(device)
             uniform[b, :n] = torch.rand(n, generator=r.generator)
-            exp_noise[b] = torch.empty(V).exponential_(generator=r.generator)
+            exp_noise[b] = exponential((V,), r.generator)
         num_nodes = torch.tensor([r.tree.num_nodes for r in batch], dtype=torch.long)
         accepted, num_accepted, next_ids = rejection_sample(
             draft_token_ids.to(device), parent_ids.to(device), num_nodes.to(device), target_probs,

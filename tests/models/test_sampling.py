@@ -150,3 +150,21 @@ def test_logit_bias_pairs_survive_the_wire_form():
     assert p.logit_bias == [(3, 2.5), (7, -100.0)]
     again = SamplingParams(**{**asdict(p), "logit_bias": [list(x) for x in asdict(p)["logit_bias"]]})
     assert again == p
+
+
+def test_exponential_draws_follow_exponential_one_and_the_generator_alone():
+    """An unseeded sampler's Exponential(1) draws: their distribution (Kolmogorov-Smirnov against
+    1 - e^-x over 200K draws), a function of the generator's state, and the rows of one call
+    those of one call a row (the one-call draft pass draws its levels at once, the level-by-level
+    path one level after the other)."""
+    from models.sampling import exponential
+
+    draws = exponential((200_000,), torch.Generator().manual_seed(1)).double().sort().values
+    cdf = 1 - torch.exp(-draws)
+    ks = torch.maximum(torch.arange(1, 200_001) / 200_000 - cdf, cdf - torch.arange(200_000) / 200_000).max()
+    assert ks < 1.63 / 200_000 ** 0.5                               # p > 0.01
+    assert draws.mean().item() == pytest.approx(1.0, abs=0.01)
+    at_once = exponential((3, 500), torch.Generator().manual_seed(4))
+    gen = torch.Generator().manual_seed(4)
+    assert torch.equal(at_once, torch.stack([exponential((500,), gen) for _ in range(3)]))
+    assert not torch.equal(at_once, exponential((3, 500), torch.Generator().manual_seed(5)))
