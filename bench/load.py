@@ -5,8 +5,8 @@
 
 For each concurrency (default 1, 4, 16, 64) and each speculation mode (default `off` and
 `auto`), N clients stream requests back to back for `--duration` seconds (greedy, or unseeded
-sampling at `--temperature` as an API client sends by default, `ignore_eos`, `--max-tokens`
-each) against the *same* server; the mode goes in the request's
+sampling at `--temperature` as an API client sends by default, through `--top-p` if given,
+`ignore_eos`, `--max-tokens` each) against the *same* server; the mode goes in the request's
 `speculation` field. `--workload completions` (default) sends raw prompts to `/v1/completions`;
 `--workload chat-code-math` sends code and math questions to `/v1/chat/completions`. Reported per cell:
 
@@ -75,11 +75,11 @@ WORKLOADS = ("completions", "chat-code-math")
 
 
 def request_body(workload: str, k: int, max_tokens: int, speculation: dict,
-                 temperature: float = 0.0) -> tuple[str, dict]:
-    """(path, body) of the k-th request of a client: greedy (or unseeded sampling at
-    `temperature`), `ignore_eos`, streamed."""
-    body = {"model": "specflash", "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True,
-            "stream": True, "return_token_ids": True, "speculation": speculation}
+                 sampling: dict | None = None) -> tuple[str, dict]:
+    """(path, body) of the k-th request of a client: greedy, or unseeded sampling by `sampling`'s
+    fields (`temperature`, `top_p`), `ignore_eos`, streamed."""
+    body = {"model": "specflash", "max_tokens": max_tokens, "temperature": 0.0, **(sampling or {}),
+            "ignore_eos": True, "stream": True, "return_token_ids": True, "speculation": speculation}
     if workload == "chat-code-math":
         text = CHAT_PROMPTS[k % len(CHAT_PROMPTS)]
         return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": text}]}
@@ -134,7 +134,7 @@ async def one_request(client: httpx.AsyncClient, url: str, path: str, body: dict
 
 async def run_cell(url: str, concurrency: int, mode: str, duration: float, max_tokens: int,
                    spec_len: int | None, workload: str = "completions",
-                   transport: httpx.AsyncBaseTransport | None = None, temperature: float = 0.0) -> dict:
+                   transport: httpx.AsyncBaseTransport | None = None, sampling: dict | None = None) -> dict:
     rec = {"tokens": 0, "ttft": [], "itl": [], "tpot": [], "requests": 0, "errors": 0}
     speculation = {"mode": mode}
     if spec_len and mode in ("chain", "tree"):
@@ -145,7 +145,7 @@ async def run_cell(url: str, concurrency: int, mode: str, duration: float, max_t
     async def client_loop(i: int, client: httpx.AsyncClient) -> None:
         j = 0
         while time.perf_counter() < window_end:
-            path, body = request_body(workload, i + j, max_tokens, speculation, temperature)
+            path, body = request_body(workload, i + j, max_tokens, speculation, sampling)
             j += 1
             try:
                 await one_request(client, url, path, body, window_end, rec)
@@ -276,6 +276,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=common.positive_int, default=64)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); above: unseeded sampling, the API's default at 1")
+    p.add_argument("--top-p", type=common.positive_float, default=1.0, help="the nucleus (with --temperature)")
     p.add_argument("--workload", choices=WORKLOADS, default="completions",
                    help="completions: raw prompts on /v1/completions (a mix, continued past the "
                         "answer); chat-code-math: code and math questions on /v1/chat/completions")
@@ -286,6 +287,8 @@ def main(argv=None) -> int:
         args.concurrency, args.duration, args.max_tokens = [1, 4], 8.0, 16
     if not args.url and not args.start:
         p.error("give --url of a running server, or --start")
+    if args.top_p > 1 or args.top_p < 1 and args.temperature <= 0:
+        p.error("--top-p: in (0, 1], below 1 only with --temperature")
     common.model_pair(p, args, draft_optional=True, embedded=False)
     proc = None
     if args.start:
@@ -304,6 +307,11 @@ def main(argv=None) -> int:
     return 0
 
 
+def sampling(args) -> dict:
+    """The requests' sampling fields: the temperature, and the nucleus where it is below 1."""
+    return {"temperature": args.temperature, **({"top_p": args.top_p} if args.top_p < 1 else {})}
+
+
 def run_cells(url: str, args) -> list[dict]:
     """Every (concurrency, round, mode) window against the server at `url`, with the engine's
     counters over each window."""
@@ -314,7 +322,7 @@ def run_cells(url: str, args) -> list[dict]:
             for mode in (modes if turn % 2 == 0 else modes[::-1]):
                 before = engine_counters(url)
                 cell = asyncio.run(run_cell(url, conc, mode, args.duration, args.max_tokens,
-                                            args.spec_len, args.workload, temperature=args.temperature))
+                                            args.spec_len, args.workload, sampling=sampling(args)))
                 after = engine_counters(url)
                 cell["round"] = rnd
                 cell["engine"] = {k: after[k] - before.get(k, 0.0) for k in after
@@ -339,7 +347,7 @@ def write_result(args, url: str, health: dict, cells: list[dict], stats: str) ->
                          "config_yaml": Path(args.config).read_text() if args.config else None},
               "settings": {"duration_s": args.duration, "max_tokens": args.max_tokens,
                            "modes": modes, "spec_len": args.spec_len, "rounds": args.rounds,
-                           "workload": args.workload, "temperature": args.temperature},
+                           "workload": args.workload, "temperature": args.temperature, "top_p": args.top_p},
               "cells": cells, "summary": summary(cells, on),
               "engine_metrics": [l for l in stats.splitlines() if l.startswith("specflash_spec_")]}
     out = Path(args.out) if args.out else common.RESULTS / f"load-{common.utc(common.STAMP)}.json"

@@ -38,15 +38,21 @@ def test_cell_counts_tokens_of_both_workloads(load, workload):
         assert prompt in load.PROMPTS
 
 
-def test_sampled_cells_send_the_temperature_and_no_seed(load):
+def test_sampled_cells_send_the_temperature_the_nucleus_and_no_seed(load):
     tok = tiny_byte_tokenizer()
     engine = FakeEngine(tokenizer=tok, delay_s=0.005)
     server = OpenAIServer(engine, tok, ServerSettings(max_context=512))
     transport = httpx.ASGITransport(app=build_fastapi_app(server))
+    args = load.argparse.Namespace(temperature=1.0, top_p=0.9)
     cell = asyncio.run(load.run_cell("http://load.test", 1, "auto", 0.5, 8, None, "chat-code-math",
-                                     transport=transport, temperature=1.0))
+                                     transport=transport, sampling=load.sampling(args)))
     assert cell["errors"] == 0 and engine.requests
-    assert all(r.sampling.temperature == 1.0 and r.sampling.seed is None for r in engine.requests)
+    assert all(r.sampling.temperature == 1.0 and r.sampling.top_p == pytest.approx(0.9) and r.sampling.seed is None
+               for r in engine.requests)
+    assert load.sampling(load.argparse.Namespace(temperature=0.7, top_p=1.0)) == {"temperature": 0.7}
+    for argv in (["--start", "--top-p", "0.9"], ["--start", "--temperature", "1", "--top-p", "1.5"]):
+        with pytest.raises(SystemExit):
+            load.main(argv)
 
 
 def test_summary_is_the_geometric_mean_over_rounds(load):
