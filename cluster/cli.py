@@ -35,6 +35,10 @@ def add_generate_parser(subparsers) -> None:
     p.add_argument("--top-p", type=float, default=1.0, metavar="P")
     p.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = off")
     p.add_argument("--seed", type=int, default=None, metavar="S")
+    p.add_argument("--min-p", type=float, default=0.0, metavar="P", help="0 = off")
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="X")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="X")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="X", help="1 = off")
     p.add_argument("--spec-len", type=int, default=4, metavar="K",
                    help=f"draft chain length / tree depth, 1..{MAX_SPEC_LEN}")
     p.add_argument("--tree-width", type=int, default=1, metavar="W",

@@ -31,8 +31,10 @@ class _Plan:
 
 
 def run_generate(args) -> int:
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                            seed=args.seed, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                            repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens,
+                            ignore_eos=args.ignore_eos)
     if args.mode == "async":
         return _run_async(args, params)
     from cluster.local import build_engine, speculation_for

@@ -49,6 +49,24 @@ def test_modes_and_proposers_agree_greedily(capsys, pair_args):
     assert outputs[3] != outputs[0]             # the chat template changes the prompt
 
 
+def test_penalties_and_min_p_reach_the_sampler_in_every_mode(capsys, pair_args):
+    """--presence-penalty, --frequency-penalty, --repetition-penalty and --min-p are the request's:
+    greedy with penalties, speculation gives the target alone's tokens, and they differ from the
+    unpenalised ones; a seeded min-p request's tokens are the seed's in either mode."""
+    common = [*pair_args, "--prompt", "abcabcabc", "--max-tokens", "16", "--ignore-eos", "--json"]
+    outputs = {}
+    for name, extra in (("plain", []), ("penalised", ["--presence-penalty", "1.5", "--frequency-penalty", "0.5",
+                                                     "--repetition-penalty", "1.3"]),
+                        ("min-p", ["--temperature", "1", "--seed", "4", "--min-p", "0.2"])):
+        for mode in ("off", "sync"):
+            code, out, _ = generate(capsys, *common, *extra, "--mode", mode)
+            assert code == 0
+            outputs[name, mode] = json.loads(out.strip().splitlines()[-1])["token_ids"]
+    assert all(outputs[name, "off"] == outputs[name, "sync"] for name in ("plain", "penalised", "min-p"))
+    assert outputs["penalised", "off"] != outputs["plain", "off"]
+    assert outputs["min-p", "off"] != outputs["plain", "off"]
+
+
 def test_async_mode_runs_the_ray_pipeline_exactly(capsys, pair_args):
     """`--mode async` starts a local Ray and the drafter/verifier actors: same tokens as `off`."""
     common = [*pair_args, "--prompt", "def f(x):", "--max-tokens", "10", "--ignore-eos", "--json"]
@@ -74,6 +92,10 @@ def test_async_mode_runs_the_ray_pipeline_exactly(capsys, pair_args):
     (["--top-p", "0"], "top_p"),
     (["--top-p", "1.5"], "top_p"),
     (["--max-tokens", "0"], "max_tokens"),
+    (["--min-p", "1.5"], "min_p"),
+    (["--presence-penalty", "3"], "presence_penalty"),
+    (["--frequency-penalty", "-2.5"], "frequency_penalty"),
+    (["--repetition-penalty", "0"], "repetition_penalty"),
     (["--prompt", "x" * 300], "context"),
 ])
 def test_bad_input_is_one_clear_error(capsys, pair_args, args, message):
