@@ -74,17 +74,13 @@ class TreeBuilder:
 
         Over a reduced head's rows a tree is grown on those logits alone: every other token's q
         is 0, so its top tokens, its draws and its log-probabilities are the same, and a sampled
-        node's q is kept over the rows (`finish` scatters it into the vocabulary). Only the
-        transforms that read the history work on the whole vocabulary."""
+        node's q is kept over the rows (`finish` scatters it into the vocabulary). The
+        transforms that read the history are each token's own: they apply to the rows alone."""
         rows = self.rows
-        if rows is not None and self.params.reads_history:
-            full = torch.full((draft_logits.shape[0], self.vocab_size), float("-inf"), dtype=draft_logits.dtype)
-            full[:, rows] = draft_logits
-            draft_logits, rows = full, None
         if self.params.reads_history:
             paths = row_paths(self.parent_ids, self.token_ids)
             history = TokenHistory(self.committed, [paths[node + 1] for node in nodes], draft=True)
-            draft_logits = process_logits(draft_logits, self.params, history)
+            draft_logits = process_logits(draft_logits, self.params, history, rows)
         if self.params.greedy:                                   # every node's top tokens at once
             log_q = torch.log_softmax(draft_logits.float(), -1)     # [n, V or V']
             k = min(self.width, log_q.shape[-1])

@@ -135,49 +135,66 @@ class TokenHistory:
     draft: bool = False              # the rows are the draft's q (a grammar may leave q free)
 
 
-def process_logits(logits: torch.Tensor, params: SamplingParams,
-                   history: TokenHistory | None) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, params: SamplingParams, history: TokenHistory | None,
+                   columns: torch.Tensor | None = None) -> torch.Tensor:
     """logits [N, V] → logits [N, V] float32 after the history-dependent transforms (module doc);
-    `logits` itself unchanged when `params.reads_history` is false."""
+    `logits` itself unchanged when `params.reads_history` is false. `columns` [V'] int64: the
+    logits are those tokens' alone ([N, V'], a reduced draft head's rows): every transform is
+    the token's own, so each column gets what the whole vocabulary's would at its token."""
     if not params.reads_history:
         return logits
     if history is None or len(history.paths) != logits.shape[0]:
         raise ValueError("these sampling parameters need the tokens before each row (a TokenHistory)")
     logits = logits.float().clone()
-    n, vocab = logits.shape
+    vocab = logits.shape[1] if columns is None else int(columns.max()) + 1    # the token ids the columns reach
+    column_of = _column_map(columns, vocab, logits.device)                     # token id -> column, -1: none
     if params.logit_bias:
         tokens = torch.tensor([t for t, _ in params.logit_bias if t < vocab], dtype=torch.long)
-        bias = torch.tensor([b for t, b in params.logit_bias if t < vocab])
-        logits[:, tokens] += bias.to(logits.device)
+        bias = torch.tensor([b for t, b in params.logit_bias if t < vocab]).to(logits.device)
+        at = column_of[tokens.to(logits.device)]
+        logits[:, at[at >= 0]] += bias[at >= 0]
     output = torch.tensor(list(history.committed[params.prompt_len:]), dtype=torch.long)
     paths = [torch.tensor(list(p), dtype=torch.long) for p in history.paths]
     if params.min_tokens:
         stops = torch.tensor(sorted(set(params.stop_token_ids) | set(params.eos_token_ids)), dtype=torch.long)
-        stops = stops[stops < vocab]
+        stops = column_of[stops[stops < vocab].to(logits.device)]
+        stops = stops[stops >= 0]
         short = torch.tensor([len(output) + len(p) < params.min_tokens for p in paths])   # [N]
         if len(stops) and short.any():
             rows = short.nonzero().squeeze(1).to(logits.device)
-            logits[rows[:, None], stops[None, :].to(logits.device)] = float("-inf")
+            logits[rows[:, None], stops[None, :]] = float("-inf")
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-        logits = _penalise(logits, params, history, output, paths)
+        logits = _penalise(logits, params, history, output, paths, vocab, columns)
     if params.grammar is not None and (params.grammar.draft or not history.draft):
         allowed = grammar_mask(params.grammar, params.grammar_stop_ids, output.tolist(), history.paths, vocab)
+        allowed = allowed if columns is None else allowed[:, columns.to(allowed.device)]
         logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
     return logits
 
 
+def _column_map(columns: torch.Tensor | None, vocab: int, device) -> torch.Tensor:   # -> [vocab] int64
+    """Each token id's column among `columns` (-1: not a column); the identity without them."""
+    if columns is None:
+        return torch.arange(vocab, device=device)
+    column_of = torch.full((vocab,), -1, dtype=torch.long, device=device)
+    column_of[columns.to(device)] = torch.arange(columns.shape[0], device=device)
+    return column_of
+
+
 def _penalise(logits: torch.Tensor, params: SamplingParams, history: TokenHistory, output: torch.Tensor,
-              paths: list[torch.Tensor]) -> torch.Tensor:
-    """`repetition_penalty`, then frequency and presence penalties, per row (`process_logits`)."""
-    vocab = logits.shape[1]
+              paths: list[torch.Tensor], vocab: int, columns: torch.Tensor | None) -> torch.Tensor:
+    """`repetition_penalty`, then frequency and presence penalties, per row (`process_logits`),
+    on the logits' columns (`columns`' tokens, or all `vocab`)."""
     counts = torch.stack([torch.bincount(torch.cat([output, p]), minlength=vocab)[:vocab]
-                          for p in paths]).float().to(logits.device)               # [N, V]
+                          for p in paths]).float().to(logits.device)               # [N, vocab]
     if params.repetition_penalty != 1.0:
         seen = counts > 0
         prompt = torch.tensor(list(history.committed[:params.prompt_len]), dtype=torch.long)
         seen[:, prompt[prompt < vocab].to(logits.device)] = True
+        seen = seen if columns is None else seen[:, columns.to(logits.device)]
         r = params.repetition_penalty
         logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    counts = counts if columns is None else counts[:, columns.to(logits.device)]
     logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
     return logits
 

@@ -152,7 +152,7 @@ def test_the_draft_transforms_q_too(engine):
     _, with_q = sample(engine, kw, spec, range(300))
     real = tree_search.process_logits
     try:
-        tree_search.process_logits = lambda logits, params, history: logits
+        tree_search.process_logits = lambda logits, params, history, columns=None: logits
         _, without_q = sample(engine, kw, spec, range(300))
     finally:
         tree_search.process_logits = real

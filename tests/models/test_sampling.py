@@ -129,6 +129,23 @@ def test_invalid_transform_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3, prompt_len=3),
+    SamplingParams(logit_bias={5: 3.0, 40: -2.0, 63: 1.5}, min_tokens=9, eos_token_ids=[2, 60], prompt_len=3)],
+    ids=["penalties", "bias-min-tokens"])
+def test_history_transforms_on_columns_are_the_whole_vocabularys_at_those_tokens(params):
+    """A reduced head's rows (`columns`): each transform is its token's own, so the columns get
+    what the whole vocabulary's logits get at their tokens, whatever order the columns are in."""
+    gen = torch.Generator().manual_seed(0)
+    full = torch.randn(3, 64, generator=gen) * 3
+    columns = torch.tensor([40, 2, 5, 7, 11, 9, 60, 33])             # not the bias's 63, not sorted
+    history = TokenHistory([1, 2, 9, 7, 7, 11, 40], [[], [5], [5, 2]])
+    want = process_logits(full, params, history)[:, columns]
+    got = process_logits(full[:, columns], params, history, columns)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.equal(got, full[:, columns])                     # the transforms did something
+
+
 def test_history_transforms_need_a_history_and_read_each_rows_path():
     logits = torch.zeros(3, 6)
     params = SamplingParams(frequency_penalty=1.0, prompt_len=2)
