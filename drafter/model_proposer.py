@@ -30,7 +30,7 @@ from drafter.tree_search import ROOT, TreeBuilder
 from models.kv_cache import OutOfBlocks
 from models import draft_chain
 from models.linear import DRAFT_WEIGHTS, PackedWeight, use_draft_weights
-from models.sampling import exponential, gumbel_noise
+from models.sampling import exponential, gumbel_noise, history_columns
 from models.tree import TokenTree, ragged_tree_forward
 
 
@@ -97,8 +97,8 @@ class ModelProposer:
 
     def _chains_in_one_call(self, reqs: Sequence[DraftRequest], builders: list[TreeBuilder], depth: list[int]) -> bool:
         """Whether the whole pass goes to one C call (`models.draft_chain`): chains of one depth,
-        greedy or sampled without a history-reading transform (`draft_chain.draws`), of sequences
-        the draft has seen, 16 catch-up rows at most in all, and a model the call runs."""
+        greedy or sampled, without a grammar (`draft_chain.draws`), of sequences the draft has
+        seen, 16 catch-up rows at most in all, and a model the call runs."""
         if not reqs or not self.chains_in_c or len(set(depth)) != 1:
             return False
         for r, builder in zip(reqs, builders):
@@ -121,11 +121,12 @@ class ModelProposer:
 
     def _chain_sampling(self, reqs: Sequence[DraftRequest], builders: list[TreeBuilder],
                         levels: int) -> draft_chain.ChainSampling | None:
-        """The temperatures and Gumbel noise of a pass with sampled chains (None: all greedy), over
-        the head's rows: a seeded request's is its seed's at each depth's output position
-        (`models.sampling.coupled_scores`), another's drawn from its generator as
-        `TreeBuilder.expand` draws it, one level after the other."""
-        if all(r.params.greedy for r in reqs):
+        """The temperatures and Gumbel noise of a pass with sampled chains or chains that read
+        their history (None: all greedy, none reading), over the head's rows: a seeded request's
+        noise is its seed's at each depth's output position (`models.sampling.coupled_scores`),
+        another's drawn from its generator as `TreeBuilder.expand` draws it, one level after
+        the other; each chain's cut, and its history as `models.sampling.history_columns`."""
+        if all(r.params.greedy and not r.params.reads_history for r in reqs):
             return None
         head = self.model.lm_head_weight if self.lm_head is None else self.lm_head
         noise = torch.zeros(len(reqs), levels + 1, head.shape[0])
@@ -136,12 +137,15 @@ class ModelProposer:
             elif not r.params.greedy:
                 noise[b] = -exponential((levels + 1, head.shape[0]), r.generator).log()
         temps = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
+        history = None
+        if any(r.params.reads_history for r in reqs):
+            history = [history_columns(r.params, r.token_ids, self._rows_cpu, self.vocab_size) for r in reqs]
         cuts = [(r.params.min_p, r.params.top_k, r.params.top_p) for r in reqs]
         if all(cut == (0, 0, 1) for cut in cuts):
-            return draft_chain.ChainSampling(temps, noise)
+            return draft_chain.ChainSampling(temps, noise, history=history)
         min_p, top_k, top_p = zip(*cuts)
         return draft_chain.ChainSampling(temps, noise, torch.tensor(min_p, dtype=torch.float32),
-                                         torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float32))
+                                         torch.tensor(top_k), torch.tensor(top_p, dtype=torch.float32), history)
 
     def _chain_pass(self, reqs: Sequence[DraftRequest], levels: int,
                     sampling: draft_chain.ChainSampling | None) -> draft_chain.DraftChains:

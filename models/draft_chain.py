@@ -49,6 +49,8 @@ class ChainSampling:
     min_p: torch.Tensor | None = None        # [B] float32: each chain's min-p (0: none); None: no chain cuts
     top_k: torch.Tensor | None = None        # [B] int64: its top-k (0: none), with min_p
     top_p: torch.Tensor | None = None        # [B] float32: its top-p (1: none), with min_p
+    history: list | None = None              # B x models.sampling.HistoryColumns: each chain's history
+                                             # transforms (None: no chain reads its history)
 
 
 @dataclass
@@ -65,8 +67,9 @@ class DraftChains:
 
 def draws(params) -> bool:
     """Whether a chain of these `models.SamplingParams` is drawn in the one-call pass: greedy or
-    sampled (temperature, min-p, top-k, top-p), nothing read from its history."""
-    return not params.reads_history
+    sampled (temperature, min-p, top-k, top-p), its history read token by token (penalties,
+    logit_bias, min_tokens), no grammar."""
+    return params.grammar is None
 
 
 def applies(model, cache, chains: int, catch_up_rows: int, levels: int) -> bool:
@@ -142,13 +145,24 @@ def _run(model, cache, seq_ids, catch_up, levels, lm_head, head_pack, rows, pref
     if features is not None:
         fc = model.fc._pack.operand(model.fc.weight, model.fc.bias)
         first_features = torch.cat([f.reshape(-1, c.hidden_size) for f in features]).float()
-    temps = noise = cuts = None
+    temps = noise = cuts = history = None
     if sampling is not None:
         temps, noise = sampling.temperatures, sampling.noise.transpose(0, 1)
         cuts = None if sampling.min_p is None else (sampling.min_p, sampling.top_k, sampling.top_p)
+        history = None if sampling.history is None else _stack_history(sampling.history)
     tokens, log_q, states, q = cpu_kernels.draft_chains(
         step, model._c_layers(cache), torch.cat(list(catch_up)).long(), pick, levels, cos, sin, slots, visible, counts,
         model.embed_tokens.weight, model.norm, head_pack.operand(lm_head, None), lm_head.shape[0], rows, fc,
-        first_features, temps, noise, cuts)
+        first_features, temps, noise, cuts, history)
     return DraftChains(tokens.t(), log_q.t(), None if states is None else states.transpose(0, 1),
                        None if q is None else q.transpose(0, 1))
+
+
+def _stack_history(chains: list) -> tuple[torch.Tensor, ...]:
+    """B x HistoryColumns -> the C pass's (bias [B, V'], counts [B, V'], seen [B, V'] uint8, stops
+    [B, V'] uint8, stop_levels [B] int64, penalties [B, 3] float32); counts and seen are copies,
+    which the pass updates as each chain draws."""
+    return (torch.stack([h.bias for h in chains]), torch.stack([h.counts for h in chains]),
+            torch.stack([h.seen for h in chains]), torch.stack([h.stops for h in chains]),
+            torch.tensor([h.stop_levels for h in chains], dtype=torch.long),
+            torch.tensor([h.penalties for h in chains], dtype=torch.float32))

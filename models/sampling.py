@@ -172,6 +172,47 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, history: TokenH
     return logits
 
 
+@dataclass
+class HistoryColumns:
+    """One sequence's history transforms laid out over a draft head's columns, for a pass that
+    applies them level by level itself (`models.draft_chain`, C's sf_history_apply): the same
+    rules as `process_logits`, each drafted token joining `counts` and `seen` as it is drawn."""
+
+    bias: torch.Tensor               # [V'] float32: logit_bias at each column's token (0: none)
+    counts: torch.Tensor             # [V'] float32: the token's count in the output so far
+    seen: torch.Tensor               # [V'] uint8: the token in the prompt or the output (repetition_penalty)
+    stops: torch.Tensor              # [V'] uint8: a stop token (EOS or stop id), which min_tokens masks
+    stop_levels: int                 # rows from the root's (path length 0) whose stops min_tokens masks
+    penalties: tuple[float, float, float]   # (presence, frequency, repetition)
+
+
+def history_columns(params: SamplingParams, committed: Sequence[int], columns: torch.Tensor | None,
+                    vocab: int) -> HistoryColumns:
+    """`committed` (prompt + output, `params.prompt_len` of them the prompt) as `HistoryColumns`
+    over `columns` [V'] (token ids; None: all `vocab`); no grammar (its masks are not per token)."""
+    if params.grammar is not None:
+        raise ValueError("history_columns: a grammar's masks are not a column's own")
+    column_of = _column_map(columns, vocab, "cpu")
+    width = vocab if columns is None else columns.shape[0]
+    cols = torch.arange(vocab) if columns is None else columns.long()
+    bias = torch.zeros(width)
+    for token, b in params.logit_bias:
+        if token < vocab and column_of[token] >= 0:
+            bias[column_of[token]] += b
+    output = torch.tensor(list(committed[params.prompt_len:]), dtype=torch.long)
+    counts = torch.bincount(output, minlength=vocab)[:vocab].float()
+    prompt = torch.tensor(list(committed[:params.prompt_len]), dtype=torch.long)
+    seen = counts > 0
+    seen[prompt[prompt < vocab]] = True
+    stops = torch.zeros(vocab, dtype=torch.bool)
+    if params.min_tokens:
+        ids = torch.tensor(sorted(set(params.stop_token_ids) | set(params.eos_token_ids)), dtype=torch.long)
+        stops[ids[ids < vocab]] = True
+    return HistoryColumns(bias, counts[cols], seen[cols].to(torch.uint8), stops[cols].to(torch.uint8),
+                          max(0, params.min_tokens - len(output)) if params.min_tokens else 0,
+                          (params.presence_penalty, params.frequency_penalty, params.repetition_penalty))
+
+
 def _column_map(columns: torch.Tensor | None, vocab: int, device) -> torch.Tensor:   # -> [vocab] int64
     """Each token id's column among `columns` (-1: not a column); the identity without them."""
     if columns is None:
@@ -184,18 +225,27 @@ def _column_map(columns: torch.Tensor | None, vocab: int, device) -> torch.Tenso
 def _penalise(logits: torch.Tensor, params: SamplingParams, history: TokenHistory, output: torch.Tensor,
               paths: list[torch.Tensor], vocab: int, columns: torch.Tensor | None) -> torch.Tensor:
     """`repetition_penalty`, then frequency and presence penalties, per row (`process_logits`),
-    on the logits' columns (`columns`' tokens, or all `vocab`)."""
-    counts = torch.stack([torch.bincount(torch.cat([output, p]), minlength=vocab)[:vocab]
-                          for p in paths]).float().to(logits.device)               # [N, vocab]
+    on the logits' columns (`columns`' tokens, or all `vocab`). Only the tokens of the history
+    (the output, each row's path, the prompt for repetition) can change: the rest are left as
+    they are (x - 0 - 0 = x), and the few hundred that can are worked on alone."""
+    prompt = torch.tensor(list(history.committed[:params.prompt_len]), dtype=torch.long)
+    parts = [output, *paths] + ([prompt] if params.repetition_penalty != 1.0 else [])
+    touched = torch.cat(parts).unique()                                           # sorted token ids
+    touched = touched[touched < vocab]
+    at = touched if columns is None else _column_map(columns, vocab, "cpu")[touched]
+    touched, at = touched[at >= 0], at[at >= 0]                                   # the columns' tokens
+    if not len(touched):
+        return logits
+    counts = torch.stack([torch.bincount(torch.searchsorted(touched, t[torch.isin(t, touched)]),
+                                         minlength=len(touched)) for t in (torch.cat([output, p]) for p in paths)])
+    counts = counts.float().to(logits.device)                                     # [N, touched]
+    at = at.to(logits.device)
+    x = logits[:, at]
     if params.repetition_penalty != 1.0:
-        seen = counts > 0
-        prompt = torch.tensor(list(history.committed[:params.prompt_len]), dtype=torch.long)
-        seen[:, prompt[prompt < vocab].to(logits.device)] = True
-        seen = seen if columns is None else seen[:, columns.to(logits.device)]
+        seen = (counts > 0) | torch.isin(touched, prompt).to(logits.device)
         r = params.repetition_penalty
-        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-    counts = counts if columns is None else counts[:, columns.to(logits.device)]
-    logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+        x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
+    logits[:, at] = x - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
     return logits
 
 

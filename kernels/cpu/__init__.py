@@ -189,7 +189,7 @@ def open_library(path: Path) -> ctypes.CDLL:
         lib.sf_draft_chains.restype = ctypes.c_int
         lib.sf_draft_chains.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2
                                         + [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 8
-                                        + [ctypes.c_int64] + [ctypes.c_void_p] * 18)
+                                        + [ctypes.c_int64] + [ctypes.c_void_p] * 24)
     return lib
 
 

@@ -147,8 +147,8 @@ def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pic
                  counts: torch.Tensor, embed: torch.Tensor, norm: torch.Tensor, head: SfWeight, vocab: int,
                  rows: torch.Tensor | None, fc: SfWeight | None = None,
                  first_features: torch.Tensor | None = None, temps: torch.Tensor | None = None,
-                 noise: torch.Tensor | None = None, cuts: tuple[torch.Tensor, ...] | None = None
-                 ) -> tuple[torch.Tensor | None, ...]:
+                 noise: torch.Tensor | None = None, cuts: tuple[torch.Tensor, ...] | None = None,
+                 history: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor | None, ...]:
     """A greedy draft pass of B chains in one call (sf_draft_chains), through the layers of
     `table` (`layer_table`): the catch-up's rows feed
     first_tokens [R] (R = step.rows >= B), chain b's root at row first_pick[b], and choose each
@@ -167,7 +167,11 @@ def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pic
     token as the largest logit / temperature + noise, and q [levels + 1, B, vocab] float32 comes
     back, the softmax each draw came from (else None). `cuts`: each chain's min-p [B] float32,
     top-k [B] int64 and top-p [B] float32 (0, 0, 1: none), applied to its draws as
-    `models.sampling.logits_to_probs` applies them (sample_cut.c); q is then the cut's."""
+    `models.sampling.logits_to_probs` applies them (sample_cut.c); q is then the cut's.
+    `history` (with temps): each chain's history transforms, (bias [B, vocab] float32, counts
+    [B, vocab] float32, seen [B, vocab] uint8, stops [B, vocab] uint8, stop_levels [B] int64,
+    penalties [B, 3] float32) as `models.draft_chain._stack_history` lays them out, applied to
+    each level's logits before its pick (sf_history_apply); counts and seen are updated in place."""
     R, B, H = step.rows, first_pick.shape[0], step.hidden
     total = R + levels * B
     tensors = [t.contiguous() for t in (first_tokens, first_pick, cos, sin, slots, visible, counts, embed, norm)]
@@ -180,6 +184,16 @@ def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pic
     if (fc is None) != (first_features is None):
         raise ValueError("draft_chains: a feature-conditioned draft passes fc and the catch-up's features together")
     features = x2 = q = None
+    history_ptrs = [None] * 6
+    if history is not None:
+        if temps is None:
+            raise ValueError("draft_chains: history transforms come with the sampled pass's operands")
+        dtypes = (torch.float32, torch.float32, torch.uint8, torch.uint8, torch.long, torch.float32)
+        history = [t.to(dtype).contiguous() for t, dtype in zip(history, dtypes)]
+        shapes = [(B, vocab)] * 4 + [(B,), (B, 3)]
+        if [tuple(t.shape) for t in history] != shapes:
+            raise ValueError(f"draft_chains: history transforms {shapes} expected")
+        history_ptrs = [t.data_ptr() for t in history]
     if (temps is None) != (noise is None):
         raise ValueError("draft_chains: sampled chains pass their temperatures and their noise together")
     if temps is not None:
@@ -213,7 +227,7 @@ def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pic
                                  h.data_ptr(), picked_h.data_ptr(), hn.data_ptr(), logits.data_ptr(),
                                  picked.data_ptr(), None if fc is None else ctypes.byref(fc), ptr(first_features),
                                  ptr(features), ptr(x2), ptr(temps), ptr(noise), ptr(q), ptr(min_p), ptr(top_k),
-                                 ptr(top_p))
+                                 ptr(top_p), *history_ptrs)
     if rc != 0:
         raise CpuKernelError(f"sf_draft_chains failed ({rc})")
     return tokens, log_q, features, q

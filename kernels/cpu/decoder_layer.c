@@ -98,6 +98,9 @@ void sf_greedy_pick(const float *logits, int64_t N, int64_t V, int64_t *index, f
 int sf_sample_pick(const float *logits, int64_t N, int64_t V, const float *temps, const float *noise,
                    int64_t *index, float *log_q, float *q, const float *min_p, const int64_t *top_k,
                    const float *top_p);
+void sf_history_apply(float *logits, int64_t N, int64_t V, int64_t d, const float *bias, const float *counts,
+                      const uint8_t *seen, const uint8_t *stops, const int64_t *stop_levels, const float *pen);
+void sf_history_take(const int64_t *picked, int64_t N, int64_t V, float *counts, uint8_t *seen);
 
 /* Layers L[0 .. n) of one forward in turn on h (sf_decoder_layer each): a forward's layers in
  * one call. Returns 0 or the first failing layer's code. */
@@ -136,7 +139,9 @@ static int draft_inputs(const float *embed, const int64_t *tok, const sf_weight 
  * chains, H] returns (NULL: not wanted; x2 [first_rows, 2H] is scratch). Sampled chains
  * (`temps` [chains] not NULL, 0 for a greedy one) draw each level as sf_sample_pick does, with
  * noise [levels + 1, chains, V], each chain's cut (min_p, top_k, top_p [chains], NULL for none)
- * and the q of each draw in q [levels + 1, chains, V]. Each step is the
+ * and the q of each draw in q [levels + 1, chains, V]; chains that read their history (`pen` not
+ * NULL) transform each level's logits first (sf_history_apply: bias, hist_counts, seen, stops,
+ * stop_levels, pen) and add each pick to hist_counts and seen. Each step is the
  * function the one-level path calls (the decoder layer, sf_rms_norm, the head's matmul, fc's),
  * so the logits are the same bits. F's scratch holds first_rows >= chains rows (F->N); h
  * [first_rows, H], picked_h, hn [chains, H] and logits [chains, V] are scratch too. Returns 0
@@ -148,7 +153,9 @@ int sf_draft_chains(const sf_layer *layers, int64_t num_layers, sf_forward *F, i
                     int64_t V, const int64_t *rows, int64_t *tokens, float *log_q, float *h, float *picked_h,
                     float *hn, float *logits, int64_t *picked, const sf_weight *fc, const float *first_features,
                     float *features, float *x2, const float *temps, const float *noise, float *q,
-                    const float *min_p, const int64_t *top_k, const float *top_p) {
+                    const float *min_p, const int64_t *top_k, const float *top_p, const float *bias,
+                    float *hist_counts, uint8_t *seen, const uint8_t *stops, const int64_t *stop_levels,
+                    const float *pen) {
     const int64_t N = chains, H = F->H, half = F->D / 2, S = F->S[0], scratch_rows = F->N;
     const int th = (int)F->threads;
     int64_t at = 0;                               /* the level's first row among all rows */
@@ -173,11 +180,13 @@ int sf_draft_chains(const sf_layer *layers, int64_t num_layers, sf_forward *F, i
         if (features)
             for (int64_t i = 0; i < N * H; i++) features[d * N * H + i] = hn[i];
         if ((rc = linear(head, hn, logits, N, H, V, th))) return rc;
+        if (pen) sf_history_apply(logits, N, V, d, bias, hist_counts, seen, stops, stop_levels, pen);
         if (temps) {
             if (sf_sample_pick(logits, N, V, temps, noise + d * N * V, picked, log_q + d * N, q + d * N * V,
                                min_p, top_k, top_p)) return -4;
         } else
             sf_greedy_pick(logits, N, V, picked, log_q + d * N);
+        if (pen) sf_history_take(picked, N, V, hist_counts, seen);
         for (int64_t r = 0; r < N; r++) tokens[d * N + r] = rows ? rows[picked[r]] : picked[r];
         at += n;
     }

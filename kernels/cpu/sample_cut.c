@@ -139,3 +139,36 @@ int sf_cut_pick(const float *x, int64_t V, float temp, float min_p, int64_t top_
     *log_q = logf(q[best]);
     return 0;
 }
+
+/* The history transforms of a draft pass's rows (models/sampling.py's process_logits, on the
+ * head's V columns), level d of N chains: logits [N, V] in place, x = logit + bias (NULL: none);
+ * a stop column (stops [N, V], NULL: none) -inf while d < stop_levels[r] (min_tokens); where
+ * seen (seen [N, V]: prompt, output, the chain so far) x / rep if x > 0 else x * rep; then
+ * x - frequency * count - presence * (count > 0) (counts [N, V]); pen [N, 3] = (presence,
+ * frequency, repetition) per chain. The same float operations in the same order as torch's. */
+__attribute__((optimize("fp-contract=off")))
+void sf_history_apply(float *logits, int64_t N, int64_t V, int64_t d, const float *bias, const float *counts,
+                      const uint8_t *seen, const uint8_t *stops, const int64_t *stop_levels, const float *pen) {
+    for (int64_t r = 0; r < N; r++) {
+        float *x = logits + r * V;
+        const float presence = pen[3 * r], frequency = pen[3 * r + 1], rep = pen[3 * r + 2];
+        const int stop = stops && d < stop_levels[r];
+        for (int64_t j = 0; j < V; j++) {
+            float v = bias ? x[j] + bias[r * V + j] : x[j];
+            if (stop && stops[r * V + j]) v = -INFINITY;
+            if (rep != 1.0f && seen[r * V + j]) v = v > 0.0f ? v / rep : v * rep;
+            const float c = counts[r * V + j];
+            v = v - frequency * c;
+            v = v - presence * (c > 0.0f ? 1.0f : 0.0f);
+            x[j] = v;
+        }
+    }
+}
+
+/* Each chain's pick (column picked[r]) joins its history: counted once more, seen. */
+void sf_history_take(const int64_t *picked, int64_t N, int64_t V, float *counts, uint8_t *seen) {
+    for (int64_t r = 0; r < N; r++) {
+        counts[r * V + picked[r]] += 1.0f;
+        seen[r * V + picked[r]] = 1;
+    }
+}

@@ -8,6 +8,7 @@ import torch
 from drafter import ModelProposer, NgramProposer
 from speculation.proposal import DraftRequest
 from models import SamplingParams, load_model
+from models.grammar import GrammarSpec
 
 SAMPLING = SamplingParams(temperature=1.0)
 GREEDY = SamplingParams(temperature=0.0)
@@ -90,21 +91,30 @@ def test_ngram_proposer_point_masses():
 
 MIXED = {"a": GREEDY, "b": SamplingParams(temperature=0.9)}
 MIXED_CUTS = {"a": SamplingParams(temperature=0.8, top_p=0.9, seed=2), "b": SamplingParams(temperature=0.9)}
+PENALISED = SamplingParams(temperature=1.1, presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.4,
+                           prompt_len=4)
+MIXED_HISTORY = {"a": SamplingParams(temperature=0.0, repetition_penalty=1.5, frequency_penalty=1.0, prompt_len=5),
+                 "b": SamplingParams(temperature=0.9, logit_bias={104: 4.0, 111: -3.0}, min_tokens=30,
+                                     eos_token_ids=[32, 101], prompt_len=6, seed=3)}
 
 
 @pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.7, seed=5), SamplingParams(temperature=1.3),
                                     MIXED, SamplingParams(temperature=0.8, top_p=0.8, seed=5),
                                     SamplingParams(temperature=1.2, top_k=6),
-                                    SamplingParams(temperature=1.0, min_p=0.05), MIXED_CUTS],
-                         ids=["greedy", "seeded", "sampled", "mixed", "top-p", "top-k", "min-p", "mixed-cuts"])
+                                    SamplingParams(temperature=1.0, min_p=0.05), MIXED_CUTS, PENALISED,
+                                    MIXED_HISTORY],
+                         ids=["greedy", "seeded", "sampled", "mixed", "top-p", "top-k", "min-p", "mixed-cuts",
+                              "penalties", "mixed-history"])
 @pytest.mark.parametrize("logit_rows", [None, list(range(32, 127))])
 def test_chains_in_one_call_draft_what_the_level_by_level_path_drafts(draft_model, logit_rows, params):
     """models.draft_chain: a batch of chains drafted in one C call gives the trees, the q of
     each sampled draw and the draft K/V the level-by-level forwards give, through accepts and
     rollbacks: greedy, seeded (the seed's noise), unseeded (each request's generator, drawn
-    level by level as the builder draws it), under a top-p, top-k or min-p cut, and a greedy
-    (or a cut) chain beside a sampled one in one pass. The draws compare logit / T + noise where
-    the level-by-level path compares log q + noise: equal but for a rounding-level near tie."""
+    level by level as the builder draws it), under a top-p, top-k or min-p cut, reading the
+    history (penalties over the output and the chain so far, logit_bias, min_tokens' stops), and
+    a greedy (or a cut, or a penalised) chain beside a sampled one in one pass. The draws compare
+    logit / T + noise where the level-by-level path compares log q + noise: equal but for a
+    rounding-level near tie."""
     from kernels import cpu as cpu_kernels
     from models import draft_chain
 
@@ -153,7 +163,7 @@ def assert_same_cached_kv(cache, other, seq_ids) -> None:
                 assert torch.equal(mine.flatten(0, 1)[slots_a], theirs.flatten(0, 1)[slots_b])
 
 
-def test_only_chains_of_one_depth_without_history_transforms_take_the_one_call_path(draft_model):
+def test_only_chains_of_one_depth_without_a_grammar_take_the_one_call_path(draft_model):
     from models import draft_chain
 
     calls = []
@@ -170,14 +180,14 @@ def test_only_chains_of_one_depth_without_history_transforms_take_the_one_call_p
         p = proposer(draft_model)
         deep, shallow = twice(p, [DraftRequest("a", list(b"abc"), GREEDY, torch.Generator(), 4),
                                   DraftRequest("b", list(b"xyz"), GREEDY, torch.Generator(), 2)])
-        penalised, = twice(proposer(draft_model), [request(b"hello", SamplingParams(presence_penalty=0.5), depth=4)])
         wide, = twice(proposer(draft_model, width=2), [request(b"hello", GREEDY, depth=4)])
-        assert calls == [] and deep.num_nodes == 4 and shallow.num_nodes == 2
-        assert penalised.num_nodes == 4 and wide.num_nodes > 4
+        assert calls == [] and deep.num_nodes == 4 and shallow.num_nodes == 2 and wide.num_nodes > 4
+        assert not draft_chain.draws(SamplingParams(grammar=GrammarSpec("regex", "[a-z]+")))   # masks per path
         chains = [twice(proposer(draft_model), [request(b"hello", params, depth=4)])[0]
                   for params in (GREEDY, SAMPLING, SamplingParams(temperature=1.0, top_p=0.9),
-                                 SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0, min_p=0.1))]
-        assert calls == [3] * 5 and all(c.num_nodes == 4 for c in chains)     # these do
+                                 SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0, min_p=0.1),
+                                 SamplingParams(presence_penalty=0.5))]
+        assert calls == [3] * 6 and all(c.num_nodes == 4 for c in chains)     # these do
     finally:
         draft_chain.run_chains = real
 

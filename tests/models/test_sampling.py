@@ -129,6 +129,23 @@ def test_invalid_transform_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+def test_penalties_change_the_historys_tokens_as_the_dense_definition_does():
+    """The penalties worked on the history's tokens alone give, bit for bit, the dense
+    definition over the whole vocabulary: counts of output + path per row, seen = counted or in
+    the prompt, x / r or x * r where seen, then x - f * count - p * (count > 0)."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(4, 300, generator=gen) * 3
+    committed = torch.randint(0, 300, (40,), generator=gen).tolist() + [7, 7, 299]
+    paths = [[], [7], [7, 12], [7, 12, 7]]
+    params = SamplingParams(presence_penalty=0.6, frequency_penalty=0.35, repetition_penalty=1.25, prompt_len=15)
+    counts = torch.stack([torch.bincount(torch.tensor(committed[15:] + p), minlength=300) for p in paths]).float()
+    seen = counts > 0
+    seen[:, torch.tensor(committed[:15])] = True
+    want = torch.where(seen, torch.where(logits > 0, logits / 1.25, logits * 1.25), logits)
+    want = want - 0.35 * counts - 0.6 * (counts > 0).float()
+    assert torch.equal(process_logits(logits, params, TokenHistory(committed, paths)), want)
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.3, prompt_len=3),
     SamplingParams(logit_bias={5: 3.0, 40: -2.0, 63: 1.5}, min_tokens=9, eos_token_ids=[2, 60], prompt_len=3)],
