@@ -5,6 +5,7 @@
     python bench/generate_modes.py --modes off,async,async-eagle     # the pipeline with the EAGLE head
     python bench/generate_modes.py --temperature 1                   # seeded sampling (the API's default temperature)
     python bench/generate_modes.py --temperature 0.8 --top-p 0.95    # ... through a nucleus
+    python bench/generate_modes.py --temperature 1 --presence-penalty 0.5   # ... penalised
 
 What a user sees: each run is a whole `specflash generate` process (`python -m cluster.cli
 generate --ignore-eos --json`) on the embedded pair and one code prompt, both cores for every
@@ -41,6 +42,8 @@ from bench import common  # noqa: E402  (bench/ off sys.path, the repository on 
 
 MODES = ("off", "sync", "async", "sync-eagle", "async-eagle")   # `-eagle`: --proposer eagle (the embedded head)
 PROMPT = "Write a Python function that returns the n-th Fibonacci number iteratively."
+PENALTIES = (("--presence-penalty", "presence_penalty", 0.0), ("--frequency-penalty", "frequency_penalty", 0.0),
+             ("--repetition-penalty", "repetition_penalty", 1.0))     # passed on where not `off`
 
 
 def run_once(mode: str, max_tokens: int, args) -> tuple[float, list[int], float]:
@@ -54,6 +57,7 @@ def run_once(mode: str, max_tokens: int, args) -> tuple[float, list[int], float]
     cmd += [] if args.raw_prompt else ["--chat"]
     cmd += ["--temperature", str(args.temperature), "--seed", str(args.seed)] if args.temperature > 0 else []
     cmd += ["--top-p", str(args.top_p)] if args.top_p < 1 else []
+    cmd += [f for flag, name, off in PENALTIES if getattr(args, name) != off for f in (flag, str(getattr(args, name)))]
     cmd += [f for flag, value in (("--target", args.target), ("--draft", args.draft)) if value
             for f in (flag, str(value))]
     start = time.perf_counter()
@@ -144,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; above: seeded sampling")
     p.add_argument("--seed", type=int, default=0, help="the sampled runs' seed (with --temperature)")
     p.add_argument("--top-p", type=common.positive_float, default=1.0, help="the nucleus (with --temperature)")
+    for flag, _, off in PENALTIES:
+        p.add_argument(flag, type=float, default=off, help=f"passed to every run ({off}: none)")
     p.add_argument("--raw-prompt", action="store_true", help="the prompt as it is, without the chat template")
     p.add_argument("--timeout", type=common.positive_float, default=600.0, help="seconds per process")
     p.add_argument("--out", type=Path, default=common.RESULTS)

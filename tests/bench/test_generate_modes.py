@@ -50,17 +50,19 @@ def test_generate_modes_refuses_bad_arguments(bench_script):
 
 def test_sampled_runs_are_seeded_and_still_checked_against_off(tiny_target, close_draft, tmp_path, bench_script,
                                                                monkeypatch):
-    """--temperature runs seeded sampling: every process gets the temperature, the nucleus and the seed, and a
-    seeded request's tokens are the seed's whatever drafted them, so they still equal `off`'s."""
+    """--temperature runs seeded sampling: every process gets the temperature, the nucleus, a penalty
+    (the others left off) and the seed, and a seeded request's tokens are the seed's whatever
+    drafted them, so they still equal `off`'s."""
     bench = bench_script("generate_modes")
     commands, real = [], bench.subprocess.run
     monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or real(cmd, **kw))
     assert bench.main(["--target", str(tiny_target), "--draft", str(close_draft), "--modes", "off,sync",
                        "--rounds", "1", "--warmup", "0", "--short", "3", "--long", "9", "--raw-prompt",
                        "--prompt", "abc", "--spec-len", "2", "--temperature", "1", "--seed", "3",
-                       "--top-p", "0.9", "--out", str(tmp_path)]) == 0
+                       "--top-p", "0.9", "--presence-penalty", "0.5", "--out", str(tmp_path)]) == 0
     assert len(commands) == 4
     assert all(c[c.index("--temperature") + 1] == "1.0" and c[c.index("--seed") + 1] == "3"
-               and c[c.index("--top-p") + 1] == "0.9" for c in commands)
+               and c[c.index("--top-p") + 1] == "0.9" and c[c.index("--presence-penalty") + 1] == "0.5"
+               and "--frequency-penalty" not in c and "--repetition-penalty" not in c for c in commands)
     (out,) = tmp_path.glob("generate_modes-*.json")
     assert all(m["exact_vs_off"] is True for m in json.loads(out.read_text())["modes"].values())
