@@ -55,7 +55,9 @@ def test_sampled_runs_are_seeded_and_still_checked_against_off(tiny_target, clos
     drafted them, so they still equal `off`'s."""
     bench = bench_script("generate_modes")
     commands, real = [], bench.subprocess.run
-    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: commands.append(cmd) or real(cmd, **kw))
+    # the `generate` processes alone (platform.processor() may run `uname -p` once per process)
+    monkeypatch.setattr(bench.subprocess, "run",
+                        lambda cmd, **kw: ("generate" in cmd and commands.append(cmd)) or real(cmd, **kw))
     assert bench.main(["--target", str(tiny_target), "--draft", str(close_draft), "--modes", "off,sync",
                        "--rounds", "1", "--warmup", "0", "--short", "3", "--long", "9", "--raw-prompt",
                        "--prompt", "abc", "--spec-len", "2", "--temperature", "1", "--seed", "3",
