@@ -27,7 +27,7 @@ class NgramProposer:
             k = min(self.spec_len, r.max_depth)
             draft_token_ids = lookup(r.token_ids, k, self.max_ngram, self.min_ngram) if k > 0 else []
             draft_probs = None
-            if draft_token_ids and not r.params.greedy:
+            if draft_token_ids and not r.params.greedy and not r.params.coupled:
                 draft_probs = point_mass_rows(draft_token_ids, self.vocab_size)     # [K+1, V]
             if draft_token_ids:
                 trees.append(TokenTree.chain(draft_token_ids, draft_probs, len(r.token_ids), r.epoch))

@@ -194,7 +194,8 @@ class Drafter:
                     self.stats.observe_wasted(s.resync(sig.token_ids, sig.epoch))
                 self.side.release(sig.stream)
                 params = dict(sig.params or {})
-                seed = params.get("seed") or 0
+                seed = params.pop("draft_seed", None)             # an unseeded request's own randomness
+                seed = (params.get("seed") or 0) if seed is None else seed
                 s = DraftStream(sig.stream, sig.token_ids, sig.epoch, SamplingParams(**params), seed,
                                 sig.proposer or "model")
                 s.budget = sig.budget

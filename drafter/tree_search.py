@@ -143,7 +143,7 @@ class TreeBuilder:
         new_index = {old: new for new, old in enumerate(kept)}
         new_index[ROOT] = ROOT
         draft_probs = None
-        if not self.params.greedy:
+        if not self.params.greedy and not self.params.coupled:   # a seeded walk reads no q: none to ship
             draft_probs = torch.zeros(len(kept) + 1, self.vocab_size)            # [T+1, V]
             for node, q in self.q_rows.items():
                 if node in new_index:

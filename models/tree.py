@@ -26,7 +26,8 @@ class TokenTree:
     parent_ids: torch.Tensor           # [T] int64   parent node of i; -1 = child of the root
     depths: torch.Tensor               # [T] int64   1 for children of the root
     draft_probs: torch.Tensor | None   # [T+1, V] float32: q the root's (row 0) / node i's (row i+1)
-                                       #   children were sampled from; None = greedy drafting
+                                       #   children were sampled from; None = a verification that
+                                       #   reads no q: greedy, or seeded (its walk is the seed's)
     prefix_len: int                    # committed tokens (root included) the tree was drafted for
     epoch: int = 0                     # bumped on every rollback; stale trees are dropped
 

@@ -31,9 +31,10 @@ from typing import Any
 import msgpack
 import numpy as np
 
-WIRE_VERSION = 7                 # 2: "reset" (a restarted verifier); 3: a stream's proposer; 4: target features;
+WIRE_VERSION = 8                 # 2: "reset" (a restarted verifier); 3: a stream's proposer; 4: target features;
 #                                  5: a request's grammar in `params` (models.grammar.GrammarSpec as a dict);
-#                                  6: the verifier's word on lockstep in every signal; 7: the restart tree's depth
+#                                  6: the verifier's word on lockstep in every signal; 7: the restart tree's depth;
+#                                  8: an unseeded request's `params` keep seed None, the drafter's own in `draft_seed`
 SIGNAL_KINDS = ("step", "join", "leave", "resync", "reset")
 
 

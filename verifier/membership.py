@@ -129,8 +129,10 @@ class Membership:
         self.sch.drop(ring.bump(ring.epoch + 1))
         params = asdict(s.params)
         # a coupled (seeded) request: the drafter proposes under the target's own noise, keyed by the
-        # seed; otherwise its own stream of randomness, independent of the verifier's draws
-        params["seed"] = s.seed if s.params.coupled else s.seed + 1
+        # seed its params carry, and ships no q (the walk reads none); otherwise its own stream of
+        # randomness, `draft_seed`, independent of the verifier's draws, and the q it drew from
+        if not s.params.coupled:
+            params["draft_seed"] = s.seed + 1
         s.unsent, s.sent_budget = [], s.budget
         features = None
         if self.sch.features:

@@ -24,7 +24,8 @@ class VerifyStream:
     tree_width: int
     max_context: int
     proposer: str = "model"             # what its drafter drafts with: "model" | "ngram"
-    seed: int = 0                       # of `generator`; the drafter's own is seed + 1 (seed itself if coupled)
+    seed: int = 0                       # of `generator`; the drafter's own is seed + 1 (`draft_seed`), or the
+                                        # seed itself if coupled
     emit: Callable[[GenerationChunk], None] | None = None   # where its chunks go
     drafter: int | None = None          # index of the drafter feeding it
     committed: list[int] = field(default_factory=list)

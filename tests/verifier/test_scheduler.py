@@ -416,3 +416,38 @@ def test_plans_assume_the_batch_refills_while_plain_steps_borrow(tiny_target, mo
         assert va.scheduler.costs.refilling(2, va.lendable_later()) == 0
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_drafter_is_told_whether_a_sampled_request_is_seeded(tiny_target):
+    """A seeded request's params carry its seed (the drafter proposes under the target's noise and
+    ships no q); an unseeded one's keep seed None and give the drafter its own `draft_seed`, a
+    stream independent of the verifier's draws, so its trees carry the q the rejection sampler reads."""
+    async def scenario():
+        va = Harness(tiny_target, num_blocks=64, block_size=16, lookup=False)
+        await va.exchange(0, "d0", [], 0.0)
+        gens = [va.generate(rid, list(range(3, 12)), SamplingParams(temperature=1.0, seed=seed, max_tokens=4,
+                                                                     ignore_eos=True), {"mode": "chain", "spec_len": 2})
+                for rid, seed in (("seeded", 5), ("unseeded", None))]
+        firsts = [asyncio.ensure_future(gen.__anext__()) for gen in gens]     # the requests go in
+        joined = {}
+        for _ in range(50):
+            for s in await va.exchange(0, "d0", [], 0.0):
+                if s.kind in ("join", "resync"):
+                    joined[s.stream] = s.params
+            if len(joined) == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert joined["seeded"]["seed"] == 5 and "draft_seed" not in joined["seeded"]
+        assert joined["unseeded"]["seed"] is None and isinstance(joined["unseeded"]["draft_seed"], int)
+        streams = {rid: DraftStream(rid, [1], 0, SamplingParams(**{k: v for k, v in p.items() if k != "draft_seed"}),
+                                    p.get("draft_seed") or 0) for rid, p in joined.items()}
+        assert streams["seeded"].params.coupled and not streams["unseeded"].params.coupled
+        await asyncio.wait_for(asyncio.gather(*firsts), 30)
+        for gen in gens:
+            await asyncio.wait_for(gen.aclose(), 10)
+
+    threads = torch.get_num_threads()
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        torch.set_num_threads(threads)
