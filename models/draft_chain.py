@@ -9,11 +9,13 @@ one row a level, whose position and cache slot follow the last and which sees it
 and the chain above it. So all rows are laid out at once (`kernels.cpu.visible_slots`, one
 RoPE call) and the C loop runs the catch-up, then level after level: embedding, every
 decoder layer, the final norm and the head on one row a chain, and the choice of the
-largest logit, which becomes the next level's token. A sampled chain (nothing read from the
-history) draws it instead as the largest logit / temperature + Gumbel noise the caller drew
-(Gumbel-max: an exact draw from the temperature's softmax), and that softmax comes back as the
-draw's q; under a request's min-p, top-k or top-p, the largest log q + noise over what the cut
-keeps, q the cut's (kernels/cpu/sample_cut.c: `logits_to_probs`' rules).
+largest logit, which becomes the next level's token. A sampled chain draws it instead as the
+largest logit / temperature + Gumbel noise the caller drew (Gumbel-max: an exact draw from the
+temperature's softmax), and that softmax comes back as the draw's q; under a request's min-p,
+top-k or top-p, the largest log q + noise over what the cut keeps, q the cut's
+(kernels/cpu/sample_cut.c: `logits_to_probs`' rules). A chain that reads its history
+(penalties, logit_bias, min_tokens) has each level's logits transformed first, each pick joining
+its counts (`models.sampling.HistoryColumns`); a grammar's chain is drafted level by level.
 
 A feature-conditioned draft (EAGLE, `models.eagle.EagleDraft`) runs the same way: each row
 reads fc([embedding; feature]) instead of the embedding, the catch-up's rows the features
