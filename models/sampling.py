@@ -164,7 +164,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, history: TokenH
             rows = short.nonzero().squeeze(1).to(logits.device)
             logits[rows[:, None], stops[None, :]] = float("-inf")
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-        logits = _penalise(logits, params, history, output, paths, vocab, columns)
+        logits = _penalise(logits, params, history, output, paths, vocab, column_of)
     if params.grammar is not None and (params.grammar.draft or not history.draft):
         allowed = grammar_mask(params.grammar, params.grammar_stop_ids, output.tolist(), history.paths, vocab)
         allowed = allowed if columns is None else allowed[:, columns.to(allowed.device)]
@@ -223,16 +223,16 @@ def _column_map(columns: torch.Tensor | None, vocab: int, device) -> torch.Tenso
 
 
 def _penalise(logits: torch.Tensor, params: SamplingParams, history: TokenHistory, output: torch.Tensor,
-              paths: list[torch.Tensor], vocab: int, columns: torch.Tensor | None) -> torch.Tensor:
+              paths: list[torch.Tensor], vocab: int, column_of: torch.Tensor) -> torch.Tensor:
     """`repetition_penalty`, then frequency and presence penalties, per row (`process_logits`),
-    on the logits' columns (`columns`' tokens, or all `vocab`). Only the tokens of the history
+    on the logits' columns (`column_of` [vocab]: each token id's column, -1: none). Only the tokens of the history
     (the output, each row's path, the prompt for repetition) can change: the rest are left as
     they are (x - 0 - 0 = x), and the few hundred that can are worked on alone."""
     prompt = torch.tensor(list(history.committed[:params.prompt_len]), dtype=torch.long)
     parts = [output, *paths] + ([prompt] if params.repetition_penalty != 1.0 else [])
     touched = torch.cat(parts).unique()                                           # sorted token ids
     touched = touched[touched < vocab]
-    at = touched if columns is None else _column_map(columns, vocab, "cpu")[touched]
+    at = column_of[touched.to(column_of.device)].cpu()
     touched, at = touched[at >= 0], at[at >= 0]                                   # the columns' tokens
     if not len(touched):
         return logits
