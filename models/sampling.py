@@ -120,8 +120,9 @@ class SamplingParams:
                     or self.repetition_penalty != 1.0 or self.grammar is not None)
 
     @property
-    def grammar_stop_ids(self) -> list[int]:
-        """The tokens that end a grammar's output: the engine's EOS ids, else the stop ids."""
+    def stop_ids(self) -> list[int]:
+        """The tokens that end the output, sorted: the engine's EOS ids and the request's stop ids
+        (what min_tokens masks and a grammar's end accepts)."""
         return sorted(set(self.eos_token_ids) | set(self.stop_token_ids))
 
 
@@ -156,7 +157,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, history: TokenH
     output = torch.tensor(list(history.committed[params.prompt_len:]), dtype=torch.long)
     paths = [torch.tensor(list(p), dtype=torch.long) for p in history.paths]
     if params.min_tokens:
-        stops = torch.tensor(sorted(set(params.stop_token_ids) | set(params.eos_token_ids)), dtype=torch.long)
+        stops = torch.tensor(params.stop_ids, dtype=torch.long)
         stops = column_of[stops[stops < vocab].to(logits.device)]
         stops = stops[stops >= 0]
         short = torch.tensor([len(output) + len(p) < params.min_tokens for p in paths])   # [N]
@@ -166,7 +167,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, history: TokenH
     if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
         logits = _penalise(logits, params, history, output, paths, vocab, column_of)
     if params.grammar is not None and (params.grammar.draft or not history.draft):
-        allowed = grammar_mask(params.grammar, params.grammar_stop_ids, output.tolist(), history.paths, vocab)
+        allowed = grammar_mask(params.grammar, params.stop_ids, output.tolist(), history.paths, vocab)
         allowed = allowed if columns is None else allowed[:, columns.to(allowed.device)]
         logits = logits.masked_fill(~allowed.to(logits.device), float("-inf"))
     return logits
@@ -206,7 +207,7 @@ def history_columns(params: SamplingParams, committed: Sequence[int], columns: t
     seen[prompt[prompt < vocab]] = True
     stops = torch.zeros(vocab, dtype=torch.bool)
     if params.min_tokens:
-        ids = torch.tensor(sorted(set(params.stop_token_ids) | set(params.eos_token_ids)), dtype=torch.long)
+        ids = torch.tensor(params.stop_ids, dtype=torch.long)
         stops[ids[ids < vocab]] = True
     return HistoryColumns(bias, counts[cols], seen[cols].to(torch.uint8), stops[cols].to(torch.uint8),
                           max(0, params.min_tokens - len(output)) if params.min_tokens else 0,

@@ -142,9 +142,8 @@ class Scheduler:
         # what both sides' sampling transforms read (models.sampling.process_logits)
         params = replace(params, prompt_len=len(prompt),
                          eos_token_ids=[] if params.ignore_eos else sorted(self.eos_ids))
-        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        s = VerifyStream(request_id, list(prompt), params, torch.Generator().manual_seed(seed), stop, r.mode,
-                         r.spec_len, r.tree_width, ctx, proposer=r.proposer, seed=seed, emit=emit,
+        s = VerifyStream(request_id, list(prompt), params, torch.Generator().manual_seed(seed), set(params.stop_ids),
+                         r.mode, r.spec_len, r.tree_width, ctx, proposer=r.proposer, seed=seed, emit=emit,
                          committed=list(prompt), prefix_cache=prefix_cache)
         s.started = time.perf_counter()
         self.streams[request_id] = s
