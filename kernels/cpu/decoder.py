@@ -4,6 +4,7 @@ layers share) and `draft_chains`. Re-exported by `kernels.cpu`."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -183,32 +184,8 @@ def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pic
         raise ValueError("draft_chains: the rows do not match the step")
     if (fc is None) != (first_features is None):
         raise ValueError("draft_chains: a feature-conditioned draft passes fc and the catch-up's features together")
-    features = x2 = q = None
-    history_ptrs = [None] * 6
-    if history is not None:
-        if temps is None:
-            raise ValueError("draft_chains: history transforms come with the sampled pass's operands")
-        dtypes = (torch.float32, torch.float32, torch.uint8, torch.uint8, torch.long, torch.float32)
-        history = [t.to(dtype).contiguous() for t, dtype in zip(history, dtypes)]
-        shapes = [(B, vocab)] * 4 + [(B,), (B, 3)]
-        if [tuple(t.shape) for t in history] != shapes:
-            raise ValueError(f"draft_chains: history transforms {shapes} expected")
-        history_ptrs = [t.data_ptr() for t in history]
-    if (temps is None) != (noise is None):
-        raise ValueError("draft_chains: sampled chains pass their temperatures and their noise together")
-    if temps is not None:
-        temps, noise = temps.float().contiguous(), noise.float().contiguous()
-        if temps.shape != (B,) or noise.shape != (levels + 1, B, vocab):
-            raise ValueError(f"draft_chains: temps [{B}] and noise [{levels + 1}, {B}, {vocab}] expected")
-        q = torch.empty(levels + 1, B, vocab)
-    min_p = top_k = top_p = None
-    if cuts is not None:
-        if temps is None:
-            raise ValueError("draft_chains: a cut is for sampled chains")
-        min_p, top_k, top_p = (t.to(dtype).contiguous() for t, dtype in zip(cuts, (torch.float32, torch.long,
-                                                                                  torch.float32)))
-        if not min_p.shape == top_k.shape == top_p.shape == (B,):
-            raise ValueError(f"draft_chains: min-p, top-k and top-p [{B}] expected")
+    sampled = _sampled_operands(B, levels, vocab, temps, noise, cuts, history)
+    features = x2 = None
     if fc is not None:
         first_features = first_features.contiguous()
         if first_features.shape != (R, H) or first_features.dtype != torch.float32:
@@ -226,8 +203,54 @@ def draft_chains(step: DecoderStep, table, first_tokens: torch.Tensor, first_pic
                                  ctypes.byref(head), vocab, ptr(rows_c), tokens.data_ptr(), log_q.data_ptr(),
                                  h.data_ptr(), picked_h.data_ptr(), hn.data_ptr(), logits.data_ptr(),
                                  picked.data_ptr(), None if fc is None else ctypes.byref(fc), ptr(first_features),
-                                 ptr(features), ptr(x2), ptr(temps), ptr(noise), ptr(q), ptr(min_p), ptr(top_k),
-                                 ptr(top_p), *history_ptrs)
+                                 ptr(features), ptr(x2), *sampled.pointers())
     if rc != 0:
         raise CpuKernelError(f"sf_draft_chains failed ({rc})")
-    return tokens, log_q, features, q
+    return tokens, log_q, features, sampled.q
+
+
+@dataclass
+class _Sampled:
+    """`draft_chains`' sampled operands, checked and laid out for C (all None: a greedy pass)."""
+
+    temps: torch.Tensor | None = None       # [B] float32, 0: that chain greedy
+    noise: torch.Tensor | None = None       # [levels + 1, B, vocab] float32 Gumbel
+    q: torch.Tensor | None = None           # [levels + 1, B, vocab] float32, written by C
+    min_p: torch.Tensor | None = None       # [B] float32
+    top_k: torch.Tensor | None = None       # [B] int64
+    top_p: torch.Tensor | None = None       # [B] float32
+    history: list[torch.Tensor] | None = None   # bias, counts, seen, stops [B, vocab]; stop_levels [B];
+                                                # penalties [B, 3] (`draft_chains`' doc)
+
+    def pointers(self) -> list:
+        """The operands' data pointers in sf_draft_chains' order (None where absent)."""
+        history = self.history or [None] * 6
+        return [None if t is None else t.data_ptr()
+                for t in (self.temps, self.noise, self.q, self.min_p, self.top_k, self.top_p, *history)]
+
+
+def _sampled_operands(B: int, levels: int, vocab: int, temps, noise, cuts, history) -> _Sampled:
+    """Checks `draft_chains`' temps, noise, cuts and history (its doc) and lays them out."""
+    out = _Sampled()
+    if (temps is None) != (noise is None):
+        raise ValueError("draft_chains: sampled chains pass their temperatures and their noise together")
+    if temps is None:
+        if cuts is not None or history is not None:
+            raise ValueError("draft_chains: cuts and history transforms come with the sampled pass's operands")
+        return out
+    out.temps, out.noise = temps.float().contiguous(), noise.float().contiguous()
+    if out.temps.shape != (B,) or out.noise.shape != (levels + 1, B, vocab):
+        raise ValueError(f"draft_chains: temps [{B}] and noise [{levels + 1}, {B}, {vocab}] expected")
+    out.q = torch.empty(levels + 1, B, vocab)
+    if cuts is not None:
+        dtypes = (torch.float32, torch.long, torch.float32)
+        out.min_p, out.top_k, out.top_p = (t.to(dtype).contiguous() for t, dtype in zip(cuts, dtypes))
+        if not out.min_p.shape == out.top_k.shape == out.top_p.shape == (B,):
+            raise ValueError(f"draft_chains: min-p, top-k and top-p [{B}] expected")
+    if history is not None:
+        dtypes = (torch.float32, torch.float32, torch.uint8, torch.uint8, torch.long, torch.float32)
+        out.history = [t.to(dtype).contiguous() for t, dtype in zip(history, dtypes)]
+        shapes = [(B, vocab)] * 4 + [(B,), (B, 3)]
+        if [tuple(t.shape) for t in out.history] != shapes:
+            raise ValueError(f"draft_chains: history transforms {shapes} expected")
+    return out
