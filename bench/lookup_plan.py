@@ -44,7 +44,7 @@ def run(seqs: int, tokens: int, steps: int, vocab: int, indexed: bool) -> tuple[
     start = time.perf_counter()
     for _ in range(steps):
         candidates = [(name, context[name], 4, True) for name in names]
-        chains = plan_lookups(planner, candidates, 0, 32000, indexes)
+        chains = plan_lookups(planner, candidates, 0, indexes)
         chosen.append(sorted((s, t.token_ids.tolist()) for s, t in chains.items()))
         for name in names:                      # one token committed per sequence per step
             context[name].append(rng.randrange(vocab))

@@ -91,7 +91,8 @@ class CorruptedReplayProposer:
                 node, depth = i, depth + 1
         from models.tree import TokenTree
 
-        return TokenTree(tokens, tree.parent_ids, tree.depths, tree.draft_probs, tree.prefix_len, tree.epoch)
+        return TokenTree(tokens, tree.parent_ids, tree.depths, tree.draft_probs, tree.prefix_len, tree.epoch,
+                         tree.draft_columns)
 
     def on_verified(self, seq_id, tree, accepted_nodes) -> None:
         # the draft's K/V were computed for its own tokens, not the replayed ones: drop them, so the

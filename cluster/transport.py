@@ -67,7 +67,8 @@ class RayLink:
 
     def put_tree(self, header: TreeHeader, tree) -> TreePut:
         """The tree frame itself: it travels in the exchange's arguments."""
-        return TreePut(header, encode_tree(header, tree.token_ids, tree.parent_ids, tree.depths, tree.draft_probs))
+        return TreePut(header, encode_tree(header, tree.token_ids, tree.parent_ids, tree.depths, tree.draft_probs,
+                                           tree.draft_columns))
 
     def verifier_info(self) -> VerifierInfo:
         """The verifier's node, CPUs and GPUs (from its health); empty where it does not answer."""
@@ -115,9 +116,9 @@ def frame_tree(frame):
 
     with warnings.catch_warnings():   # object-store buffers are read-only; nothing writes them
         warnings.simplefilter("ignore", UserWarning)
-        probs = None if frame.draft_probs is None else torch.from_numpy(frame.draft_probs)
+        probs, columns = (None if a is None else torch.from_numpy(a) for a in (frame.draft_probs, frame.draft_columns))
         return TokenTree(torch.from_numpy(frame.token_ids), torch.from_numpy(frame.parent_ids),
-                         torch.from_numpy(frame.depths), probs, frame.header.prefix_len, frame.header.epoch)
+                         torch.from_numpy(frame.depths), probs, frame.header.prefix_len, frame.header.epoch, columns)
 
 
 async def fetch_tree(entry) -> None:

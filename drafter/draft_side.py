@@ -102,6 +102,11 @@ class DraftSide:
         return cls(proposers, settings)
 
     @property
+    def vocab_size(self) -> int:
+        """V, the target's vocabulary, which every proposer drafts over."""
+        return self.proposers["ngram"].vocab_size
+
+    @property
     def model(self):
         """The model proposer (None when this side drafts by prompt lookup only)."""
         return self.proposers.get("model")

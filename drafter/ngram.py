@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from models.tree import TokenTree
-from speculation.proposal import DraftRequest, check_ngrams, lookup, point_mass_rows
+from speculation.proposal import DraftRequest, check_ngrams, lookup, point_mass_chain
 
 
 class NgramProposer:
@@ -26,11 +26,9 @@ class NgramProposer:
         for r in batch:
             k = min(self.spec_len, r.max_depth)
             draft_token_ids = lookup(r.token_ids, k, self.max_ngram, self.min_ngram) if k > 0 else []
-            draft_probs = None
-            if draft_token_ids and not r.params.greedy and not r.params.coupled:
-                draft_probs = point_mass_rows(draft_token_ids, self.vocab_size)     # [K+1, V]
-            if draft_token_ids:
-                trees.append(TokenTree.chain(draft_token_ids, draft_probs, len(r.token_ids), r.epoch))
+            if draft_token_ids:          # q only where the verification reads one: unseeded sampling
+                with_q = not r.params.greedy and not r.params.coupled
+                trees.append(point_mass_chain(draft_token_ids, len(r.token_ids), r.epoch, with_q))
             else:
                 trees.append(TokenTree.empty(len(r.token_ids), r.epoch))
         return trees

@@ -253,9 +253,10 @@ class Drafter:
             prefix = s.position()
             f = s.record(len(prefix), d.outcome, t, None if d.outcome is not None else d.cached)
             anchor = len(s.confirmed)
-            probs = d.tree.draft_probs
+            probs, columns = d.tree.draft_probs, d.tree.draft_columns
             header = TreeHeader(s.stream, s.epoch, f.tree_id, len(prefix), anchor, prefix[anchor:], t,
-                                0 if probs is None else int(probs.shape[-1]), d.outcome)
+                                0 if probs is None else self.side.vocab_size, d.outcome,
+                                0 if columns is None else int(columns.shape[0]))
             puts.append(put_tree(header, d.tree))
             self.stats.observe_drafted(t)
         levels = max(item.depth + int(assume) + item.bridge for item in items)

@@ -187,7 +187,7 @@ def cut_tree(tree, depth: int):
         raise ValueError("tree nodes are not in level order; cannot cut by depth")
     probs = None if tree.draft_probs is None else tree.draft_probs[: keep + 1]
     return TokenTree(tree.token_ids[:keep], tree.parent_ids[:keep], tree.depths[:keep], probs,
-                     tree.prefix_len, tree.epoch)
+                     tree.prefix_len, tree.epoch, tree.draft_columns)
 
 
 def reroot(tree, node: int):
@@ -209,8 +209,8 @@ def reroot(tree, node: int):
     idx = torch.tensor(order, dtype=torch.long)
     probs = None
     if tree.draft_probs is not None:
-        probs = tree.draft_probs[torch.tensor([node + 1] + [i + 1 for i in order])]    # [T'+1, V]
+        probs = tree.draft_probs[torch.tensor([node + 1] + [i + 1 for i in order])]    # [T'+1, V or V']
     sub = TokenTree(tree.token_ids[idx], torch.tensor([new_index[parents[i]] for i in order], dtype=torch.long),
                     tree.depths[idx] - int(tree.depths[node]), probs, tree.prefix_len + int(tree.depths[node]),
-                    tree.epoch)
+                    tree.epoch, tree.draft_columns)
     return sub, order

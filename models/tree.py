@@ -30,6 +30,9 @@ class TokenTree:
                                        #   reads no q: greedy, or seeded (its walk is the seed's)
     prefix_len: int                    # committed tokens (root included) the tree was drafted for
     epoch: int = 0                     # bumped on every rollback; stale trees are dropped
+    draft_columns: torch.Tensor | None = None   # [V'] int64 ascending: the token ids of draft_probs'
+    #                                     columns (a reduced draft head's rows; q is 0 elsewhere);
+    #                                     None: draft_probs spans the vocabulary
 
     def __post_init__(self) -> None:
         T = self.token_ids.shape[0]
@@ -37,12 +40,23 @@ class TokenTree:
             raise ValueError(f"token_ids, parent_ids, depths must all be [T={T}]")
         if self.draft_probs is not None and self.draft_probs.shape[0] != T + 1:
             raise ValueError(f"draft_probs must be [T+1={T + 1}, V], got {tuple(self.draft_probs.shape)}")
+        if self.draft_columns is not None and (self.draft_probs is None
+                                               or self.draft_columns.shape != (self.draft_probs.shape[1],)):
+            raise ValueError("draft_columns name each column of draft_probs")
         if T and bool((self.parent_ids >= torch.arange(T)).any()):
             raise ValueError("nodes must be topologically ordered (parent index < node index)")
 
     @property
     def num_nodes(self) -> int:
         return int(self.token_ids.shape[0])
+
+    def dense_draft_probs(self, vocab: int) -> torch.Tensor | None:
+        """draft_probs over the whole vocabulary, [T+1, vocab] (0 off `draft_columns`); None without q."""
+        if self.draft_probs is None or self.draft_columns is None:
+            return self.draft_probs
+        dense = torch.zeros(self.draft_probs.shape[0], vocab, dtype=self.draft_probs.dtype)
+        dense[:, self.draft_columns] = self.draft_probs
+        return dense
 
     @classmethod
     def empty(cls, prefix_len: int, epoch: int = 0) -> "TokenTree":
@@ -54,14 +68,15 @@ class TokenTree:
     def chain(
         cls,
         token_ids: Sequence[int] | torch.Tensor,   # [K]
-        draft_probs: torch.Tensor | None,          # [K+1, V] or None
+        draft_probs: torch.Tensor | None,          # [K+1, V] or None ([K+1, V'] with draft_columns)
         prefix_len: int,
         epoch: int = 0,
+        draft_columns: torch.Tensor | None = None,   # [V'] int64 ascending, or None
     ) -> "TokenTree":
         """A chain of K drafted tokens: node i's parent is node i-1."""
         ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
         K = ids.shape[0]
-        return cls(ids, torch.arange(K) - 1, torch.arange(1, K + 1), draft_probs, prefix_len, epoch)
+        return cls(ids, torch.arange(K) - 1, torch.arange(1, K + 1), draft_probs, prefix_len, epoch, draft_columns)
 
     def tree_mask(self) -> torch.Tensor:
         """[T, T] bool: mask[i, j] is True when node j is node i or one of its ancestors."""

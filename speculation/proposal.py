@@ -39,12 +39,19 @@ class Proposer(Protocol):
         """The sequence is finished: free its state."""
 
 
-def point_mass_rows(token_ids: Sequence[int], vocab_size: int) -> torch.Tensor:   # -> [K+1, V]
-    """Draft probabilities of a deterministic chain: row i is one-hot at token i, the last row 0."""
-    rows = torch.zeros(len(token_ids) + 1, vocab_size)
-    if len(token_ids):
-        rows[torch.arange(len(token_ids)), torch.tensor(list(token_ids))] = 1.0
-    return rows
+def point_mass_chain(token_ids: Sequence[int], prefix_len: int, epoch: int = 0, with_q: bool = True) -> TokenTree:
+    """A deterministic chain of K >= 1 tokens; `with_q` (an unseeded sampled request): its q,
+    row i one-hot at token i and the last row 0, over the chain's distinct tokens alone
+    (`TokenTree.draft_columns`): [K+1, distinct] rather than [K+1, V]."""
+    if not len(token_ids):
+        raise ValueError("point_mass_chain: a chain of at least one token")
+    tokens = torch.tensor(list(token_ids), dtype=torch.long)
+    if not with_q:
+        return TokenTree.chain(tokens, None, prefix_len, epoch)
+    columns, at = torch.unique(tokens, sorted=True, return_inverse=True)
+    rows = torch.zeros(len(tokens) + 1, len(columns))
+    rows[torch.arange(len(tokens)), at] = 1.0
+    return TokenTree.chain(tokens, rows, prefix_len, epoch, columns)
 
 
 @dataclass

@@ -31,10 +31,11 @@ from typing import Any
 import msgpack
 import numpy as np
 
-WIRE_VERSION = 8                 # 2: "reset" (a restarted verifier); 3: a stream's proposer; 4: target features;
+WIRE_VERSION = 9                 # 2: "reset" (a restarted verifier); 3: a stream's proposer; 4: target features;
 #                                  5: a request's grammar in `params` (models.grammar.GrammarSpec as a dict);
 #                                  6: the verifier's word on lockstep in every signal; 7: the restart tree's depth;
-#                                  8: an unseeded request's `params` keep seed None, the drafter's own in `draft_seed`
+#                                  8: an unseeded request's `params` keep seed None, the drafter's own in `draft_seed`;
+#                                  9: q over a reduced head's columns (`q_columns`, `draft_columns`)
 SIGNAL_KINDS = ("step", "join", "leave", "resync", "reset")
 
 
@@ -54,8 +55,9 @@ class TreeHeader:
     anchor_len: int         # prefix length the drafter knows to be committed
     assumed: list[int]      # prefix[anchor_len:prefix_len]: tokens assumed, not yet confirmed
     num_nodes: int          # T; 0 = plain decoding
-    vocab_size: int         # V of draft_probs (0 when draft_probs is None)
+    vocab_size: int         # V, the vocabulary draft_probs spans (0 when draft_probs is None)
     outcome: list[int] | None = None   # tokens the drafter assumes this tree commits; None = no guess
+    q_columns: int = 0      # V' where draft_probs holds only those tokens' columns (draft_columns); 0: all V
 
     def __post_init__(self) -> None:
         if self.prefix_len - self.anchor_len != len(self.assumed):
@@ -71,11 +73,13 @@ class TreeFrame:
     token_ids: np.ndarray                   # [T] int64
     parent_ids: np.ndarray                  # [T] int64, -1 = child of the root
     depths: np.ndarray                      # [T] int64, 1 = child of the root
-    draft_probs: np.ndarray | None = None   # [T+1, V] float32, row layout of rejection_sample
+    draft_probs: np.ndarray | None = None   # [T+1, V] float32, row layout of rejection_sample;
+    #                                         [T+1, V'] with draft_columns
+    draft_columns: np.ndarray | None = None  # [V'] int64 ascending token ids < V (header.q_columns > 0)
 
 
 _HEADER_FIELDS = ("stream", "epoch", "tree_id", "prefix_len", "anchor_len", "assumed",
-                  "num_nodes", "vocab_size", "outcome")
+                  "num_nodes", "vocab_size", "outcome", "q_columns")
 
 
 def pack_header(h: TreeHeader) -> bytes:
@@ -102,23 +106,25 @@ def unpack_header(data: bytes) -> TreeHeader:
     return TreeHeader(**fields)
 
 
-def encode_tree(header: TreeHeader, token_ids, parent_ids, depths, draft_probs=None) -> tuple:
-    """The object to `ray.put`: `(header bytes, token_ids, parent_ids, depths, draft_probs)`.
+def encode_tree(header: TreeHeader, token_ids, parent_ids, depths, draft_probs=None, draft_columns=None) -> tuple:
+    """The object to `ray.put`: `(header bytes, token_ids, parent_ids, depths, draft_probs,
+    draft_columns)`.
 
     Accepts torch tensors or numpy arrays; tensors are viewed as numpy (CPU) so
     Ray stores their buffers out of band.
     """
     arrays = [_as_numpy(x, np.int64) for x in (token_ids, parent_ids, depths)]
     probs = None if draft_probs is None else _as_numpy(draft_probs, np.float32)
-    frame = TreeFrame(header, *arrays, probs)
+    columns = None if draft_columns is None else _as_numpy(draft_columns, np.int64)
+    frame = TreeFrame(header, *arrays, probs, columns)
     _check_frame(frame)
-    return (pack_header(header), *arrays, probs)
+    return (pack_header(header), *arrays, probs, columns)
 
 
 def decode_tree(obj: Any) -> TreeFrame:
     """Inverse of `encode_tree` on the object `ray.get` returns; validates everything."""
-    if not isinstance(obj, tuple) or len(obj) != 5:
-        raise WireError(f"a tree frame is a 5-tuple, got {type(obj).__name__}")
+    if not isinstance(obj, tuple) or len(obj) != 6:
+        raise WireError(f"a tree frame is a 6-tuple, got {type(obj).__name__}")
     header = unpack_header(obj[0])
     frame = TreeFrame(header, *obj[1:])
     _check_frame(frame)
@@ -127,31 +133,37 @@ def decode_tree(obj: Any) -> TreeFrame:
 
 def tree_to_bytes(frame: tuple) -> list:
     """An `encode_tree` frame as plain msgpack data, for a carrier without Ray's serialisation
-    (cluster/exchange_socket.py): [header bytes, token_ids, parent_ids, depths, draft_probs],
-    each array its raw bytes (None for no draft_probs); the header gives their shapes."""
-    header, *arrays, probs = frame
-    return [header, *(a.tobytes() for a in arrays), None if probs is None else probs.tobytes()]
+    (cluster/exchange_socket.py): [header bytes, token_ids, parent_ids, depths, draft_probs,
+    draft_columns], each array its raw bytes (None where absent); the header gives their shapes."""
+    header, *arrays = frame
+    return [header, *(None if a is None else a.tobytes() for a in arrays)]
 
 
 def tree_from_bytes(obj: Any) -> tuple:
     """Inverse of `tree_to_bytes`: an `encode_tree` frame (its arrays read-only views of the
     bytes), for `decode_tree` to check; WireError where a size disagrees with the header."""
-    if not (isinstance(obj, list) and len(obj) == 5 and all(isinstance(x, bytes) for x in obj[:4])
-            and (obj[4] is None or isinstance(obj[4], bytes))):
-        raise WireError("a tree frame in bytes is [header, token_ids, parent_ids, depths, draft_probs or None]")
+    if not (isinstance(obj, list) and len(obj) == 6 and all(isinstance(x, bytes) for x in obj[:4])
+            and all(x is None or isinstance(x, bytes) for x in obj[4:])):
+        raise WireError("a tree frame in bytes is [header, token_ids, parent_ids, depths, draft_probs or None, "
+                        "draft_columns or None]")
     header = unpack_header(obj[0])
-    t, v = header.num_nodes, header.vocab_size
+    t, v = header.num_nodes, header.q_columns or header.vocab_size
     for raw in obj[1:4]:
         if len(raw) != 8 * t:
             raise WireError(f"tree frame: an int64 array of {t} nodes is {8 * t} bytes, got {len(raw)}")
     arrays = [np.frombuffer(raw, dtype=np.int64) for raw in obj[1:4]]
-    probs = obj[4]
+    probs, columns = obj[4], obj[5]
     if probs is not None:
         if len(probs) != 4 * (t + 1) * v:
             raise WireError(f"tree frame: draft_probs [{t + 1}, {v}] float32 is {4 * (t + 1) * v} bytes, "
                             f"got {len(probs)}")
         probs = np.frombuffer(probs, dtype=np.float32).reshape(t + 1, v)
-    return (obj[0], *arrays, probs)
+    if columns is not None:
+        if len(columns) != 8 * header.q_columns:
+            raise WireError(f"tree frame: draft_columns of {header.q_columns} int64 are {8 * header.q_columns} "
+                            f"bytes, got {len(columns)}")
+        columns = np.frombuffer(columns, dtype=np.int64)
+    return (obj[0], *arrays, probs, columns)
 
 
 def _check_frame(f: TreeFrame) -> None:
@@ -168,14 +180,21 @@ def _check_frame(f: TreeFrame) -> None:
         parent_depth = np.where(f.parent_ids < 0, 0, f.depths[np.maximum(f.parent_ids, 0)])
         if (f.depths != parent_depth + 1).any():
             raise WireError("tree frame: depths disagree with parent ids")
-    p = f.draft_probs
+    p, columns, reduced = f.draft_probs, f.draft_columns, f.header.q_columns
     if p is None:
-        if f.header.vocab_size:
+        if f.header.vocab_size or reduced or columns is not None:
             raise WireError("tree frame: header names a vocabulary but draft_probs is missing")
         return
-    shape = (t + 1, f.header.vocab_size)
+    shape = (t + 1, reduced or f.header.vocab_size)
     if not isinstance(p, np.ndarray) or p.dtype != np.float32 or p.shape != shape:
         raise WireError(f"tree frame: draft_probs must be float32 of shape {shape}, got {_describe(p)}")
+    if (columns is not None) != bool(reduced):
+        raise WireError("tree frame: draft_columns come with the header's q_columns, and only with it")
+    if columns is not None:
+        if not isinstance(columns, np.ndarray) or columns.dtype != np.int64 or columns.shape != (reduced,):
+            raise WireError(f"tree frame: draft_columns must be int64 of shape ({reduced},), got {_describe(columns)}")
+        if columns[0] < 0 or columns[-1] >= f.header.vocab_size or (np.diff(columns) <= 0).any():
+            raise WireError(f"tree frame: draft_columns must ascend strictly within [0, {f.header.vocab_size})")
 
 
 def _as_numpy(x, dtype) -> np.ndarray:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from models.tree import TokenTree
 from speculation.cost_model import VerifyCosts
 from speculation.planner import AdaptiveSpeculation
-from speculation.proposal import NgramIndex, lookup, point_mass_rows
+from speculation.proposal import NgramIndex, lookup, point_mass_chain
 from speculation.settings import MAX_SPEC_LEN
 
 
@@ -45,16 +45,16 @@ class VerifierLookup:
     def observe(self, stream: str, depth: int, accepted: int) -> None:
         self.planner.observe(stream, depth, accepted)
 
-    def chains(self, candidates: list[tuple[str, list[int], int, bool]], alone: int, vocab_size: int,
+    def chains(self, candidates: list[tuple[str, list[int], int, bool]], alone: int,
                costs) -> dict[str, TokenTree]:
         """Chains worth verifying this step; `costs`: the step-cost model whose verify half
         prices them (`speculation.cost_model.CostModel`). See `plan_lookups`."""
         self.planner.costs = VerifyCosts(costs)
-        return plan_lookups(self.planner, candidates, alone, vocab_size, self.indexes)
+        return plan_lookups(self.planner, candidates, alone, self.indexes)
 
 
 def plan_lookups(planner: AdaptiveSpeculation, candidates: list[tuple[str, list[int], int, bool]],
-                 alone: int, vocab_size: int, indexes: dict | None = None) -> dict[str, TokenTree]:
+                 alone: int, indexes: dict | None = None) -> dict[str, TokenTree]:
     """Prompt-lookup chains worth verifying.
 
     `candidates`: (stream, committed tokens, deepest useful node, greedy) of the streams in
@@ -82,6 +82,5 @@ def plan_lookups(planner: AdaptiveSpeculation, candidates: list[tuple[str, list[
     for s, (found, prefix_len, greedy) in proposals.items():
         k = plan[s][0]
         if k:
-            probs = None if greedy else point_mass_rows(found[:k], vocab_size)
-            out[s] = TokenTree.chain(found[:k], probs, prefix_len)
+            out[s] = point_mass_chain(found[:k], prefix_len, with_q=not greedy)
     return out

@@ -284,7 +284,7 @@ class Scheduler:
             return
         costs = self.costs.plain if self.costs.borrowing_measured(self.registry.lendable_threads(now=False)) \
             else self.costs.overlap
-        chains = self.lookup.chains(candidates, len(batch) - len(candidates), self.target.vocab_size, costs)
+        chains = self.lookup.chains(candidates, len(batch) - len(candidates), costs)
         for i in alone:
             s = batch[i].seq
             if s.request_id in chains:

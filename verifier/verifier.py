@@ -365,8 +365,10 @@ class Verifier:
             n = r.tree.num_nodes
             draft_token_ids[b, :n], parent_ids[b, :n] = r.tree.token_ids, r.tree.parent_ids
             target_probs[b, : n + 1] = logits_to_probs(logits, r.params)
-            if n:
+            if n and r.tree.draft_columns is None:
                 draft_probs[b, : n + 1] = r.tree.draft_probs.to(device)
+            elif n:                     # q over a reduced head's columns, 0 elsewhere
+                draft_probs[b, : n + 1, r.tree.draft_columns.to(device)] = r.tree.draft_probs.to(device)
             uniform[b, :n] = torch.rand(n, generator=r.generator)
             exp_noise[b] = exponential((V,), r.generator)
         num_nodes = torch.tensor([r.tree.num_nodes for r in batch], dtype=torch.long)

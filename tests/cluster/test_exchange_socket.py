@@ -212,7 +212,7 @@ def test_tree_bytes_refuse_sizes_that_disagree_with_the_header():
     wire = tree_to_bytes(put.payload)
     assert decode_tree(tree_from_bytes(msgpack.unpackb(msgpack.packb(wire)))).header == put.header
     with pytest.raises(WireError, match="draft_probs"):
-        tree_from_bytes([*wire[:4], wire[4][:-4]])
+        tree_from_bytes([*wire[:4], wire[4][:-4], wire[5]])
     with pytest.raises(WireError, match="bytes"):
         tree_from_bytes(wire[:4])
 

@@ -73,7 +73,9 @@ def test_logit_rows_restrict_the_draft_vocabulary(draft_model):
     tree, = p.propose([request(b"Hi there", SAMPLING)])
     outside = torch.ones(draft_model.config.vocab_size, dtype=torch.bool)
     outside[rows] = False
-    assert tree.draft_probs[:, outside].sum() == 0
+    assert tree.draft_columns.tolist() == rows, "an unseeded tree ships q over the head's rows alone"
+    assert tree.draft_probs.shape == (tree.num_nodes + 1, len(rows))
+    assert tree.dense_draft_probs(draft_model.config.vocab_size)[:, outside].sum() == 0
     assert all(32 <= t < 127 for t in tree.token_ids.tolist())
     greedy, = p.propose([DraftRequest("g", list(b"Hi there"), GREEDY, torch.Generator(), 3)])
     assert all(32 <= t < 127 for t in greedy.token_ids.tolist())
@@ -83,8 +85,10 @@ def test_ngram_proposer_point_masses():
     ngram = NgramProposer(vocab_size=16, spec_len=3)
     tree, = ngram.propose([DraftRequest("n", [1, 2, 3, 4, 1, 2], SAMPLING, torch.Generator(), 5)])
     assert tree.token_ids.tolist() == [3, 4, 1]
-    assert tree.draft_probs[torch.arange(3), tree.token_ids].tolist() == [1.0, 1.0, 1.0]
-    assert tree.draft_probs.sum() == 3
+    assert tree.draft_columns.tolist() == [1, 3, 4], "q over the chain's distinct tokens alone"
+    q = tree.dense_draft_probs(16)
+    assert q[torch.arange(3), tree.token_ids].tolist() == [1.0, 1.0, 1.0]
+    assert q.sum() == 3 and q[3].sum() == 0
     empty, = ngram.propose([DraftRequest("n", [1, 2, 3], SAMPLING, torch.Generator(), 5)])
     assert empty.num_nodes == 0
 

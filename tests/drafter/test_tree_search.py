@@ -104,8 +104,8 @@ def test_a_reduced_head_grows_the_tree_its_full_vocabulary_scatter_grows():
 
 def test_unseeded_sampling_over_a_reduced_head_draws_from_q_over_its_rows():
     """An unseeded sampled node over a reduced head draws (over the rows alone) from q, the
-    temperature's softmax of those logits, and the tree carries that q scattered into the
-    vocabulary, zero at every other token."""
+    temperature's softmax of those logits, and the tree carries that q over the rows alone, in
+    ascending token order (zero at every other token)."""
     rows = torch.tensor([9, 2, 7, 4, 11])
     logits = torch.tensor([[1.5, 0.0, 0.7, -1.0, 0.3]])
     q = torch.softmax(logits[0] / 0.8, -1)
@@ -117,6 +117,8 @@ def test_unseeded_sampling_over_a_reduced_head_draws_from_q_over_its_rows():
         first[rows.tolist().index(b.token_ids[0])] += 1
     assert (first / first.sum() - q).abs().sum() / 2 < 0.04     # sampling noise about 0.01
     tree, _ = b.finish(prefix_len=2, epoch=0)
+    assert tree.draft_columns.tolist() == [2, 4, 7, 9, 11]
+    torch.testing.assert_close(tree.draft_probs[0], q[torch.tensor([1, 3, 2, 0, 4])])
     want = torch.zeros(V)
     want[rows] = q
-    torch.testing.assert_close(tree.draft_probs[0], want)
+    torch.testing.assert_close(tree.dense_draft_probs(V)[0], want)

@@ -26,7 +26,8 @@ def test_tree_round_trip_keeps_tensors_as_arrays():
     probs = torch.rand(4, 6)
     frame = encode_tree(header(vocab_size=6), *tree_arrays(), probs)
     assert isinstance(frame[0], bytes)
-    assert all(isinstance(a, np.ndarray) for a in frame[1:]), "tensors travel as buffers, not lists"
+    assert all(isinstance(a, np.ndarray) for a in frame[1:5]), "tensors travel as buffers, not lists"
+    assert frame[5] is None, "no columns: q spans the vocabulary"
     out = decode_tree(frame)
     assert out.header == header(vocab_size=6)
     assert out.token_ids.tolist() == [4, 8, 15] and out.parent_ids.tolist() == [-1, 0, -1]
@@ -60,17 +61,53 @@ def test_version_mismatch_is_rejected_with_a_clear_message():
 @pytest.mark.parametrize("mutate,message", [
     (lambda f: (b"\xc1garbage",) + f[1:], "undecodable"),
     (lambda f: (msgpack.packb([1, 2]),) + f[1:], "must be a map"),
-    (lambda f: (f[0], f[1][:2], f[2], f[3], f[4]), "token_ids"),
-    (lambda f: (f[0], f[1].astype(np.int32), f[2], f[3], f[4]), "int64"),
-    (lambda f: (f[0], f[1], np.array([-1, 1, -1]), f[3], f[4]), "topologically"),
-    (lambda f: (f[0], f[1], f[2], np.array([1, 1, 1]), f[4]), "depths"),
-    (lambda f: (f[0], f[1], f[2], f[3], np.zeros((4, 5), np.float32)), "draft_probs"),
-    (lambda f: f[:4], "5-tuple"),
+    (lambda f: (f[0], f[1][:2], f[2], f[3], f[4], f[5]), "token_ids"),
+    (lambda f: (f[0], f[1].astype(np.int32), f[2], f[3], f[4], f[5]), "int64"),
+    (lambda f: (f[0], f[1], np.array([-1, 1, -1]), f[3], f[4], f[5]), "topologically"),
+    (lambda f: (f[0], f[1], f[2], np.array([1, 1, 1]), f[4], f[5]), "depths"),
+    (lambda f: (f[0], f[1], f[2], f[3], np.zeros((4, 5), np.float32), f[5]), "draft_probs"),
+    (lambda f: (f[0], f[1], f[2], f[3], f[4], np.arange(3)), "draft_probs is missing"),
+    (lambda f: f[:5], "6-tuple"),
 ])
 def test_malformed_tree_frames_are_rejected(mutate, message):
     frame = encode_tree(header(), *tree_arrays())
     with pytest.raises(WireError, match=message):
         decode_tree(mutate(frame))
+
+
+def test_q_over_a_reduced_heads_columns_round_trips_through_bytes_and_the_object_store(ray_cluster):
+    import ray
+
+    from speculation.wire import tree_from_bytes, tree_to_bytes
+
+    probs, columns = torch.rand(4, 3), torch.tensor([1, 4, 5])
+    h = header(vocab_size=6, q_columns=3)
+    frame = encode_tree(h, *tree_arrays(), probs, columns)
+    for out in (decode_tree(frame), decode_tree(ray.get(ray.put(frame))),
+                decode_tree(tree_from_bytes(msgpack.unpackb(msgpack.packb(tree_to_bytes(frame)))))):
+        assert out.header == h
+        np.testing.assert_array_equal(out.draft_probs, probs.numpy())
+        assert out.draft_columns.tolist() == [1, 4, 5]
+    with pytest.raises(WireError, match="draft_columns of 3 int64"):
+        tree_from_bytes([*tree_to_bytes(frame)[:5], b"\0" * 16])
+
+
+@pytest.mark.parametrize("columns,message", [
+    ([1, 5, 4], "ascend strictly"),
+    ([1, 4, 4], "ascend strictly"),
+    ([1, 4, 6], "within \\[0, 6\\)"),
+    ([-1, 4, 5], "within"),
+    ([1, 4], "int64 of shape \\(3,\\)"),
+    (None, "only with it"),
+])
+def test_reduced_columns_that_do_not_name_q_s_columns_are_refused(columns, message):
+    h = header(vocab_size=6, q_columns=3)
+    cols = None if columns is None else np.array(columns, dtype=np.int64)
+    frame = encode_tree(h, *tree_arrays(), torch.rand(4, 3), torch.tensor([0, 1, 2]))[:5] + (cols,)
+    with pytest.raises(WireError, match=message):
+        decode_tree(frame)
+    with pytest.raises(WireError, match="only with it"):     # columns without the header's count
+        decode_tree(encode_tree(header(vocab_size=3), *tree_arrays(), torch.rand(4, 3))[:5] + (np.arange(3),))
 
 
 def test_header_rejects_bad_fields_and_inconsistent_assumption():

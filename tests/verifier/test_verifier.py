@@ -94,6 +94,29 @@ def test_cache_after_verify_equals_a_fresh_prefill(target, temperature):
     assert torch.allclose(got, want, atol=1e-5)
 
 
+def test_q_over_a_reduced_heads_columns_verifies_as_the_same_q_over_the_vocabulary(target):
+    """A tree whose q holds only a reduced head's columns (`draft_columns`) is verified exactly
+    as the tree carrying that q scattered into the vocabulary: same draws, same tokens."""
+    vocab, prompt = target.config.vocab_size, list(b"speculative ")
+    columns = torch.sort(torch.randperm(vocab, generator=torch.Generator().manual_seed(1))[:vocab // 3]).values
+    q = torch.softmax(torch.randn(5, len(columns), generator=torch.Generator().manual_seed(2)) * 3, -1)
+    tokens = columns[torch.multinomial(q[:4], 1).squeeze(1)]      # each node drawn from its parent's row
+    results = []
+    for reduced in (True, False):
+        tree = TokenTree.chain(tokens, q, prefix_len=len(prompt), draft_columns=columns) if reduced else \
+            TokenTree.chain(tokens, None, prefix_len=len(prompt))
+        if not reduced:
+            tree.draft_probs = TokenTree.chain(tokens, q, len(prompt), draft_columns=columns).dense_draft_probs(vocab)
+        for seed in range(6):
+            v = Verifier(target, target.new_cache(32, 16))
+            v.prefill("s", prompt)
+            res, = v.verify([VerifyRequest("s", prompt[-1], tree, SamplingParams(temperature=1.0),
+                                           torch.Generator().manual_seed(seed))])
+            results.append((reduced, seed, res.accepted_nodes, res.token_ids))
+    assert [r[2:] for r in results[:6]] == [r[2:] for r in results[6:]]
+    assert len({tuple(r[3]) for r in results[:6]}) > 1, "the seeds draw different outcomes"
+
+
 def test_stale_tree_is_refused(target):
     v = Verifier(target, target.new_cache(8, 16))
     v.prefill("s", [1, 2, 3])
