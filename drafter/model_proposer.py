@@ -52,6 +52,7 @@ class ModelProposer:
         # the reduced LM head, selected once: [V', hidden]
         self.lm_head = None if logit_rows is None else model.lm_head_weight.index_select(0, self.logit_rows)
         self._rows_cpu = None if logit_rows is None else self.logit_rows.cpu()   # what the builders index
+        self._rows_ascending = None if logit_rows is None else torch.sort(self._rows_cpu.long())   # q's columns
         self.head_pack = PackedWeight(transposed_gemv=True, low=weights or None)   # built on first use
         if weights and self.lm_head is not None and self.lm_head.dtype == torch.float32 \
                 and self.lm_head.device.type == "cpu":
@@ -159,7 +160,8 @@ class ModelProposer:
     def _builder(self, r: DraftRequest, depth: int) -> TreeBuilder:
         width = r.tree_width or self.tree_width
         max_nodes = self.max_nodes or depth * width
-        return TreeBuilder(r.params, r.generator, width, max_nodes, self.vocab_size, r.token_ids, self._rows_cpu)
+        return TreeBuilder(r.params, r.generator, width, max_nodes, self.vocab_size, r.token_ids, self._rows_cpu,
+                           self._rows_ascending)
 
     def on_verified(self, seq_id: Hashable, tree: TokenTree, accepted_nodes: Sequence[int]) -> None:
         """Compact the cached part of the accepted path behind the prefix; drop the rest."""

@@ -39,11 +39,14 @@ ROOT = -1
 class TreeBuilder:
     def __init__(self, params: SamplingParams, generator: torch.Generator, width: int,
                  max_nodes: int, vocab_size: int, committed: Sequence[int] = (),
-                 rows: torch.Tensor | None = None) -> None:
+                 rows: torch.Tensor | None = None,
+                 ascending: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.params, self.generator = params, generator
         self.committed = committed                       # prompt + output, root last
         self.width, self.max_nodes, self.vocab_size = width, max_nodes, vocab_size
         self.rows = rows                                 # [V'] token ids of a reduced head's logits, or None
+        self.ascending = ascending                       # torch.sort(rows) (values, indices): the proposer's,
+        #                                                  sorted once; None: sorted here where needed
         self.token_ids: list[int] = []
         self.parent_ids: list[int] = []
         self.depths: list[int] = []
@@ -159,7 +162,7 @@ class TreeBuilder:
         ship at 8K of 49K; q is 0 off them)."""
         reduced = self.rows is not None and all(q.shape[-1] != self.vocab_size for q in self.q_rows.values())
         if reduced:
-            columns, order = torch.sort(self.rows.long())
+            columns, order = self.ascending if self.ascending is not None else torch.sort(self.rows.long())
         draft_probs = torch.zeros(nodes + 1, columns.shape[0] if reduced else self.vocab_size)
         for node, q in self.q_rows.items():
             if node in new_index:
