@@ -262,7 +262,7 @@ class VerifierActor:
         the call's token, kept in `_replying` from here until Ray's loop has the reply."""
         self.loop.ensure_running()
         try:
-            trees = unpack_puts(puts)     # refuses the whole call on a bad frame
+            trees = unpack_puts(puts, self.scheduler.target.vocab_size)   # refuses the whole call on a bad frame
         except WireError as e:
             self.scheduler.stats.observe_rejected_frame()
             log.error("verifier: rejected a frame from drafter %s: %s", drafter, e)

@@ -20,7 +20,7 @@ import cluster.exchange_socket as xs
 from cluster.outputs import frame
 from cluster.transport import RayLink
 from speculation.transport import Exchange, ExchangeLost, FramesRefused, TreePut, VerifierUnavailable
-from speculation.wire import Signal, TreeHeader, WireError, decode_tree, encode_signals, encode_tree
+from speculation.wire import Signal, TreeHeader, WireError, decode_tree, encode_signals, encode_tree, pack_header
 
 NODE = "node-a"
 
@@ -129,6 +129,17 @@ def test_a_malformed_tree_is_refused_and_the_connection_goes_on(verifier):
     assert verifier.calls == []                          # refused before the verifier saw anything
     assert link.exchange(_call(put)) == verifier.answer
     assert link.lost == 0 and verifier.server.connections == 1
+
+
+def test_the_verifier_refuses_a_q_over_another_vocabulary_than_its_targets():
+    from cluster.transport import unpack_puts
+
+    put = _tree_put(vocab=5)
+    wire = [[pack_header(put.header), list(put.payload)]]
+    (got,) = unpack_puts(wire, vocab_size=5)
+    assert got.header == put.header and got.payload.draft_probs.shape == (4, 5)
+    with pytest.raises(WireError, match="vocabulary of 5, the target's is 7"):
+        unpack_puts(wire, vocab_size=7)
 
 
 def test_a_verifier_error_is_transient(verifier):
