@@ -1,4 +1,4 @@
-"""Sampling through the asynchronous pipeline is exact: the joint distribution of the
+"""Sampling through the asynchronous pipeline is exact, seeded and unseeded: the joint distribution of the
 first two tokens equals the target's (temperature / top-p applied), with a far draft."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ PROMPT = [3, 1, 4, 1, 5]
 
 
 def chi2_critical(df: int, z: float = 3.09) -> float:
-    """Wilson-Hilferty: the chi-square quantile at p = 1e-3 (z = 3.09)."""
+    """Wilson-Hilferty: the chi-square quantile at the normal quantile z (3.09: p = 1e-3; 4.26: 1e-5)."""
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
@@ -64,19 +64,59 @@ def test_sampled_pairs_follow_the_target(make_engine, small_vocab_pair, mode, wi
             f"{mode}-{i}", PROMPT, 2, mode, 2, width, temperature=temperature, top_p=top_p, seed=i))
             for i in range(N)))
 
-    results = run(sample_all(), timeout=300)
-    V = 16
+    counts = pair_counts(run(sample_all(), timeout=300))
+    assert_follows_the_target(counts, target, draft, params)
+
+
+def pair_counts(results, V: int = 16) -> torch.Tensor:
+    """[V * V] counts of the requests' (x1, x2), each of which must have speculated: one tree
+    per request (max_tokens 2: depth 1, the second token is the bonus / correction)."""
     counts = torch.zeros(V * V)
     for tokens, last in results:
         assert len(tokens) == 2 and last.finish_reason == "length"
         counts[tokens[0] * V + tokens[1]] += 1
-    # one tree per request (max_tokens 2: depth 1, the second token is the bonus / correction)
     speculated = sum(last.num_drafted > 0 for _, last in results)
-    assert speculated >= 0.75 * N, f"only {speculated} of {N} requests saw a tree: the test would mean little"
+    assert speculated >= 0.75 * len(results), \
+        f"only {speculated} of {len(results)} requests saw a tree: the test would mean little"
+    return counts
+
+
+def assert_follows_the_target(counts: torch.Tensor, target, draft, params, z: float = 3.09) -> None:
+    """Pearson's test of the pairs against the target's joint at the quantile of `z`; and its
+    power: the draft's own joint, as many samples, is rejected by the same statistic."""
     p = joint_probs(target, params)
     stat, df = chi2(counts, p)
-    assert stat < chi2_critical(df), f"chi2 {stat:.1f} with {df} df"
-    # the test has power: the draft's own distribution is rejected by the same statistic
+    assert stat < chi2_critical(df, z), f"chi2 {stat:.1f} with {df} df"
     q = joint_probs(draft, params)
-    stat_q, df_q = chi2((q * N).round(), p)
-    assert stat_q > chi2_critical(df_q), "draft and target too close for this test to detect a bias"
+    stat_q, df_q = chi2((q * counts.sum()).round(), p)
+    assert stat_q > chi2_critical(df_q, z), "draft and target too close for this test to detect a bias"
+
+
+def test_unseeded_pairs_through_a_reduced_draft_head_follow_the_target(make_engine, small_vocab_pair, tmp_path):
+    """Unseeded requests verify by rejection sampling, so each tree carries its q across the
+    exchange; a draft head of 10 of the 16 rows sends q over those columns alone
+    (`TokenTree.draft_columns`). The pairs still follow the target, the tokens the head never
+    proposes coming from the residual. Unseeded draws are not reproducible: the bound is
+    p = 1e-5 (z = 4.26) and the test keeps its power at N = 640."""
+    import json
+    import shutil
+
+    from models.pair import DRAFT_META
+    from models.sampling import SamplingParams
+
+    target, draft = small_vocab_pair
+    reduced = tmp_path / "reduced_draft"
+    shutil.copytree(draft, reduced)
+    rows = [0, 2, 3, 5, 6, 8, 9, 11, 12, 14]
+    (reduced / DRAFT_META).write_text(json.dumps({"logit_rows": rows}))
+    engine = make_engine(target, reduced, num_blocks=256, max_tree_wait_s=20.0)
+    n, params = 2 * N, SamplingParams(temperature=1.0)
+
+    async def sample_all():
+        return await asyncio.gather(*(collect(engine, request(f"u-{i}", PROMPT, 2, "chain", 2, temperature=1.0))
+                                      for i in range(n)))
+
+    counts = pair_counts(run(sample_all(), timeout=300))
+    outside = [t for t in range(16) if t not in rows]
+    assert counts.reshape(16, 16)[outside].sum() > 0, "tokens off the head's rows come from the residual"
+    assert_follows_the_target(counts, target, draft, params, z=4.26)
