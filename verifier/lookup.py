@@ -57,15 +57,16 @@ def plan_lookups(planner: AdaptiveSpeculation, candidates: list[tuple[str, list[
                  alone: int, indexes: dict | None = None) -> dict[str, TokenTree]:
     """Prompt-lookup chains worth verifying.
 
-    `candidates`: (stream, committed tokens, deepest useful node, greedy) of the streams in
-    `planner` (their γ of these chains) that would decode alone this step; `alone`: the
-    other sequences of the step, decoding alone. Each candidate's proposal is the tokens
+    `candidates`: (stream, committed tokens, deepest useful node, whether its verification
+    reads no q: greedy or seeded) of the streams in `planner` (their γ of these chains) that
+    would decode alone this step; `alone`: the other sequences of the step, decoding alone.
+    Each candidate's proposal is the tokens
     that followed the latest earlier occurrence of its last 3 (else 2) tokens, at most its
     `max_len`; the planner chooses how many of them to verify where that beats decoding
     alone. `indexes`: a `NgramIndex` per stream, kept across calls (else a scan).
     Returns {stream: TokenTree} for the chosen (a chain of point masses)."""
     proposals = {}
-    for stream, tokens, depth, greedy in candidates:
+    for stream, tokens, depth, walks in candidates:
         k = min(planner.seqs[stream].max_len, depth)
         index = None if indexes is None else indexes.get(stream)
         if k <= 0:
@@ -73,14 +74,14 @@ def plan_lookups(planner: AdaptiveSpeculation, candidates: list[tuple[str, list[
         else:
             found = lookup(tokens, k, 3, 2) if index is None else index.lookup(tokens, k)
         if found:
-            proposals[stream] = (found, len(tokens), greedy)
+            proposals[stream] = (found, len(tokens), walks)
     if not proposals:
         return {}
     plan = planner.plan(list(proposals), alone=alone + len(candidates) - len(proposals),
                         caps={s: len(found) for s, (found, _, _) in proposals.items()})
     out = {}
-    for s, (found, prefix_len, greedy) in proposals.items():
+    for s, (found, prefix_len, walks) in proposals.items():
         k = plan[s][0]
         if k:
-            out[s] = point_mass_chain(found[:k], prefix_len, with_q=not greedy)
+            out[s] = point_mass_chain(found[:k], prefix_len, with_q=not walks)
     return out
