@@ -294,13 +294,7 @@ class EngineLoop:
         await self.admit()
         active = sch.active()
         if not active:
-            if self.pump is not None and any(sch.registry.outbox.get(d.index)
-                                             for d in getattr(self.pump, "drafters", ())):
-                # in-process drafters hear their streams' "leave"s now, not at the next request:
-                # their draft KV is freed (and, with prefix caching, left cached) while idle
-                await self.pump(sch, self.run_model, sch.registry.lendable_threads())
-            if not sch.target.partial:     # no prompt's next chunk waiting either
-                await self._sleep(sch.settings.poll_s)
+            await self._no_streams()
             return False
         sch.members.rebalance()
         draft_s = 0.0
@@ -345,6 +339,16 @@ class EngineLoop:
         if self.step_log.on:
             self._log_step(outcomes, waited, draft_s, seconds, end - start, threads)
         return True
+
+    async def _no_streams(self) -> None:
+        """A pass with no stream to verify: in-process drafters hear their streams' "leave"s now,
+        not at the next request (their draft KV is freed, and with prefix caching left cached,
+        while idle); then wait a poll unless a prompt's next chunk is due."""
+        sch = self.scheduler
+        if self.pump is not None and any(sch.registry.outbox.get(d.index) for d in getattr(self.pump, "drafters", ())):
+            await self.pump(sch, self.run_model, sch.registry.lendable_threads())
+        if not sch.target.partial:
+            await self._sleep(sch.settings.poll_s)
 
     def _log_step(self, outcomes, idle_s: float, draft_s: float, forward_s: float, wall_s: float,
                   threads: int) -> None:
