@@ -43,7 +43,7 @@ def run(seqs: int, tokens: int, steps: int, vocab: int, indexed: bool) -> tuple[
     chosen = []
     start = time.perf_counter()
     for _ in range(steps):
-        candidates = [(name, context[name], 4, True) for name in names]
+        candidates = [(name, context[name], 4, False) for name in names]   # greedy: no q
         chains = plan_lookups(planner, candidates, 0, indexes)
         chosen.append(sorted((s, t.token_ids.tolist()) for s, t in chains.items()))
         for name in names:                      # one token committed per sequence per step

@@ -86,7 +86,7 @@ def exchange_args(call: Exchange, puts: list) -> list:
             call.node, call.cpus, call.gpus, call.idle]
 
 
-def unpack_puts(puts, vocab_size: int | None = None) -> list[TreePut]:
+def unpack_puts(puts, vocab_size: int) -> list[TreePut]:
     """A drafter's puts as the verifier receives them: (header bytes, tree frame) each, decoded
     and checked at once, the payload the tree itself; or (header bytes, [ObjectRef]) of a frame
     in the object store, fetched later (`fetch_tree`). A malformed one, or one whose q spans
@@ -99,7 +99,7 @@ def unpack_puts(puts, vocab_size: int | None = None) -> list[TreePut]:
         if not (isinstance(put, (list, tuple)) and len(put) == 2 and isinstance(put[1], (list, tuple))):
             raise WireError("a put is (header bytes, tree frame) or (header bytes, [ObjectRef])")
         header = unpack_header(put[0])
-        if vocab_size is not None and header.vocab_size not in (0, vocab_size):
+        if header.vocab_size not in (0, vocab_size):
             raise WireError(f"tree frame: q over a vocabulary of {header.vocab_size}, the target's is {vocab_size}")
         if len(put[1]) == 1 and isinstance(put[1][0], ray.ObjectRef):
             out.append(TreePut(header, put[1][0]))

@@ -26,9 +26,8 @@ class NgramProposer:
         for r in batch:
             k = min(self.spec_len, r.max_depth)
             draft_token_ids = lookup(r.token_ids, k, self.max_ngram, self.min_ngram) if k > 0 else []
-            if draft_token_ids:          # q only where the verification reads one: unseeded sampling
-                with_q = not r.params.greedy and not r.params.coupled
-                trees.append(point_mass_chain(draft_token_ids, len(r.token_ids), r.epoch, with_q))
+            if draft_token_ids:
+                trees.append(point_mass_chain(draft_token_ids, len(r.token_ids), r.epoch, r.params.reads_q))
             else:
                 trees.append(TokenTree.empty(len(r.token_ids), r.epoch))
         return trees

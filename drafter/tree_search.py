@@ -146,7 +146,7 @@ class TreeBuilder:
         new_index = {old: new for new, old in enumerate(kept)}
         new_index[ROOT] = ROOT
         draft_probs = columns = None
-        if not self.params.greedy and not self.params.coupled:   # a seeded walk reads no q: none to ship
+        if self.params.reads_q:                                  # a walk reads no q: none to ship
             draft_probs, columns = self._q_matrix(len(kept), new_index)
         tree = TokenTree(
             torch.tensor([self.token_ids[i] for i in kept], dtype=torch.long),

@@ -114,6 +114,12 @@ class SamplingParams:
         return self.seed is not None and not self.greedy
 
     @property
+    def reads_q(self) -> bool:
+        """Whether verification reads the draft's q (rejection sampling: unseeded sampling). Greedy
+        and seeded requests walk the tree on one token a row, so their trees ship none."""
+        return not self.greedy and not self.coupled
+
+    @property
     def reads_history(self) -> bool:
         """Whether a row's distribution depends on the tokens before it (`process_logits`)."""
         return bool(self.logit_bias or self.min_tokens or self.presence_penalty or self.frequency_penalty

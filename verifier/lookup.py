@@ -58,7 +58,7 @@ def plan_lookups(planner: AdaptiveSpeculation, candidates: list[tuple[str, list[
     """Prompt-lookup chains worth verifying.
 
     `candidates`: (stream, committed tokens, deepest useful node, whether its verification
-    reads no q: greedy or seeded) of the streams in `planner` (their γ of these chains) that
+    reads q: `SamplingParams.reads_q`) of the streams in `planner` (their γ of these chains) that
     would decode alone this step; `alone`: the other sequences of the step, decoding alone.
     Each candidate's proposal is the tokens
     that followed the latest earlier occurrence of its last 3 (else 2) tokens, at most its
@@ -66,7 +66,7 @@ def plan_lookups(planner: AdaptiveSpeculation, candidates: list[tuple[str, list[
     alone. `indexes`: a `NgramIndex` per stream, kept across calls (else a scan).
     Returns {stream: TokenTree} for the chosen (a chain of point masses)."""
     proposals = {}
-    for stream, tokens, depth, walks in candidates:
+    for stream, tokens, depth, reads_q in candidates:
         k = min(planner.seqs[stream].max_len, depth)
         index = None if indexes is None else indexes.get(stream)
         if k <= 0:
@@ -74,14 +74,14 @@ def plan_lookups(planner: AdaptiveSpeculation, candidates: list[tuple[str, list[
         else:
             found = lookup(tokens, k, 3, 2) if index is None else index.lookup(tokens, k)
         if found:
-            proposals[stream] = (found, len(tokens), walks)
+            proposals[stream] = (found, len(tokens), reads_q)
     if not proposals:
         return {}
     plan = planner.plan(list(proposals), alone=alone + len(candidates) - len(proposals),
                         caps={s: len(found) for s, (found, _, _) in proposals.items()})
     out = {}
-    for s, (found, prefix_len, walks) in proposals.items():
+    for s, (found, prefix_len, reads_q) in proposals.items():
         k = plan[s][0]
         if k:
-            out[s] = point_mass_chain(found[:k], prefix_len, with_q=not walks)
+            out[s] = point_mass_chain(found[:k], prefix_len, with_q=reads_q)
     return out

@@ -278,7 +278,7 @@ class Scheduler:
         batch is priced by the drafter's plan instead)."""
         if len(alone) < len(batch) or not self.members.drafters_idle():
             return
-        candidates = [(s.request_id, s.committed, min(s.spec_len, s.max_depth()), s.params.greedy or s.params.coupled)
+        candidates = [(s.request_id, s.committed, min(s.spec_len, s.max_depth()), s.params.reads_q)
                       for s in (batch[i].seq for i in alone) if self.lookup.wants(s.request_id)]
         if not candidates:
             return

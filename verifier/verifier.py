@@ -304,7 +304,7 @@ class Verifier:
         walk_rows = [self._coupled(r, logits) if r.params.coupled else logits
                      for r, logits in zip(batch, target_logits)]
         for walks in (True, False):
-            rows = [b for b, r in enumerate(batch) if (r.params.greedy or r.params.coupled) == walks]
+            rows = [b for b, r in enumerate(batch) if r.params.reads_q != walks]
             if rows:
                 sample = self._sample_greedy if walks else self._sample
                 source = walk_rows if walks else target_logits
@@ -365,10 +365,9 @@ class Verifier:
             n = r.tree.num_nodes
             draft_token_ids[b, :n], parent_ids[b, :n] = r.tree.token_ids, r.tree.parent_ids
             target_probs[b, : n + 1] = logits_to_probs(logits, r.params)
-            if n and r.tree.draft_columns is None:
-                draft_probs[b, : n + 1] = r.tree.draft_probs.to(device)
-            elif n:                     # q over a reduced head's columns, 0 elsewhere
-                draft_probs[b, : n + 1, r.tree.draft_columns.to(device)] = r.tree.draft_probs.to(device)
+            if n:                       # q over the vocabulary, or over a reduced head's columns (0 elsewhere)
+                columns = slice(None) if r.tree.draft_columns is None else r.tree.draft_columns.to(device)
+                draft_probs[b, : n + 1, columns] = r.tree.draft_probs.to(device)
             uniform[b, :n] = torch.rand(n, generator=r.generator)
             exp_noise[b] = exponential((V,), r.generator)
         num_nodes = torch.tensor([r.tree.num_nodes for r in batch], dtype=torch.long)
