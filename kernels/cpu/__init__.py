@@ -414,6 +414,13 @@ def coupled_top(probs: torch.Tensor, keys: torch.Tensor, tokens: torch.Tensor | 
     return out
 
 
+def lay_cuts(cuts: tuple[torch.Tensor, ...] | None) -> list[torch.Tensor] | None:
+    """min-p, top-k and top-p as sample_cut.c reads them: float32, int64, float32, contiguous."""
+    if cuts is None:
+        return None
+    return [c.to(dtype).contiguous() for c, dtype in zip(cuts, (torch.float32, torch.long, torch.float32))]
+
+
 def sample_pick(logits: torch.Tensor, temps: torch.Tensor, noise: torch.Tensor,
                 cuts: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A draft pass's draw (sf_sample_pick) on logits [N, V]: each row at temps [N] (0: greedy)
@@ -424,8 +431,7 @@ def sample_pick(logits: torch.Tensor, temps: torch.Tensor, noise: torch.Tensor,
     N, V = logits.shape
     if noise.shape != (N, V) or temps.shape != (N,) or (cuts is not None and any(c.shape != (N,) for c in cuts)):
         raise ValueError("sample_pick: logits and noise [N, V], temps and each cut [N]")
-    cuts = None if cuts is None else [c.to(dtype).contiguous()
-                                      for c, dtype in zip(cuts, (torch.float32, torch.long, torch.float32))]
+    cuts = lay_cuts(cuts)
     cut_ptrs = [None] * 3 if cuts is None else [c.data_ptr() for c in cuts]
     index, log_q, q = torch.empty(N, dtype=torch.long), torch.empty(N), torch.zeros(N, V)
     if _load().sf_sample_pick(logits.data_ptr(), N, V, temps.data_ptr(), noise.data_ptr(), index.data_ptr(),

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu import MAX_ROWS, CpuKernelError, _holds_panels, _load
+from kernels.cpu import MAX_ROWS, CpuKernelError, _holds_panels, _load, lay_cuts
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 _KINDS = {torch.float32: 0, torch.float16: 1, torch.int8: 2}
@@ -243,8 +243,7 @@ def _sampled_operands(B: int, levels: int, vocab: int, temps, noise, cuts, histo
         raise ValueError(f"draft_chains: temps [{B}] and noise [{levels + 1}, {B}, {vocab}] expected")
     out.q = torch.empty(levels + 1, B, vocab)
     if cuts is not None:
-        dtypes = (torch.float32, torch.long, torch.float32)
-        out.min_p, out.top_k, out.top_p = (t.to(dtype).contiguous() for t, dtype in zip(cuts, dtypes))
+        out.min_p, out.top_k, out.top_p = lay_cuts(cuts)
         if not out.min_p.shape == out.top_k.shape == out.top_p.shape == (B,):
             raise ValueError(f"draft_chains: min-p, top-k and top-p [{B}] expected")
     if history is not None:
