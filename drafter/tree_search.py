@@ -157,19 +157,17 @@ class TreeBuilder:
         return tree, kept
 
     def _q_matrix(self, nodes: int, new_index: dict[int, int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The kept nodes' q rows (row 0 the root's) [nodes + 1, V], or over a reduced head's
-        rows alone [nodes + 1, V'] with those token ids ascending [V'] (a sixth of the bytes to
-        ship at 8K of 49K; q is 0 off them)."""
-        reduced = self.rows is not None and all(q.shape[-1] != self.vocab_size for q in self.q_rows.values())
-        if reduced:
+        """The kept nodes' q rows (row 0 the root's) [nodes + 1, V], or, with a reduced head,
+        over its rows alone [nodes + 1, V'] with those token ids ascending [V'] (a sixth of the
+        bytes to ship at 8K of 49K; q is 0 off them). `expand` keeps q over `rows` whenever they
+        are given, even where they span the whole vocabulary in the head's own order."""
+        if self.rows is None:
+            columns, order = None, None
+            draft_probs = torch.zeros(nodes + 1, self.vocab_size)
+        else:
             columns, order = self.ascending if self.ascending is not None else torch.sort(self.rows.long())
-        draft_probs = torch.zeros(nodes + 1, columns.shape[0] if reduced else self.vocab_size)
+            draft_probs = torch.zeros(nodes + 1, columns.shape[0])
         for node, q in self.q_rows.items():
             if node in new_index:
-                if reduced:
-                    draft_probs[new_index[node] + 1] = q[order]
-                elif q.shape[-1] == self.vocab_size:
-                    draft_probs[new_index[node] + 1] = q
-                else:                                                    # over a reduced head's rows
-                    draft_probs[new_index[node] + 1, self.rows] = q
-        return draft_probs, columns if reduced else None
+                draft_probs[new_index[node] + 1] = q if order is None else q[order]
+        return draft_probs, columns

@@ -122,3 +122,20 @@ def test_unseeded_sampling_over_a_reduced_head_draws_from_q_over_its_rows():
     want = torch.zeros(V)
     want[rows] = q
     torch.testing.assert_close(tree.dense_draft_probs(V)[0], want)
+
+
+def test_a_head_whose_rows_span_the_vocabulary_in_its_own_order_ships_q_by_token():
+    """A head's rows may name every token, in the head's own order: q is still over those rows
+    as drawn, so the tree's columns are the token ids ascending and q follows them, not the
+    head's order (a q row as wide as the vocabulary is not therefore in token order)."""
+    rows = torch.randperm(V, generator=torch.Generator().manual_seed(3))
+    logits = torch.linspace(-1.0, 1.0, V)[None]
+    b = TreeBuilder(SamplingParams(temperature=1.0), torch.Generator().manual_seed(0), width=1, max_nodes=1,
+                    vocab_size=V, rows=rows)
+    b.expand([ROOT], logits)
+    tree, _ = b.finish(prefix_len=2, epoch=0)
+    want = torch.zeros(V)
+    want[rows] = torch.softmax(logits[0], -1)
+    assert tree.draft_columns.tolist() == list(range(V))
+    torch.testing.assert_close(tree.dense_draft_probs(V)[0], want)
+    torch.testing.assert_close(tree.draft_probs[0], want)
