@@ -20,6 +20,14 @@ from speculation.requests import SpeculationOptions
 from .harness import Harness
 
 
+def _run(scenario) -> None:
+    threads = torch.get_num_threads()          # the actor sets its own; give the session's back
+    try:
+        asyncio.run(asyncio.wait_for(scenario(), 120))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_sequence_held_off_is_signalled_only_when_its_drafter_is_needed(tiny_target):
     async def scenario():
         va = Harness(tiny_target, num_blocks=64, block_size=16, lookup=False)
@@ -52,58 +60,75 @@ def test_a_sequence_held_off_is_signalled_only_when_its_drafter_is_needed(tiny_t
         assert stream.confirmed == (prompt + tokens)[:late[0].prefix_len]   # exact, nothing lost
         await asyncio.wait_for(gen.aclose(), 10)
 
-    threads = torch.get_num_threads()          # the actor sets its own; give the session's back
-    try:
-        asyncio.run(asyncio.wait_for(scenario(), 120))
-    finally:
-        torch.set_num_threads(threads)
+    _run(scenario)
 
 
-def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(tiny_target):
-    from models.tree import TokenTree
+def _borrowing_harness(tiny_target) -> Harness:
+    """A verifier with no lookup chains and `lockstep_alone` off, a drafter attached on its node."""
+    va = Harness(tiny_target, num_blocks=64, block_size=16, lookup=False, lockstep_alone=False)
+    va.scheduler.registry.node_id = "n1"
+    return va
 
-    async def run_request(plan: tuple[int, int]) -> tuple[list, int, Harness, list]:
-        va = Harness(tiny_target, **{"num_blocks": 64, "block_size": 16, "lookup": False,
-                                              "lockstep_alone": False})
-        va.scheduler.registry.node_id = "n1"
-        await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)         # a drafter on our node
-        used = []
-        verify = va.side.verify
-        va.side.verify = lambda requests, threads=None, chunks=None: (used.append(threads),
-                                                                     verify(requests, threads, chunks))[1]
-        prefills = []
-        prefill = va.side.prefill
-        va.side.prefill = lambda sid, prompt, *rest: (prefills.append(torch.get_num_threads()),
-                                                      prefill(sid, prompt, *rest))[1]
-        va.scheduler.adaptive.plan = va.scheduler.adaptive.plan_joining = lambda streams, *_, **__: {s: plan for s in streams}
-        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-        tokens = []
-        async for chunk in va.generate("r", list(range(3, 12)), params, {"mode": "auto"}):
-            tokens += chunk.token_ids
-            await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)     # stays live, puts no tree
-        assert len(tokens) == 6
-        return used, va.scheduler.stats.borrowed_steps, va, prefills
 
+async def _request_with_plan(tiny_target, plan: tuple[int, int]) -> tuple[list, Harness, list]:
+    """Six tokens of one request under a planner fixed at `plan`, the drafter live and putting
+    no tree: the threads each verification ran on, the harness, the prefill's threads."""
+    va = _borrowing_harness(tiny_target)
+    await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)         # a drafter on our node
+    used, prefills = [], []
+    verify, prefill = va.side.verify, va.side.prefill
+    va.side.verify = lambda requests, threads=None, chunks=None: (used.append(threads),
+                                                                 verify(requests, threads, chunks))[1]
+    va.side.prefill = lambda sid, prompt, *rest: (prefills.append(torch.get_num_threads()),
+                                                  prefill(sid, prompt, *rest))[1]
+    va.scheduler.adaptive.plan = va.scheduler.adaptive.plan_joining = lambda streams, *_, **__: {s: plan for s in streams}
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = []
+    async for chunk in va.generate("r", list(range(3, 12)), params, {"mode": "auto"}):
+        tokens += chunk.token_ids
+        await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)     # stays live, puts no tree
+    assert len(tokens) == 6
+    return used, va, prefills
+
+
+def test_plain_steps_borrow_the_idle_drafters_core_and_are_priced_as_borrowed(tiny_target):
     async def scenario():
-        used, borrowed, va0, prefills = await run_request((0, 0))   # held off: the drafter idles
-        assert used == [2] * 6 and borrowed == 6 and prefills == [2]   # the prompt's prefill too
+        used, va, prefills = await _request_with_plan(tiny_target, (0, 0))   # held off: the drafter idles
+        assert used == [2] * 6 and va.scheduler.stats.borrowed_steps == 6 and prefills == [2]   # the prefill too
         # those steps fit the borrowed-cores model the planner must beat, not the verifier's own
-        assert va0.scheduler.costs.plain.observed and not va0.scheduler.adaptive.costs.observed
-        assert 0 < va0.plain_step_s(1) < 5
+        assert va.scheduler.costs.plain.observed and not va.scheduler.adaptive.costs.observed
+        assert 0 < va.plain_step_s(1) < 5
         # until a step on its own thread is measured, a speculating step (which gives the
         # drafter's core back) is priced as that plain step on one thread of two
-        va0.scheduler.plan_overlap()
-        a, b = va0.scheduler.costs.plain.coefficients
-        assert va0.scheduler.costs.overlap.prior == (2 * a, 2 * b)
-        va0.scheduler.registry.drafters[0].last_seen -= 60                      # no drafter to lend cores: no baseline
-        assert va0.plain_step_s(1) is None
-        used, borrowed, va, prefills = await run_request((2, 1))    # trees wanted: the drafter is busy
+        va.scheduler.plan_overlap()
+        a, b = va.scheduler.costs.plain.coefficients
+        assert va.scheduler.costs.overlap.prior == (2 * a, 2 * b)
+        va.scheduler.registry.drafters[0].last_seen -= 60                      # no drafter to lend cores: no baseline
+        assert va.plain_step_s(1) is None
+
+    _run(scenario)
+
+
+def test_speculating_steps_leave_the_drafters_core_alone(tiny_target):
+    async def scenario():
+        used, va, prefills = await _request_with_plan(tiny_target, (2, 1))   # trees wanted: the drafter is busy
         assert prefills == [1]
         # no tree came, so each step fell back to decoding alone on one thread; the last (one
         # token left: budget 0, the drafter told so) too, since the drafter, told to draft a
         # step before, has not yet said it is idle again
-        assert used == [1] * 6 and borrowed == 0
-        # the rule, state by state, on a live stream of that actor
+        assert used == [1] * 6 and va.scheduler.stats.borrowed_steps == 0
+
+    _run(scenario)
+
+
+def test_a_step_borrows_cores_only_from_a_drafter_idle_by_its_own_word(tiny_target):
+    """The rule, state by state, on a live stream of a verifier with a drafter on its node."""
+    from models.tree import TokenTree
+    from speculation.wire import Signal, TreeHeader
+
+    async def scenario():
+        va = _borrowing_harness(tiny_target)
+        await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)
         s = va.stream("q", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), budget=(0, 0))
         plain = [(s, TokenTree.empty(3), None)]
         assert va.step_threads(plain) == 2
@@ -111,15 +136,10 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
             setattr(s, field, value)                            # drafting, told to, or bridging
             assert va.step_threads(plain) == 1
             setattr(s, field, (0, 0) if field != "bridge" else False)
-        from speculation.wire import TreeHeader
-
         tree = TokenTree(torch.tensor([9]), torch.tensor([-1]), torch.tensor([1]), None, 3, 0)
-        header = TreeHeader("q", 0, 0, 3, 3, [], 1, 0)
-        assert va.step_threads([(s, tree, header)]) == 1       # a drafter's tree in the batch
+        assert va.step_threads([(s, tree, TreeHeader("q", 0, 0, 3, 3, [], 1, 0))]) == 1   # a drafter's tree
         assert va.step_threads([(s, tree, None)]) == 2         # the verifier's own lookup chain
         # a drafter lends its cores only while idle by its own word, until told to draft again
-        from speculation.wire import Signal
-
         await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0, idle=False)   # still drafting
         assert va.step_threads(plain) == 1
         await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0, idle=True)
@@ -133,8 +153,8 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
         await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0, idle=True)   # drafted, idle again
         assert va.step_threads(plain) == 2
         # a stream drafted in our own process (the stand-in) takes turns with the target and never
-        # drafts beside a forward: the idle drafter's cores stay lent (its prefill ran on one
-        # thread before), while the same work for the drafter of another process takes them back
+        # drafts beside a forward: the idle drafter's cores stay lent, while the same work for the
+        # drafter of another process takes them back
         drafter = s.drafter
         va.scheduler.registry.in_process.add(7)
         s.drafter, s.budget = 7, (2, 1)
@@ -147,11 +167,7 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_speculating_steps_do_not(
         assert va.step_threads(plain) == 1
         va.scheduler.streams.pop("q")
 
-    threads = torch.get_num_threads()
-    try:
-        asyncio.run(asyncio.wait_for(scenario(), 120))
-    finally:
-        torch.set_num_threads(threads)
+    _run(scenario)
 
 
 def test_lockstep_verification_borrows_only_while_every_drafter_waits_for_it(tiny_target):
@@ -276,11 +292,7 @@ def test_a_silent_drafters_sequences_decode_alone_counted_as_absent(tiny_target)
         assert va.scheduler.stats.fallback_steps == 0 and va.scheduler.stats.num_spec_steps == 0
         assert waited < 2.0, f"a silent drafter must not hold the verifier back ({waited:.2f} s)"
 
-    threads = torch.get_num_threads()
-    try:
-        asyncio.run(asyncio.wait_for(scenario(), 120))
-    finally:
-        torch.set_num_threads(threads)
+    _run(scenario)
 
 
 def test_a_drafter_on_our_gpu_runs_in_lockstep_and_the_planner_prices_turns(tiny_target):
@@ -369,11 +381,7 @@ def test_the_verifier_reports_its_processes_garbage_collector_pauses(tiny_target
         assert after["gc_full_collections"] >= before["gc_full_collections"] + 1
         assert after["gc_s"] > before["gc_s"]
 
-    threads = torch.get_num_threads()
-    try:
-        asyncio.run(asyncio.wait_for(scenario(), 120))
-    finally:
-        torch.set_num_threads(threads)
+    _run(scenario)
 
 
 def test_plans_assume_the_batch_refills_while_plain_steps_borrow(tiny_target, monkeypatch):
@@ -446,8 +454,4 @@ def test_a_drafter_is_told_whether_a_sampled_request_is_seeded(tiny_target):
         for gen in gens:
             await asyncio.wait_for(gen.aclose(), 10)
 
-    threads = torch.get_num_threads()
-    try:
-        asyncio.run(asyncio.wait_for(scenario(), 120))
-    finally:
-        torch.set_num_threads(threads)
+    _run(scenario)
