@@ -37,17 +37,24 @@ def test_the_draft_runs_bench_counts_where_the_draft_misses(tiny_target, close_d
             assert sum(x == 0 for x in r["ranks"]) == round(saved["result"][r["category"]]["top1"] * 12)
 
 
-def test_the_async_model_replays_speculation_from_the_ranks(bench_script, tmp_path, capsys):
+MISS_AT_1 = [0, 1, 0, 0, 0, 0, 0, 0, 0]     # the draft wrong at position 1 only (the target's token: its rank 1)
+
+
+def _costs(m):
+    """Forwards of 1, 2, 3 rows at 10, 12, 14 ms; a draft level 1 ms, `off` 10, overhead 0.5, a round trip 3."""
+    return m.Costs({1: 10.0, 2: 12.0, 3: 14.0}, draft_level_ms=1.0, off_ms=10.0, step_overhead_ms=0.5,
+                   round_trip_ms=3.0)
+
+
+def test_the_async_model_replays_speculation_from_the_ranks(bench_script):
     """bench/async_model.py: steps replayed from where the draft agrees, priced by hand here."""
     m = bench_script("async_model")
-    c = m.Costs({1: 10.0, 2: 12.0, 3: 14.0}, draft_level_ms=1.0, off_ms=10.0, step_overhead_ms=0.5,
-                round_trip_ms=3.0)
+    c, ranks = _costs(m), MISS_AT_1
     assert c.forward(5) == 18.0                   # beyond the measured rows: the last slope
     right = [0] * 9                               # the draft always right: every tree of K = 2
     assert m.sync_ms(right, 9, 2, c) == 3 * (2.0 + 14.0 + 0.5)     # commits 3 tokens
     assert m.pipeline_ms(right, 9, 2, c) == (3 * 14.5, 0.0)        # and overlaps its drafting
     # a miss at position 1: the first tree commits 2 tokens and contradicts the drafter
-    ranks = [0, 1, 0, 0, 0, 0, 0, 0, 0]
     # bridge: the token at 2 alone; the guess there (rank 0) was right, so trees at 3 and 6 follow
     assert m.pipeline_ms(ranks, 9, 2, c) == (14.5 + 10.5 + 14.5 + 14.5, 0.0)
     # ... had the guess been wrong, the verifier waits a round trip and K + 1 draft levels
@@ -69,6 +76,10 @@ def test_the_async_model_replays_speculation_from_the_ranks(bench_script, tmp_pa
     # a token outside the draft's kept choices (rank RANKS) is never hedged
     lost = [0, m.RANKS, 0, 0, 0, 0, 0, 0, 0]
     assert m.pipeline_ms(lost, 9, 2, c, hedges=m.RANKS) == m.pipeline_ms(lost, 9, 2, c)
+
+
+def test_the_async_models_costs_come_from_a_run(bench_script):
+    m = bench_script("async_model")
     # sync's draft level comes from the run's own sync row: 3 tokens a step at 150 tokens/s is
     # 20 ms a step, of which the 3-row forward and the overhead take 14.5: 2.75 ms a level
     run = {"args": {"spec_len": 2}, "rows": [{"method": "off", "tokens_per_s": 100.0},
@@ -77,7 +88,7 @@ def test_the_async_model_replays_speculation_from_the_ranks(bench_script, tmp_pa
                                  "forward_2_rows": 12.0, "forward_3_rows": 14.0}}
     fitted = m.Costs.from_run(run, 3.0)
     assert (fitted.d, fitted.sync_d, fitted.o, fitted.off_ms) == (1.0, 2.75, 0.5, 10.0)
-    assert m.sync_ms(right, 9, 2, fitted) == 3 * 20.0
+    assert m.sync_ms([0] * 9, 9, 2, fitted) == 3 * 20.0
     # ... unless the row says what its draft levels cost, as measured in process (the rate
     # also carries each request's prefill)
     run["rows"][1]["draft_ms_per_node"] = 1.25
@@ -85,6 +96,11 @@ def test_the_async_model_replays_speculation_from_the_ranks(bench_script, tmp_pa
     # one shape seen in disturbed steps does not bend the line beyond the measured rows
     noisy = m.Costs({1: 10.0, 2: 12.0, 3: 40.0, 4: 16.0}, 1.0, 10.0, 0.0, 3.0)
     assert noisy.forward(6) == 20.0 and noisy.forward(3) == 40.0
+
+
+def test_the_async_model_compares_with_sync_s_fastest_chain_and_a_better_draft(bench_script):
+    m = bench_script("async_model")
+    c, ranks = _costs(m), MISS_AT_1
     speed = m.model([{"category": "code", "ranks": ranks}], 9, 2, c)
     assert speed["sync"] == pytest.approx(90.0 / m.sync_ms(ranks, 9, 2, c))
     # the fair baseline: sync's fastest chain of 1 .. K on the same prompts
@@ -95,7 +111,20 @@ def test_the_async_model_replays_speculation_from_the_ranks(bench_script, tmp_pa
     # sync's very steps with their drafting hidden (not a bound on the others: a bridge may
     # commit a token more cheaply than a tree does)
     assert speed["never contradicted"] == pytest.approx(speed["sync"] * (2.0 + 14.5) / 14.5)
-    # the command line reads draft_runs' ranks and an e2e_async run's costs
+    # a better draft: every miss made right (fix 1) agrees everywhere, and its pipeline is never
+    # contradicted; fix 0 is the draft as it is
+    table = m.quality_table([{"category": "code", "ranks": ranks}], 9, 2, c, [0.0, 1.0], 2)
+    assert [row[:3] for row in table] == [["code", "0", "0.89"], ["code", "1", "1.00"],
+                                          ["all", "0", "0.89"], ["all", "1", "1.00"]]
+    same = m.model([{"category": "code", "ranks": ranks}], 9, 2, c, restarts=(3,))
+    assert table[0][4] == f"{same['restart 3'] / same['fastest sync']:.2f}"
+    assert table[1][4] == table[1][5]                 # nothing to contradict: restarts never happen
+
+
+def test_the_async_models_command_line(bench_script, tmp_path, capsys):
+    """It reads draft_runs' ranks and an e2e_async run's costs; bad choices are clear errors."""
+    m = bench_script("async_model")
+    ranks, far = MISS_AT_1, [0, 2, 0, 0, 0, 0, 0, 0, 0]
     (tmp_path / "ranks.json").write_text(json.dumps({"ranks": [{"category": "code", "ranks": ranks}]}))
     (tmp_path / "run.json").write_text(json.dumps({
         "rows": [{"method": "off", "tokens_per_s": 100.0}],
@@ -115,15 +144,6 @@ def test_the_async_model_replays_speculation_from_the_ranks(bench_script, tmp_pa
     with pytest.raises(SystemExit):               # no prompt of those categories: a clear error
         m.main(["--ranks", str(tmp_path / "ranks.json"), "--costs", str(tmp_path / "run.json"), "--categories", "math"])
     assert "--categories" in capsys.readouterr().err
-    # a better draft: every miss made right (fix 1) agrees everywhere, and its pipeline is never
-    # contradicted; fix 0 is the draft as it is
-    table = m.quality_table([{"category": "code", "ranks": ranks}], 9, 2, c, [0.0, 1.0], 2)
-    assert [row[:3] for row in table] == [["code", "0", "0.89"], ["code", "1", "1.00"],
-                                          ["all", "0", "0.89"], ["all", "1", "1.00"]]
-    same = m.model([{"category": "code", "ranks": ranks}], 9, 2, c, restarts=(3,))
-    assert table[0][4] == f"{same['restart 3'] / same['fastest sync']:.2f}"
-    assert table[1][4] == table[1][5]                 # nothing to contradict: restarts never happen
-    capsys.readouterr()
     with pytest.raises(SystemExit):               # a hedge past the ranks kept: a clear error
         m.main(["--ranks", str(tmp_path / "ranks.json"), "--costs", str(tmp_path / "run.json"),
                 "--hedges", str(m.RANKS)])
