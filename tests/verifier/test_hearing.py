@@ -91,6 +91,19 @@ def test_a_waiting_drafter_hears_of_a_new_stream_before_its_prefill(tiny_target,
         return prefill(*args)
 
     actor.scheduler.prefill = slow_prefill
+    returned: list[float] = []
+
+    class Stamped(set):
+        """`_replying`, stamping the moment a reply is back on its caller's loop: the drafter's
+        own code after that (its loop's teardown, the decoding) may wait for the GIL that the
+        prefill then holds, which is not the hand-out's to prevent."""
+
+        def discard(self, call) -> None:
+            if call in self:
+                returned.append(time.monotonic())
+            super().discard(call)
+
+    actor._replying = Stamped(actor._replying)
     try:
         # a drafter on another node (so that the stream is its, not the verifier's stand-in's)
         asyncio.run(actor.exchange(0, "inc", [], 0.0, 0.0, 0, [], "node-2", 1.0, None, True))
@@ -99,7 +112,7 @@ def test_a_waiting_drafter_hears_of_a_new_stream_before_its_prefill(tiny_target,
             while "resync" not in times:
                 frame = asyncio.run(actor.exchange(0, "inc", [], 3.0, 0.0, 0, [], "node-2", 1.0, None, True))
                 if any(sig.kind == "resync" for sig in decode_signals(frame)):
-                    times["resync"] = time.monotonic()
+                    times["resync"] = returned[-1]       # this call's reply, back on its loop
 
         waiting = threading.Thread(target=drafter, daemon=True)
         waiting.start()
