@@ -2,7 +2,8 @@
 verifier (no Ray): `exchange` is a drafter's call, `generate` a request."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Coroutine
 
 import torch
 
@@ -18,6 +19,15 @@ from verifier.loop import EngineLoop
 from verifier.scheduler import Scheduler
 from verifier.target import TargetSide
 
+
+def run_restoring_threads(coro: Coroutine, seconds: float = 120):
+    """`coro` run to its end within `seconds`; the torch threads the actor set are given back to
+    the session after it."""
+    threads = torch.get_num_threads()
+    try:
+        return asyncio.run(asyncio.wait_for(coro, seconds))
+    finally:
+        torch.set_num_threads(threads)
 
 class Harness:
     def __init__(self, target_dir, **settings) -> None:

@@ -13,18 +13,10 @@ from speculation.cost_model import CostModel
 from tests.cluster.pipeline_helpers import hf_greedy
 from tests.cluster.test_pipeline_sampling import chi2, chi2_critical
 
-from .harness import Harness
+from .harness import Harness, run_restoring_threads
 
 CYCLE = list(b"abcdefghijkl")            # the copying target walks this cycle (tests/conftest.py)
 REPEATING = CYCLE * 2 + CYCLE[:5]
-
-
-def _run(coro, seconds: float = 240):
-    threads = torch.get_num_threads()          # the actor sets its own; give the session's back
-    try:
-        return asyncio.run(asyncio.wait_for(coro, seconds))
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _actor(target, **settings) -> Harness:
@@ -64,7 +56,7 @@ def test_lookup_chains_keep_greedy_output_exact(copying_target):
         tokens_fixed, _ = await _generate(fixed, "r", REPEATING, params, mode="off")
         return on, tokens, sizes, off, tokens_off, sizes_off, fixed, tokens_fixed
 
-    on, tokens, sizes, off, tokens_off, sizes_off, fixed, tokens_fixed = _run(scenario())
+    on, tokens, sizes, off, tokens_off, sizes_off, fixed, tokens_fixed = run_restoring_threads(scenario(), 240)
     assert tokens == tokens_off == tokens_fixed == expected
     st = on.scheduler.stats
     assert st.lookup_trees > 0 and st.lookup_accepted > 0, "the prompt repeats itself: lookup must find it"
@@ -92,7 +84,7 @@ def test_lookup_is_not_used_where_it_does_not_pay(tiny_target):
             ngram.lookup = real
         return va, tokens
 
-    va, tokens = _run(scenario())
+    va, tokens = run_restoring_threads(scenario(), 240)
     assert len(tokens) == 48
     st = va.scheduler.stats
     assert st.lookup_trees > 0 and st.lookup_accepted == 0
@@ -116,7 +108,7 @@ def test_lookup_steps_run_on_the_idle_drafters_core(copying_target):
             await va.exchange(0, "d0", [], 0.0, node="n1", cpus=1.0)   # stays live, puts no tree
         return used, va
 
-    used, va = _run(scenario())
+    used, va = run_restoring_threads(scenario(), 240)
     assert any(nodes for _, nodes in used), "no lookup chain was verified"
     assert all(threads == 2 for threads, _ in used)
     assert va.scheduler.stats.borrowed_steps == len(used)
@@ -153,7 +145,7 @@ def test_sampled_pairs_through_lookup_chains_follow_the_target(small_vocab_pair)
             return (await _generate(va, f"s{i}", prompt, p))[0]
         return va, await asyncio.gather(*(one(i) for i in range(N)))
 
-    va, results = _run(scenario(), 300)
+    va, results = run_restoring_threads(scenario(), 300)
     assert va.scheduler.stats.lookup_trees >= N                 # every request's first step verified [1]
     V = 16
     counts = torch.zeros(V * V)

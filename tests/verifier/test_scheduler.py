@@ -17,15 +17,7 @@ from drafter.streams import DraftStream
 from models.sampling import SamplingParams
 from speculation.requests import SpeculationOptions
 
-from .harness import Harness
-
-
-def _run(scenario) -> None:
-    threads = torch.get_num_threads()          # the actor sets its own; give the session's back
-    try:
-        asyncio.run(asyncio.wait_for(scenario(), 120))
-    finally:
-        torch.set_num_threads(threads)
+from .harness import Harness, run_restoring_threads
 
 
 def test_a_sequence_held_off_is_signalled_only_when_its_drafter_is_needed(tiny_target):
@@ -60,7 +52,7 @@ def test_a_sequence_held_off_is_signalled_only_when_its_drafter_is_needed(tiny_t
         assert stream.confirmed == (prompt + tokens)[:late[0].prefix_len]   # exact, nothing lost
         await asyncio.wait_for(gen.aclose(), 10)
 
-    _run(scenario)
+    run_restoring_threads(scenario())
 
 
 def _borrowing_harness(tiny_target) -> Harness:
@@ -106,7 +98,7 @@ def test_plain_steps_borrow_the_idle_drafters_core_and_are_priced_as_borrowed(ti
         va.scheduler.registry.drafters[0].last_seen -= 60                      # no drafter to lend cores: no baseline
         assert va.plain_step_s(1) is None
 
-    _run(scenario)
+    run_restoring_threads(scenario())
 
 
 def test_speculating_steps_leave_the_drafters_core_alone(tiny_target):
@@ -118,7 +110,7 @@ def test_speculating_steps_leave_the_drafters_core_alone(tiny_target):
         # step before, has not yet said it is idle again
         assert used == [1] * 6 and va.scheduler.stats.borrowed_steps == 0
 
-    _run(scenario)
+    run_restoring_threads(scenario())
 
 
 def test_a_step_borrows_cores_only_from_a_drafter_idle_by_its_own_word(tiny_target):
@@ -167,7 +159,7 @@ def test_a_step_borrows_cores_only_from_a_drafter_idle_by_its_own_word(tiny_targ
         assert va.step_threads(plain) == 1
         va.scheduler.streams.pop("q")
 
-    _run(scenario)
+    run_restoring_threads(scenario())
 
 
 def test_lockstep_verification_borrows_only_while_every_drafter_waits_for_it(tiny_target):
@@ -292,7 +284,7 @@ def test_a_silent_drafters_sequences_decode_alone_counted_as_absent(tiny_target)
         assert va.scheduler.stats.fallback_steps == 0 and va.scheduler.stats.num_spec_steps == 0
         assert waited < 2.0, f"a silent drafter must not hold the verifier back ({waited:.2f} s)"
 
-    _run(scenario)
+    run_restoring_threads(scenario())
 
 
 def test_a_drafter_on_our_gpu_runs_in_lockstep_and_the_planner_prices_turns(tiny_target):
@@ -381,7 +373,7 @@ def test_the_verifier_reports_its_processes_garbage_collector_pauses(tiny_target
         assert after["gc_full_collections"] >= before["gc_full_collections"] + 1
         assert after["gc_s"] > before["gc_s"]
 
-    _run(scenario)
+    run_restoring_threads(scenario())
 
 
 def test_plans_assume_the_batch_refills_while_plain_steps_borrow(tiny_target, monkeypatch):
@@ -454,4 +446,4 @@ def test_a_drafter_is_told_whether_a_sampled_request_is_seeded(tiny_target):
         for gen in gens:
             await asyncio.wait_for(gen.aclose(), 10)
 
-    _run(scenario)
+    run_restoring_threads(scenario())
