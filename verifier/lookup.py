@@ -60,10 +60,9 @@ def plan_lookups(planner: AdaptiveSpeculation, candidates: list[tuple[str, list[
     `candidates`: (stream, committed tokens, deepest useful node, whether its verification
     reads q: `SamplingParams.reads_q`) of the streams in `planner` (their γ of these chains) that
     would decode alone this step; `alone`: the other sequences of the step, decoding alone.
-    Each candidate's proposal is the tokens
-    that followed the latest earlier occurrence of its last 3 (else 2) tokens, at most its
-    `max_len`; the planner chooses how many of them to verify where that beats decoding
-    alone. `indexes`: a `NgramIndex` per stream, kept across calls (else a scan).
+    Each candidate's proposal is the tokens that followed the latest earlier occurrence of its
+    last 3 (else 2) tokens, at most its `max_len`; the planner chooses how many of them to
+    verify where that beats decoding alone. `indexes`: a `NgramIndex` per stream, kept across calls (else a scan).
     Returns {stream: TokenTree} for the chosen (a chain of point masses)."""
     proposals = {}
     for stream, tokens, depth, reads_q in candidates:

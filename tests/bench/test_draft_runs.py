@@ -38,6 +38,7 @@ def test_the_draft_runs_bench_counts_where_the_draft_misses(tiny_target, close_d
 
 
 MISS_AT_1 = [0, 1, 0, 0, 0, 0, 0, 0, 0]     # the draft wrong at position 1 only (the target's token: its rank 1)
+FAR_MISS_AT_1 = [0, 2, 0, 0, 0, 0, 0, 0, 0]  # the same, the target's token its third choice
 
 
 def _costs(m):
@@ -71,7 +72,7 @@ def test_the_async_model_replays_speculation_from_the_ranks(bench_script):
     # hedged with the draft's second choice (the target's token at 1 ranks 1): no bridge, trees
     # at 0, 2, 5 and 8; a token ranked 2 is not covered, so that pipeline bridges as before
     assert m.pipeline_ms(ranks, 9, 2, c, hedges=1) == (4 * 14.5, 0.0)
-    far = [0, 2, 0, 0, 0, 0, 0, 0, 0]
+    far = FAR_MISS_AT_1
     assert m.pipeline_ms(far, 9, 2, c, hedges=1) == m.pipeline_ms(far, 9, 2, c)
     # a token outside the draft's kept choices (rank RANKS) is never hedged
     lost = [0, m.RANKS, 0, 0, 0, 0, 0, 0, 0]
@@ -124,7 +125,7 @@ def test_the_async_model_compares_with_sync_s_fastest_chain_and_a_better_draft(b
 def test_the_async_models_command_line(bench_script, tmp_path, capsys):
     """It reads draft_runs' ranks and an e2e_async run's costs; bad choices are clear errors."""
     m = bench_script("async_model")
-    ranks, far = MISS_AT_1, [0, 2, 0, 0, 0, 0, 0, 0, 0]
+    ranks, far = MISS_AT_1, FAR_MISS_AT_1
     (tmp_path / "ranks.json").write_text(json.dumps({"ranks": [{"category": "code", "ranks": ranks}]}))
     (tmp_path / "run.json").write_text(json.dumps({
         "rows": [{"method": "off", "tokens_per_s": 100.0}],
